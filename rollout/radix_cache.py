@@ -1,0 +1,145 @@
+"""Radix tree over token ids -> KV slots: the prefix cache that lets the n samples of one prompt
+(and the turns of one conversation) prefill their shared prefix once.
+
+Token granularity (page size 1). Each node holds an edge of token ids and the KV slots for them.
+Running requests hold a lock on their deepest node (lock counts run up to the root), so the KV they
+attend over can never be evicted under them; unlocked leaves are evicted least-recently-used first
+when the pool needs room. The tree never allocates KV itself: it takes slots from requests on insert
+and returns them to the pool on eviction. Plain Python over lists; no tensors on the hot path except
+the slot tensors it stores.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+import torch
+
+_clock = itertools.count()
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+
+    def __init__(self, parent: TreeNode | None = None, key: list[int] | None = None,
+                 value: torch.Tensor | None = None) -> None:
+        self.children: dict[int, TreeNode] = {}
+        self.parent = parent
+        self.key = key or []
+        self.value = value if value is not None else torch.empty(0, dtype=torch.int64)  # [len(key)] slots
+        self.lock_ref = 0
+        self.last_access = next(_clock)
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class RadixCache:
+    def __init__(self, free_slots: Callable[[torch.Tensor], None]) -> None:
+        self._free_slots = free_slots
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every node (the caller frees the pool wholesale). Refused while anything is locked."""
+        self.root = TreeNode()
+        self.root.lock_ref = 1
+        self.evictable_size = 0
+        self.protected_size = 0
+
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of `key`: (its KV slots, the node where it ends)."""
+        node, values, pos = self.root, [], 0
+        node.last_access = next(_clock)
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = _common_len(child.key, key[pos:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            values.append(child.value)
+            child.last_access = next(_clock)
+            node, pos = child, pos + n
+        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        return slots, node
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Split `child`'s edge after n tokens; returns the new upper node."""
+        upper = TreeNode(child.parent, child.key[:n], child.value[:n])
+        upper.lock_ref = child.lock_ref
+        upper.children = {child.key[n]: child}
+        child.parent.children[child.key[0]] = upper
+        child.parent = upper
+        child.key, child.value = child.key[n:], child.value[n:]
+        return upper
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert key -> slots. Returns how many leading tokens were already cached: the caller still
+        owns those slots of `value` and must free them (the tree keeps its own copy)."""
+        node, pos = self.root, 0
+        node.last_access = next(_clock)
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                leaf = TreeNode(node, key[pos:], value[pos:].clone())
+                node.children[key[pos]] = leaf
+                self.evictable_size += len(leaf.key)
+                return pos
+            n = _common_len(child.key, key[pos:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = next(_clock)
+            node, pos = child, pos + n
+        return pos
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 1:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "radix cache lock underflow"
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots from unlocked leaves, LRU first. Returns slots freed."""
+        leaves = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            self._free_slots(leaf.value)
+            freed += len(leaf.key)
+            self.evictable_size -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _leaves(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if not node.children and node is not self.root:
+                out.append(node)
+            stack.extend(node.children.values())
+        return out

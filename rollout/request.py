@@ -1,0 +1,65 @@
+"""Req: one sequence being generated, and the only object the scheduler and engine share about it.
+
+It records the tokens, the sampled logprobs, the finish reason and where its KV lives (its row in
+ReqToTokenPool, how many tokens of `fill_ids` are computed, the radix node it holds a lock on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.sampling_params import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict:
+        d = {"type": self.type, "matched": self.matched}
+        if self.message:
+            d["message"] = self.message
+        return d
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = False
+    index: int = 0  # position in the caller's batch (after n-expansion)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    finished_reason: FinishReason | None = None
+    # KV bookkeeping
+    req_pool_idx: int | None = None
+    num_computed: int = 0  # tokens of fill_ids whose KV is in the cache
+    num_cached: int = 0  # tokens reused from the prefix cache at (last) admission
+    cached_tokens: int = 0  # reported: prompt tokens served from the cache at first admission
+    last_node: Any = None
+    admitted_order: int = -1
+    num_retractions: int = 0
+    weight_version: str = "default"
+    sink: Any = None  # where the engine delivers outputs
+    text: str = ""
+    error: str | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None

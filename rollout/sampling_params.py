@@ -1,0 +1,88 @@
+"""SamplingParams: SGLang's sampling keys, validated with errors that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @classmethod
+    def from_dict(cls, params: dict | None) -> SamplingParams:
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        sp = cls(**params)
+        sp.normalize()
+        return sp
+
+    def normalize(self) -> None:
+        """Type and range checks that do not need the model; raises ValueError naming the field."""
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            if not is_int(getattr(self, name)):
+                raise ValueError(f"sampling param {name} must be an int, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ValueError(f"sampling param {name} must be a number, got {v!r}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"sampling param max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens:
+            raise ValueError(f"sampling param min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling param temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling param top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling param top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"sampling param min_p must be in [0, 1], got {self.min_p}")
+        if self.n < 1:
+            raise ValueError(f"sampling param n must be >= 1, got {self.n}")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"sampling param stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, list | tuple | set) or not all(is_int(t) for t in ids):
+            raise ValueError(f"sampling param stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(ids)
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"sampling param seed must be an int or None, got {self.seed!r}")
+
+    def verify(self, vocab_size: int) -> None:
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"sampling param stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,68 @@
+"""The checkpoint's HF tokenizer (or none): prompt encoding, output decoding, stop-string checks.
+
+A checkpoint without tokenizer files, or `skip_tokenizer_init=True`, gives a TokenizerWrapper whose
+`tokenizer` is None: requests must then come as input_ids and outputs carry `text` None.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rollout.request import Req
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class TokenizerWrapper:
+    def __init__(self, model_path: str, skip_init: bool = False) -> None:
+        self.tokenizer = None
+        root = Path(model_path)
+        if not skip_init and any((root / f).is_file() for f in _TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(root))
+
+    def eos_token_ids(self, config_eos: list[int], model_path: str) -> list[int]:
+        ids = set(config_eos)
+        gen_cfg = Path(model_path) / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids |= set([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (none in the checkpoint, or skip_tokenizer_init=True): "
+                             "pass input_ids instead of prompt")
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int], req: Req | None = None) -> str | None:
+        if self.tokenizer is None:
+            return None
+        sp = req.sampling_params if req is not None else None
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=sp.skip_special_tokens if sp else True,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens if sp else True,
+        )
+
+    def token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def find_stop(self, req: Req) -> str | None:
+        """The first stop string present in req's decoded output, if any (checked on text, as SGLang)."""
+        text = self.decode(req.output_ids, req)
+        if text is None:
+            return None
+        hits = [(text.find(s), s) for s in req.sampling_params.stop if s in text]
+        return min(hits)[1] if hits else None
+
+    def final_text(self, req: Req) -> str | None:
+        text = self.decode(req.output_ids, req)
+        reason = req.finished_reason
+        if text is not None and reason is not None and isinstance(reason.matched, str):
+            if not req.sampling_params.no_stop_trim:
+                text = text[: text.find(reason.matched)] if reason.matched in text else text
+        return text

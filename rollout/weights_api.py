@@ -1,0 +1,105 @@
+"""The Engine's RL surface: memory release/resume and atomic weight updates (SGLang's names).
+
+Mixed into Engine; every method takes the engine lock, so it runs between scheduler steps. Rules:
+nothing is released or updated under running requests unless generation is paused (paused requests
+are retracted and recompute their KV afterwards, under whatever weights are then loaded); a failed
+update returns (False, reason) and changes nothing; a successful one flushes the prefix cache and
+bumps `weight_version`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from runner.weight_loader import WeightUpdateError
+
+logger = logging.getLogger(__name__)
+
+
+class WeightsAPI:
+    # ---- guards ------------------------------------------------------------------------------
+    def _require_quiescent(self, what: str) -> None:
+        """Raise unless no request is in flight or generation is paused (then retract them)."""
+        n = self.scheduler.num_in_flight()
+        if n and not self._paused:
+            raise RuntimeError(f"{what} refused: {n} request(s) in flight; call pause_generation() first "
+                               f"(or wait for them to finish)")
+        if n:
+            self.scheduler.retract_all()
+
+    def _bump_version(self, weight_version: str | None) -> None:
+        self._num_updates += 1
+        self.weight_version = weight_version if weight_version is not None else str(self._num_updates)
+
+    # ---- memory ------------------------------------------------------------------------------
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        with self._cv:
+            self._require_quiescent("release_memory_occupation")
+            if tags is None or "kv_cache" in tags:
+                self.scheduler.flush_cache()  # its KV is about to go
+            self.runner.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        with self._cv:
+            self.runner.resume_memory_occupation(tags)
+            if tags is None or "kv_cache" in tags:
+                self.scheduler.flush_cache()
+            self._cv.notify_all()
+
+    # ---- weights -----------------------------------------------------------------------------
+    def _update(self, what: str, fn, flush_cache: bool, weight_version: str | None) -> tuple[bool, str]:
+        with self._cv:
+            try:
+                self._require_quiescent(what)
+                n = fn()
+            except (WeightUpdateError, RuntimeError, ValueError, TypeError) as e:
+                logger.warning("%s failed: %s", what, e)
+                return False, f"{what} failed: {e}"
+            if flush_cache:
+                self.scheduler.flush_cache()
+            self._bump_version(weight_version)
+            self._cv.notify_all()
+            return True, f"{what}: loaded {n} tensors; weight_version={self.weight_version}"
+
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
+                                   weight_version: str | None = None) -> tuple[bool, str]:
+        """named_tensors: list of (HF name, tensor), or with load_format="flattened_bucket" a bucket dict
+        {"flattened_tensor", "metadata"} (or a list of them) from weight_sync.bucket."""
+        def load():
+            return self.runner.update_weights_from_tensor(_named_tensors(named_tensors, load_format))
+        # KV computed from the old weights must not be reused: an update without flush is only
+        # safe when nothing is cached, so force it if requests were retracted.
+        return self._update("update_weights_from_tensor", load, flush_cache or self._paused, weight_version)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 weight_version: str | None = None) -> tuple[bool, str]:
+        if load_format not in (None, "auto", "safetensors"):
+            return False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported"
+        return self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(model_path),
+                            True, weight_version)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        with self._cv:
+            return self.runner.get_weights_by_name(name, truncate_size)
+
+
+def _named_tensors(named_tensors, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    if load_format in (None, "auto"):
+        if isinstance(named_tensors, dict):
+            named_tensors = list(named_tensors.items())
+        items = list(named_tensors)
+        if not all(isinstance(x, tuple | list) and len(x) == 2 for x in items):
+            raise WeightUpdateError("named_tensors must be a list of (name, tensor) pairs or a dict")
+        return [(n, t) for n, t in items]
+    if load_format == "flattened_bucket":
+        from weight_sync.bucket import FlattenedTensorBucket
+
+        buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
+        out = []
+        for b in buckets:
+            bucket = b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b)
+            out.extend(bucket.named_tensors())
+        return out
+    raise WeightUpdateError(f"load_format={load_format!r}: choose None or 'flattened_bucket'")

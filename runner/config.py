@@ -1,0 +1,152 @@
+"""ModelConfig: the subset of an HF `config.json` the runner needs, validated.
+
+Supported: Llama (incl. rope type `llama3`, explicit `head_dim`), Mistral, Qwen2 (q/k/v bias),
+Qwen3 (q/k RMSNorm, explicit `head_dim`); tied or untied embeddings. Anything else is a clear error,
+never a silent fallback to a look-alike architecture. Reads both the transformers-4 layout
+(`rope_theta` + `rope_scaling`) and the transformers-5 layout (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # only for rope_type != "default"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    sliding_window: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def model_family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def context_len(self) -> int:
+        """Longest sequence (prompt + output) the runner accepts."""
+        if self.sliding_window and self.model_family == "mistral":
+            # We attend over the full context; past the window that would differ from the model.
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
+        path = Path(model_path) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_path!s}")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read {path}: {e}") from e
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        if len(archs) != 1:
+            raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        rope_theta, rope_scaling = _parse_rope(raw)
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        sliding = raw.get("sliding_window")
+        if family == "qwen2" and not raw.get("use_sliding_window", False):
+            sliding = None
+        if family == "qwen2" and raw.get("use_sliding_window", False):
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=sliding if family == "mistral" else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            pad_token_id=raw.get("pad_token_id"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            hf_config=raw,
+        )
+
+    def shape_signature(self) -> dict:
+        """What must match for another checkpoint's weights to be loadable into this model."""
+        keys = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                "attention_bias", "qk_norm")
+        return {k: getattr(self, k) for k in keys}
+
+
+def _parse_rope(raw: dict) -> tuple[float, dict | None]:
+    """Return (rope_theta, scaling dict or None) from either config layout."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "rope_type" not in params and "rope_theta" not in params:
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    scaling = dict(params) if isinstance(params, dict) else dict(raw.get("rope_scaling") or {})
+    theta = float(scaling.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, None
+    return theta, scaling

@@ -1,0 +1,73 @@
+"""ForwardMode, ForwardBatch and LogitsOutput: the one seam between the scheduler and the runner.
+
+A ForwardBatch is plain tensors plus the host-side lengths the attention backend plans from (so the
+hot path never reads a device tensor back). It carries no request objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from runner.sampler import SamplingBatchInfo
+
+
+class ForwardMode(IntEnum):
+    EXTEND = 1  # prefill, also extend-after-cached-prefix and chunked prefill
+    DECODE = 2  # one new token per request
+    IDLE = 3  # empty batch: a no-op that keeps collectives matched across ranks
+
+    def is_extend(self) -> bool:
+        return self == ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64, rows of ReqToTokenPool
+    seq_lens: torch.Tensor  # [bs] int64, tokens in the KV cache after this step
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slots the new tokens are written to
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int] | None = None  # EXTEND: cached tokens before this chunk
+    extend_seq_lens_cpu: list[int] | None = None  # EXTEND: new tokens in this chunk
+    # Logits wanted: for every position (input logprobs, parity tests) or only each request's last.
+    return_all_logits: bool = False
+    # EXTEND embedding override: whole `input_embeds`, or `replace_embeds` written at
+    # `replace_positions` (indices into the flattened token dimension) over the looked-up embeddings.
+    input_embeds: torch.Tensor | None = None  # [num_tokens, hidden]
+    replace_embeds: torch.Tensor | None = None  # [num_replaced, hidden]
+    replace_positions: torch.Tensor | None = None  # [num_replaced] int64
+    sampling_info: SamplingBatchInfo | None = None
+    # Set by the runner before forward: the attention backend, its per-step plan, the KV pool.
+    attn_backend: Any = None
+    attn_metadata: Any = None
+    token_to_kv_pool: Any = None
+    req_to_token_pool: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def idle(cls, device: torch.device | str = "cpu") -> ForwardBatch:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return cls(ForwardMode.IDLE, 0, empty, empty, empty, empty, empty, [])
+
+
+@dataclass
+class LogitsOutput:
+    next_token_logits: torch.Tensor  # [bs, vocab] fp32, at each request's last position
+    all_logits: torch.Tensor | None = None  # [num_tokens, vocab] fp32 when return_all_logits

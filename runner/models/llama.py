@@ -1,0 +1,129 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on the runner's layers.
+
+Parameter names are Hugging Face's except the fused `qkv_proj` and `gate_up_proj`;
+`stacked_params_mapping` tells the loader where each HF shard goes. Does not handle sliding-window
+attention (ModelConfig caps the context at the window instead) or tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.config import ModelConfig
+from runner.forward_batch import ForwardBatch, LogitsOutput
+from runner.layers.activation import silu_and_mul
+from runner.layers.attention import PagedAttention
+from runner.layers.embedding import LMHead, VocabEmbedding
+from runner.layers.linear import Linear, MergedLinear, QKVLinear
+from runner.layers.logits import compute_logits
+from runner.layers.norm import RMSNorm
+from runner.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                                  config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter})
+        self.down_proj = Linear(inter, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, fb):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, fb: ForwardBatch) -> torch.Tensor:
+        if fb.input_embeds is not None:
+            hidden = fb.input_embeds.to(self.embed_tokens.weight.dtype)
+        else:
+            hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+            if fb.replace_embeds is not None:
+                hidden = hidden.index_copy(0, fb.replace_positions, fb.replace_embeds.to(hidden.dtype))
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # (runner param, HF name piece, shard id)
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, fb: ForwardBatch) -> LogitsOutput:
+        hidden = self.model(input_ids, positions, fb)
+        return compute_logits(hidden, self.lm_head, fb)

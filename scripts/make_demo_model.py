@@ -1,0 +1,196 @@
+"""Build assets/demo-model: a ~1.2M-parameter Llama that half-knows single-digit addition.
+
+The README demo trains this model with GRPO on the "toy" task (trainers/tasks.py: "3+4=" -> "7")
+and must show learning on a CPU within minutes. So the checkpoint is warm-started on purpose to a
+*partial* skill: supervised training on noisy labels, where each example's label is the true sum
+with probability --p-correct, the sum plus one (a consistent, learnable mistake) with probability
+--p-off-by-one, and a uniformly random sum otherwise. Trained to convergence, the model learns that
+mixture: it always answers with a number and eos (the right form), its greedy answer is usually
+the off-by-one one, and its sampled accuracy at temperature 1.0 is about --p-correct. RL then only
+has to move probability mass between answers the model already produces.
+
+What this script deliberately does not do: download anything, or train the model to be good.
+
+    python scripts/make_demo_model.py                # writes assets/demo-model/ (about 5 MB)
+"""
+
+import argparse
+import json
+import math
+import random
+import string
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, processors
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainers.tasks import all_toy_prompts, toy_reward  # noqa: E402
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level: one token per printable ASCII character or newline, plus 4 specials.
+
+    A BPE model with no merges splits text into single characters; `Fuse` decodes by plain
+    concatenation, so decode(encode(s)) == s. Encoding prepends <s> (like Llama tokenizers).
+    """
+    chars = list(string.printable[:95]) + ["\n"]  # digits, letters, punctuation, space, newline
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK] + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.add_special_tokens([PAD, BOS, EOS, UNK])
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        padding_side="left", model_max_length=128,
+    )
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=math.ceil(len(tokenizer) / 8) * 8,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,          # head_dim 64: a size every attention kernel supports
+        num_key_value_heads=2,          # GQA, group size 2
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def noisy_answer(a: int, b: int, p_correct: float, p_off_by_one: float, rng: random.Random) -> str:
+    u = rng.random()
+    if u < p_correct:
+        return str(a + b)
+    if u < p_correct + p_off_by_one:
+        return str(a + b + 1)
+    return str(rng.randrange(19))
+
+
+def encode_examples(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [batch, seq] input ids and labels (-100 everywhere but answer + eos)."""
+    rows = []
+    for prompt, answer in pairs:
+        prompt_ids = tokenizer(prompt)["input_ids"]  # <s> + characters
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for i, (ids, lab) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(lab)] = torch.tensor(lab)
+    return input_ids, labels
+
+
+@torch.no_grad()
+def exact_sampled_accuracy(model, tokenizer) -> float:
+    """Expected accuracy at temperature 1.0 over all 100 prompts: mean P(answer + eos | prompt),
+    computed by teacher forcing (exact, no sampling noise)."""
+    items = all_toy_prompts()
+    input_ids, labels = encode_examples(tokenizer, [(x["prompt"], x["answer"]) for x in items])
+    logits = model(input_ids=input_ids).logits[:, :-1]                    # [batch, seq-1, vocab]
+    targets = labels[:, 1:]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    seq_logp = (logp * (targets != -100)).sum(-1)                           # [batch]
+    return seq_logp.exp().mean().item()
+
+
+@torch.no_grad()
+def generate_accuracy(model, tokenizer, num_samples: int, do_sample: bool, seed: int) -> float:
+    """Accuracy of HF `generate` completions over all 100 prompts (num_samples each)."""
+    torch.manual_seed(seed)
+    items = all_toy_prompts()
+    enc = tokenizer([x["prompt"] for x in items], return_tensors="pt", padding=True)
+    out = model.generate(
+        **enc, do_sample=do_sample, temperature=1.0 if do_sample else None, top_k=0 if do_sample else None,
+        max_new_tokens=4, num_return_sequences=num_samples if do_sample else 1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    prompts = [x["prompt"] for x in items for _ in range(num_samples if do_sample else 1)]
+    return sum(toy_reward(p, t) for p, t in zip(prompts, texts)) / len(texts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "assets" / "demo-model"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--p-correct", type=float, default=0.3)
+    parser.add_argument("--p-off-by-one", type=float, default=0.4)
+    args = parser.parse_args()
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    rng = random.Random(args.seed)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, args.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})")
+
+    # Supervised warm start on noisy labels; fresh noise every batch, so the model fits the
+    # label *distribution* rather than one draw of it. Cosine-decayed lr for a settled optimum.
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    start = time.time()
+    model.train()
+    for step in range(args.steps):
+        pairs = []
+        for _ in range(args.batch_size):
+            a, b = rng.randrange(10), rng.randrange(10)
+            pairs.append((f"{a}+{b}=", noisy_answer(a, b, args.p_correct, args.p_off_by_one, rng)))
+        input_ids, labels = encode_examples(tokenizer, pairs)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == args.steps - 1:
+            model.eval()
+            acc = exact_sampled_accuracy(model, tokenizer)
+            model.train()
+            print(f"step {step:4d}  loss {loss.item():.3f}  expected sampled acc {acc:.3f}  ({time.time() - start:.0f}s)")
+    model.eval()
+
+    exact = exact_sampled_accuracy(model, tokenizer)
+    sampled = generate_accuracy(model, tokenizer, num_samples=20, do_sample=True, seed=args.seed)
+    greedy = generate_accuracy(model, tokenizer, num_samples=1, do_sample=False, seed=args.seed)
+    print(f"starting accuracy: sampled T=1.0 {sampled:.3f} (2000 samples; exact expectation {exact:.3f}), "
+          f"greedy {greedy:.3f}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0, max_new_tokens=4,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "warm_start.json").write_text(json.dumps({
+        "task": "toy", "seed": args.seed, "steps": args.steps, "lr": args.lr,
+        "p_correct": args.p_correct, "p_off_by_one": args.p_off_by_one,
+        "sampled_accuracy_t1": round(exact, 4), "greedy_accuracy": greedy,
+    }, indent=2) + "\n")
+    for path in sorted(out.iterdir()):
+        print(f"  {path.name:28s} {path.stat().st_size / 1024:8.1f} KiB")
+    print(f"wrote {out} in {time.time() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

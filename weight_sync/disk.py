@@ -1,0 +1,168 @@
+"""Atomic Hugging Face checkpoints: the disk path from trainer to engine.
+
+`save_hf_checkpoint` writes safetensors shards (plus `model.safetensors.index.json` when there is more
+than one), `config.json` and any extra files (tokenizer, generation config) into a temp dir beside
+`out_dir`, fsyncs them, and renames the dir into place. A reader (`update_weights_from_disk`) therefore
+sees either the old checkpoint or the complete new one, never a half-written one; between the two renames
+that swap an existing `out_dir` aside there is a brief moment with no `out_dir` at all.
+
+What it does not do: write optimizer state, convert fused trainer weights (use `name_map` for renames
+only), or notify an engine; the caller calls `engine.update_weights_from_disk(out_dir)` afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from weight_sync.bucket import NamedTensors, NameMap, iter_named_tensors
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+def save_hf_checkpoint(
+    model_or_named_tensors: nn.Module | Mapping[str, Tensor] | NamedTensors,
+    out_dir: str | os.PathLike,
+    *,
+    config: dict | str | os.PathLike | None = None,
+    name_map: NameMap | None = None,
+    max_shard_bytes: int = 2 << 30,
+    extra_files: Iterable[str | os.PathLike] = (),
+) -> Path:
+    """Writes an HF-loadable checkpoint to `out_dir` atomically and returns `out_dir` as a Path.
+
+    A module contributes its `state_dict()` (parameters and persistent buffers, as `save_pretrained`
+    does); tied weights are saved once per name, each as its own copy. `config` is a dict (dumped as
+    JSON) or the path of a config.json to copy; without it the dir holds weights only. Tensors are
+    moved to CPU, made contiguous and un-aliased shard by shard, so host memory peaks near one shard.
+    On any error the temp dir is removed and an existing `out_dir` is left untouched.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    extra_files = [Path(f) for f in extra_files]
+    for f in extra_files:
+        if not f.is_file():
+            raise FileNotFoundError(f"extra file {f} does not exist")
+        if f.name in (CONFIG_FILE, INDEX_FILE) or (f.name.startswith("model") and f.suffix == ".safetensors"):
+            raise ValueError(f"extra file {f.name!r} would overwrite a file this function writes")
+    if isinstance(model_or_named_tensors, nn.Module):
+        model_or_named_tensors = model_or_named_tensors.state_dict()
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _write_shards(iter_named_tensors(model_or_named_tensors, name_map), tmp_dir, max_shard_bytes)
+        if config is not None:
+            _write_config(config, tmp_dir / CONFIG_FILE)
+        for f in extra_files:
+            shutil.copyfile(f, tmp_dir / f.name)
+        for f in tmp_dir.iterdir():
+            _fsync(f)
+        _fsync(tmp_dir)
+        _swap_into_place(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_shards(named_tensors: NamedTensors, tmp_dir: Path, max_shard_bytes: int) -> None:
+    """Greedy sharding in input order; shards get their final `-of-N` names once N is known."""
+    shard: dict[str, Tensor] = {}
+    shard_ptrs: set[int] = set()  # storages already in this shard
+    shard_bytes = 0
+    shard_files: list[Path] = []
+    weight_map: dict[str, int] = {}  # name -> shard index
+    total_bytes = 0
+
+    def flush() -> None:
+        path = tmp_dir / f"shard-{len(shard_files):05d}.tmp"
+        save_file(shard, str(path), metadata={"format": "pt"})  # "format" is required by transformers
+        shard_files.append(path)
+
+    for name, tensor in named_tensors:
+        if name in weight_map or name in shard:
+            raise ValueError(f"duplicate tensor name {name!r} (after name_map)")
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + nbytes > max_shard_bytes:
+            flush()
+            shard, shard_ptrs, shard_bytes = {}, set(), 0
+        shard[name] = _to_saveable(tensor, shard_ptrs)
+        weight_map[name] = len(shard_files)
+        shard_bytes += nbytes
+        total_bytes += nbytes
+    if not weight_map:
+        raise ValueError("no tensors to save")
+    flush()
+
+    num_shards = len(shard_files)
+    if num_shards == 1:
+        shard_files[0].rename(tmp_dir / SINGLE_FILE)
+        return
+    names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
+    for path, final in zip(shard_files, names):
+        path.rename(tmp_dir / final)
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": {name: names[i] for name, i in sorted(weight_map.items())},
+    }
+    (tmp_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _to_saveable(tensor: Tensor, shard_ptrs: set[int]) -> Tensor:
+    """Detached, contiguous CPU tensor that owns its storage outright.
+
+    safetensors refuses tensors that share storage (tied weights, views of one bucket), so any tensor
+    that is a view of a larger storage, or whose storage is already in this shard, is cloned.
+    """
+    t = tensor.detach().to("cpu").contiguous()
+    storage = t.untyped_storage()
+    if storage.nbytes() != t.numel() * t.element_size() or storage.data_ptr() in shard_ptrs:
+        t = t.clone()
+    shard_ptrs.add(t.untyped_storage().data_ptr())
+    return t
+
+
+def _write_config(config: dict | str | os.PathLike, dest: Path) -> None:
+    if isinstance(config, Mapping):
+        dest.write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+    else:
+        shutil.copyfile(config, dest)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
+    """Renames tmp_dir to out_dir; an existing out_dir is renamed aside first and deleted after."""
+    aside = None
+    if out_dir.exists():
+        aside = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out_dir, aside)
+    try:
+        os.rename(tmp_dir, out_dir)
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, out_dir)  # put the old checkpoint back
+        raise
+    _fsync(out_dir.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
