@@ -88,7 +88,8 @@ class Engine(WeightsAPI):
                         req.weight_version = self.weight_version
                         req.sink.put(("final", req))
                     elif req.stream:
-                        req.sink.put(("chunk", req))
+                        # A copy: the reader builds the chunk later, while this thread keeps appending.
+                        req.sink.put(("chunk", req.snapshot()))
 
     def _fail_all(self, message: str) -> None:
         self.scheduler.retract_all()

@@ -6,6 +6,7 @@ ReqToTokenPool, how many tokens of `fill_ids` are computed, the radix node it ho
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ class Req:
     num_computed: int = 0  # tokens of fill_ids whose KV is in the cache
     num_cached: int = 0  # tokens reused from the prefix cache at (last) admission
     cached_tokens: int = 0  # reported: prompt tokens served from the cache at first admission
+    is_cache_counted: bool = False  # cached_tokens is set (an admission undone before running is not counted)
     last_node: Any = None
     admitted_order: int = -1
     num_retractions: int = 0
@@ -51,6 +53,14 @@ class Req:
     sink: Any = None  # where the engine delivers outputs
     text: str = ""
     error: str | None = None
+
+    def snapshot(self) -> Req:
+        """A copy of the outputs so far, for a stream chunk (the scheduler goes on mutating self)."""
+        snap = copy.copy(self)
+        snap.output_ids = list(self.output_ids)
+        snap.output_logprobs = list(self.output_logprobs)
+        snap.output_top_logprobs = list(self.output_top_logprobs)
+        return snap
 
     @property
     def fill_ids(self) -> list[int]:

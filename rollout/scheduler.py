@@ -22,7 +22,6 @@ import torch
 from rollout.batch import decode_batch, extend_batch, sampling_info
 from rollout.radix_cache import RadixCache
 from rollout.request import FinishReason, Req
-from runner.kv_pool import KVPoolExhaustedError
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +122,6 @@ class Scheduler:
                 self.req_pool.write(req.req_pool_idx, 0, slots.to(self.runner.device))
             req.num_computed = len(slots)
         req.num_cached = req.num_computed
-        if req.admitted_order < 0:
-            req.cached_tokens = min(req.num_cached, len(req.prompt_ids))
-            self.stats["num_cached_tokens"] += req.cached_tokens
         self._admit_counter += 1
         req.admitted_order = self._admit_counter
 
@@ -257,6 +253,10 @@ class Scheduler:
             return False
         loc = self._alloc(take)
         self.req_pool.write(req.req_pool_idx, req.num_computed, loc.to(self.runner.device))
+        if not req.is_cache_counted:  # report the hit of the first admission that runs, not of one undone
+            req.is_cache_counted = True
+            req.cached_tokens = min(req.num_cached, len(req.prompt_ids))
+            self.stats["num_cached_tokens"] += req.cached_tokens
         items.append((req, req.num_computed, take))
         self.chunked_req = req if take < remaining else (None if self.chunked_req is req else self.chunked_req)
         return True
@@ -298,7 +298,7 @@ class Scheduler:
                 self.last_step_was_chunk = True
                 continue
             if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
-                self._finish(req, FinishReason("length"))
+                self._finish(req, FinishReason("length", 0))
                 updated.append(req)
                 continue
             self._cache_unfinished(req)

@@ -80,6 +80,42 @@ class WeightsAPI:
         return self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(model_path),
                             True, weight_version)
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo", timeout_s: float = 120.0
+                                  ) -> tuple[bool, str]:
+        """Join the trainer's weight-broadcast group (the trainer is rank 0; this engine is rank_offset)."""
+        from weight_sync.distributed import create_weight_update_group
+
+        groups = self.__dict__.setdefault("_update_groups", {})
+        if group_name in groups:
+            return False, f"init_weights_update_group failed: group {group_name!r} already exists"
+        try:
+            groups[group_name] = create_weight_update_group(master_address, master_port, rank_offset, world_size,
+                                                            group_name, backend, timeout_s)
+        except Exception as e:  # store/connect errors come in many types; report, keep serving
+            return False, f"init_weights_update_group failed: {type(e).__name__}: {e}"
+        return True, f"joined weight update group {group_name!r} as rank {rank_offset} of {world_size}"
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, flush_cache: bool = True,
+                                        weight_version: str | None = None) -> tuple[bool, str]:
+        """Receive one bucket broadcast by rank 0 of `group_name`, then load it atomically."""
+        from weight_sync.distributed import receive_named_tensors
+
+        group = self.__dict__.get("_update_groups", {}).get(group_name)
+        if group is None:
+            return False, f"update_weights_from_distributed failed: no group {group_name!r}; call " \
+                          f"init_weights_update_group first"
+        with self._cv:
+            try:
+                # Receive before any other check so both sides' collectives stay matched; nothing is
+                # written until the whole bucket has arrived (a dead trainer -> timeout, old weights).
+                named = receive_named_tensors(group, names, dtypes, shapes, self.runner.device)
+            except Exception as e:
+                return False, f"update_weights_from_distributed failed while receiving: {type(e).__name__}: {e}"
+            return self._update("update_weights_from_distributed",
+                                lambda: self.runner.update_weights_from_tensor(named), flush_cache, weight_version)
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         with self._cv:
             return self.runner.get_weights_by_name(name, truncate_size)

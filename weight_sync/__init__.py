@@ -4,6 +4,9 @@ A leaf package: both ends import it, it imports neither `runner`, `rollout` nor 
 
 - `bucket`: the flattened-bucket wire format (`FlattenedTensorBucket`, `iter_buckets`).
 - `disk`: atomic Hugging Face checkpoints (`save_hf_checkpoint`) for `update_weights_from_disk`.
+- `sync`: `sync_weights(source, target)`, one call for every transport.
+- `cross_process`: `RemoteEngine`, an engine in a child process fed through shared memory.
+- `distributed`: a standalone broadcast group, trainer rank 0 -> engine ranks.
 """
 
 from weight_sync.bucket import (
@@ -14,9 +17,13 @@ from weight_sync.bucket import (
     iter_named_tensors,
     str_to_dtype,
 )
-from weight_sync.disk import save_hf_checkpoint
+from weight_sync.disk import DiskTarget, save_hf_checkpoint
+from weight_sync.sync import DEFAULT_BUCKET_BYTES, sync_weights
 
 __all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DiskTarget",
+    "sync_weights",
     "FlattenedTensorBucket",
     "TensorMeta",
     "dtype_to_str",

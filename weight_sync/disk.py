@@ -166,3 +166,19 @@ def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
     _fsync(out_dir.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+class DiskTarget:
+    """`sync_weights(model, DiskTarget(engine, out_dir, config))`: save atomically, then
+    `engine.update_weights_from_disk(out_dir)`. The slowest transport, and the one that also leaves a
+    checkpoint behind; `engine` may be in-process or a RemoteEngine."""
+
+    def __init__(self, engine, out_dir: str | os.PathLike, config: dict | str | os.PathLike) -> None:
+        self.engine = engine
+        self.out_dir = Path(out_dir)
+        self.config = config
+
+    def sync_from(self, source, bucket_bytes: int = 0, name_map=None, weight_version: str | None = None):
+        save_hf_checkpoint(source, self.out_dir, config=self.config, name_map=name_map)
+        ok, msg = self.engine.update_weights_from_disk(model_path=str(self.out_dir), weight_version=weight_version)
+        return bool(ok), msg

@@ -1,0 +1,294 @@
+"""Output-token throughput of this engine against HF `generate` (and optionally vLLM) on one workload.
+
+Every backend gets the same requests: `batch` prompts of `prompt_len` random token ids, `n` samples
+each, exactly `output_len` new tokens (`ignore_eos`; HF gets `min_new_tokens = max_new_tokens`),
+greedy or temperature-1.0 sampling with top-k/top-p off. Each backend is loaded, warmed up once on a
+small batch, then timed with the wall clock around the one generate call (loading is not timed).
+Backends run one after another and free their model before the next starts, so they never compete
+for cores or memory. vLLM runs in a subprocess, usually from its own venv (`--vllm-python`).
+
+It does not check that the backends produce the same tokens (tests do that) and does not measure
+time to first token or latency percentiles: only output tokens per second of a whole batch.
+
+    python -m bench.throughput --preset tiny --batch 16 --prompt-len 32 --output-len 64
+    python -m bench.throughput --preset qwen2.5-0.5b --dtype bfloat16 --batch 64 --n 8 \
+        --vllm --vllm-python /tmp/vllm-venv/bin/python --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    # Qwen2-like, small enough that per-step overhead, not matmuls, dominates.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, rope_theta=10000.0,
+                 tie_word_embeddings=True),
+    # Qwen2.5-0.5B's config.json, written by hand so nothing is downloaded.
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ---- workload and checkpoint -------------------------------------------------------------------
+def write_preset(preset: str, dtype: str, out_dir: Path) -> Path:
+    """A random-weight Qwen2 checkpoint in `out_dir` via save_pretrained; reused if already there."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    marker = out_dir / "bench_preset.json"
+    if marker.is_file() and json.loads(marker.read_text()) == {"preset": preset, "dtype": dtype}:
+        return out_dir
+    cfg = Qwen2Config(**PRESETS[preset], bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                      use_sliding_window=False, hidden_act="silu")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(_DTYPES[dtype])
+    model.save_pretrained(out_dir)
+    marker.write_text(json.dumps({"preset": preset, "dtype": dtype}))
+    del model
+    return out_dir
+
+
+def make_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Keep clear of the low ids, where presets put bos/eos/pad.
+    return torch.randint(8, vocab_size, (num, length), generator=gen).tolist()
+
+
+def vocab_size_of(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+# ---- backends: each returns (seconds, output tokens) for the timed call --------------------------
+def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int, temperature: float,
+           warmup: list[list[int]], repeat: int = 1) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).eval()
+    do_sample = temperature > 0
+
+    def generate(ids: list[list[int]], new_tokens: int) -> tuple[float, int]:
+        input_ids = torch.tensor(ids, dtype=torch.int64)  # [batch, prompt_len]; equal lengths, no padding
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=do_sample, use_cache=True,
+                      pad_token_id=model.generation_config.pad_token_id or 0)
+        if do_sample:
+            kwargs.update(temperature=temperature, top_k=0, top_p=1.0, num_return_sequences=n)
+        else:  # greedy does not take num_return_sequences; replicate the prompts instead (what HF does anyway)
+            input_ids = input_ids.repeat_interleave(n, dim=0)
+        attention_mask = torch.ones_like(input_ids)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            dt = time.perf_counter() - t0
+        num_new = out.shape[1] - input_ids.shape[1]
+        assert num_new == new_tokens, f"HF generated {num_new} tokens, asked {new_tokens}"
+        return dt, out.shape[0] * num_new
+
+    torch.manual_seed(0)
+    if warmup:
+        generate(warmup, min(8, output_len))
+    return min(generate(prompts, output_len) for _ in range(repeat))
+
+
+def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int, temperature: float,
+               warmup: list[list[int]], repeat: int = 1, engine_kwargs: dict | None = None
+               ) -> tuple[float, int, dict]:
+    from rollout import Engine
+
+    num_seqs = len(prompts) * n
+    seq_len = len(prompts[0]) + output_len
+    kwargs = dict(device="cpu", dtype=dtype, max_running_requests=max(num_seqs, 16),
+                  context_length=min(seq_len + 16, json.loads((model_dir / "config.json").read_text())
+                                     ["max_position_embeddings"]),
+                  # Room for every sequence at once, so the workload never retracts.
+                  max_total_tokens=num_seqs * (seq_len + 1) + 1024, random_seed=0)
+    kwargs.update(engine_kwargs or {})
+    sp = dict(max_new_tokens=output_len, temperature=temperature, ignore_eos=True, n=n)
+    with Engine(str(model_dir), **kwargs) as engine:
+        if warmup:
+            engine.generate(input_ids=warmup, sampling_params={**sp, "max_new_tokens": min(8, output_len)},
+                            show_progress=False)
+        best = None
+        for _ in range(repeat):
+            engine.flush_cache()  # each repeat prefills its prompts again
+            before = engine.get_server_info()
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=prompts, sampling_params=sp, show_progress=False)
+            dt = time.perf_counter() - t0
+            after = engine.get_server_info()
+            best = dt if best is None else min(best, dt)
+        dt = best
+    num = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    assert num == num_seqs * output_len, f"engine generated {num} tokens, expected {num_seqs * output_len}"
+    keys = ("num_prefill_steps", "num_decode_steps", "num_prefill_tokens", "num_cached_tokens", "num_retractions")
+    stats = {k: after[k] - before[k] for k in keys if k in after}
+    gc.collect()
+    return dt, num, stats
+
+
+# vLLM runs in a child process (its own venv, its own torch); it reads a job file and writes a result file.
+_VLLM_WORKER = r"""
+import json, sys, time
+job = json.load(open(sys.argv[1]))
+from vllm import LLM, SamplingParams
+llm = LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, seed=0,
+          max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"], **job.get("llm_kwargs", {}))
+def params(new_tokens):
+    return SamplingParams(n=job["n"], temperature=job["temperature"], top_k=-1 if job["temperature"] else 0,
+                          top_p=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
+                          detokenize=False, seed=None)
+def generate(ids, new_tokens):
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params(new_tokens), use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return dt, sum(len(c.token_ids) for o in outs for c in o.outputs)
+if job["warmup"]:
+    generate(job["warmup"], min(8, job["output_len"]))
+dt, num = min(generate(job["prompts"], job["output_len"]) for _ in range(job["repeat"]))
+import vllm
+json.dump({"seconds": dt, "tokens": num, "version": vllm.__version__}, open(sys.argv[2], "w"))
+"""
+
+
+def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int,
+             temperature: float, warmup: list[list[int]], repeat: int, tmp: Path, timeout: float
+             ) -> tuple[float, int, str]:
+    num_seqs = len(prompts) * n
+    seq_len = len(prompts[0]) + output_len
+    job = dict(model=str(model_dir), dtype=dtype, prompts=prompts, warmup=warmup, n=n, output_len=output_len,
+               temperature=temperature, max_model_len=seq_len + 16, max_num_seqs=max(num_seqs, 16),
+               repeat=repeat)
+    job_file, result_file = tmp / "vllm_job.json", tmp / "vllm_result.json"
+    job_file.write_text(json.dumps(job))
+    (tmp / "vllm_worker.py").write_text(_VLLM_WORKER)
+    kv_gib = max(1, int(2.5 * num_seqs * seq_len * _kv_bytes_per_token(model_dir, dtype) / 2**30) + 1)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))}
+    proc = subprocess.run([python, str(tmp / "vllm_worker.py"), str(job_file), str(result_file)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not result_file.is_file():
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+        raise RuntimeError(f"vLLM worker exited with {proc.returncode}:\n{tail}")
+    res = json.loads(result_file.read_text())
+    assert res["tokens"] == num_seqs * output_len, f"vLLM generated {res['tokens']} tokens"
+    return res["seconds"], res["tokens"], res["version"]
+
+
+def _kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    c = json.loads((model_dir / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * _DTYPES[dtype].itemsize
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="HF checkpoint directory")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="write a random-weight checkpoint of this shape")
+    p.add_argument("--save-dir", type=Path, help="where --preset writes (and reuses) its checkpoint; "
+                                                  "default: a temp dir removed at exit")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--batch", type=int, default=16, help="number of distinct prompts")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--temperature", type=float, default=1.0, choices=[0.0, 1.0],
+                   help="0 = greedy, 1 = plain sampling (top-k/top-p off); the same for every backend")
+    p.add_argument("--warmup", type=int, default=2, help="prompts in the untimed warm-up batch (0 = none)")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per backend; the fastest is reported "
+                                                          "(the machine may be shared)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--skip-hf", action="store_true", help="do not run HF generate (e.g. while profiling)")
+    p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--engine-kwargs", type=json.loads, default={}, help='extra Engine kwargs as JSON, e.g. '
+                                                                        '\'{"disable_radix_cache": true}\'')
+    p.add_argument("--vllm", action="store_true", help="also run vLLM (its CPU build) on the same workload")
+    p.add_argument("--vllm-python", default=sys.executable, help="python of a venv with vLLM installed")
+    p.add_argument("--vllm-timeout", type=float, default=1800.0)
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    for name in ("batch", "prompt_len", "output_len", "n", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_throughput_"))
+    try:
+        if args.model is not None:
+            model_dir = args.model
+        else:
+            model_dir = write_preset(args.preset, args.dtype, args.save_dir or tmp / "ckpt")
+        vocab = vocab_size_of(model_dir)
+        prompts = make_prompts(args.batch, args.prompt_len, vocab, args.seed)
+        warmup = make_prompts(args.warmup, args.prompt_len, vocab, args.seed + 1) if args.warmup else []
+        workload = dict(model=str(args.model or args.preset), dtype=args.dtype, batch=args.batch,
+                        prompt_len=args.prompt_len, output_len=args.output_len, n=args.n,
+                        temperature=args.temperature, repeat=args.repeat, torch_threads=torch.get_num_threads(),
+                        load_avg_1m=os.getloadavg()[0])
+        print("workload:", json.dumps(workload), flush=True)
+        rows: dict[str, dict] = {}
+        common = (model_dir, args.dtype, prompts, args.n, args.output_len, args.temperature, warmup)
+        if not args.skip_hf:
+            dt, num = run_hf(*common, args.repeat)
+            gc.collect()  # free HF's model before the next backend loads
+            rows["hf"] = dict(seconds=dt, tokens=num)
+            print(f"hf generate: {num} tokens in {dt:.2f}s", flush=True)
+        if not args.skip_engine:
+            dt, num, stats = run_engine(*common, args.repeat, args.engine_kwargs)
+            rows["engine"] = dict(seconds=dt, tokens=num, stats=stats)
+            print(f"engine: {num} tokens in {dt:.2f}s  {stats}", flush=True)
+        if args.vllm:
+            try:
+                dt, num, version = run_vllm(args.vllm_python, *common, args.repeat, tmp, args.vllm_timeout)
+                rows["vllm"] = dict(seconds=dt, tokens=num, version=version)
+                print(f"vllm {version}: {num} tokens in {dt:.2f}s", flush=True)
+            except (RuntimeError, subprocess.TimeoutExpired, FileNotFoundError) as e:
+                rows["vllm"] = dict(error=str(e))
+                print(f"vllm: failed: {e}", flush=True)
+        hf_tps = rows["hf"]["tokens"] / rows["hf"]["seconds"] if "hf" in rows else None
+        for row in rows.values():
+            if "seconds" in row:
+                row["tokens_per_s"] = row["tokens"] / row["seconds"]
+                row["ratio_vs_hf"] = row["tokens_per_s"] / hf_tps if hf_tps else None
+        result = dict(workload=workload, results=rows)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        print_table(workload, rows)
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def print_table(workload: dict, rows: dict) -> None:
+    w = workload
+    print(f"\n{w['model']} {w['dtype']}  {w['batch']} prompts x n={w['n']} x {w['prompt_len']} prompt "
+          f"-> {w['output_len']} new tokens, temperature {w['temperature']}, {w['torch_threads']} threads, "
+          f"best of {w['repeat']}, load avg at start {w['load_avg_1m']:.1f}")
+    print(f"{'backend':<10}{'seconds':>10}{'out tok/s':>12}{'vs HF':>8}")
+    for name, row in rows.items():
+        if "seconds" not in row:
+            print(f"{name:<10}{'failed':>10}")
+            continue
+        ratio = f"{row['ratio_vs_hf']:.2f}x" if row.get("ratio_vs_hf") else "-"
+        print(f"{name:<10}{row['seconds']:>10.2f}{row['tokens_per_s']:>12.1f}{ratio:>8}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""ModelRunner logits equal Hugging Face transformers' on the same checkpoint, for every supported
+architecture and a tied-embedding variant: ragged prefill, decode, extend over a cached prefix,
+embedding overrides, and the IDLE no-op. fp32 on the CPU, so the tolerance is tight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.forward_batch import ForwardBatch
+from tests.checkpoints import ARCHS, load_hf_model
+from tests.runner.driver import RunnerDriver, make_runner
+
+ATOL = 1e-4
+PROMPT_LENS = (3, 9, 17)
+CASES = [(arch, False) for arch in ARCHS] + [("qwen2", True)]
+MAX_DIFF: dict[str, dict[str, float]] = {}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}{'-tied' if t else ''}" for a, t in CASES])
+def case(request, ckpt_factory):
+    """(name, checkpoint path, HF reference model)."""
+    arch, tied = request.param
+    path = ckpt_factory(arch, tie_word_embeddings=True) if tied else ckpt_factory(arch)
+    return request.node.callspec.id if hasattr(request.node, "callspec") else arch, path, load_hf_model(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_max_diffs():
+    yield
+    for name, diffs in MAX_DIFF.items():
+        print(f"\nmax |runner - HF| logits [{name}]: " + ", ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 384, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@torch.no_grad()
+def _hf_logits(hf, ids: list[int] | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
+    if embeds is not None:
+        return hf(inputs_embeds=embeds.unsqueeze(0)).logits[0]  # [len, vocab]
+    return hf(torch.tensor([ids])).logits[0]
+
+
+def _check(case, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    diff = (got - want).abs().max().item()
+    name = case[0]
+    MAX_DIFF.setdefault(name, {})[what] = max(diff, MAX_DIFF.get(name, {}).get(what, 0.0))
+    assert diff <= ATOL, f"[{name}] {what}: max |runner - HF| = {diff:.3e} > {ATOL}"
+
+
+def test_ragged_prefill_matches_hf_at_every_position(case):
+    """One EXTEND over prompts of lengths 3, 9, 17 gives HF's logits at every position of each."""
+    _, path, hf = case
+    drv = RunnerDriver(make_runner(path))
+    prompts = _prompts()
+    rows = [drv.new_request() for _ in prompts]
+    out = drv.extend(rows, prompts, return_all_logits=True)
+    want = torch.cat([_hf_logits(hf, p) for p in prompts])
+    _check(case, "prefill", out.all_logits, want)
+    last = torch.stack([_hf_logits(hf, p)[-1] for p in prompts])
+    _check(case, "prefill_last", out.next_token_logits, last)
+
+
+def test_decode_steps_match_hf(case):
+    """20 batched DECODE steps over ragged prompts, fed HF's greedy tokens (EOS suppressed by
+    min_new_tokens), give HF's logits after every fed token."""
+    _, path, hf = case
+    drv = RunnerDriver(make_runner(path))
+    prompts = _prompts(1)
+    num_steps = 20
+    full = [
+        hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=num_steps, min_new_tokens=num_steps,
+                    pad_token_id=2)[0].tolist()
+        for p in prompts
+    ]
+    assert all(len(f) == len(p) + num_steps for f, p in zip(full, prompts))
+    rows = [drv.new_request() for _ in prompts]
+    drv.extend(rows, prompts)
+    got = []
+    for step in range(num_steps):
+        tokens = [f[len(p) + step] for f, p in zip(full, prompts)]
+        got.append(drv.decode(rows, tokens).next_token_logits)  # [bs, vocab]
+    got = torch.stack(got, dim=1)  # [bs, steps, vocab]
+    for i, (f, p) in enumerate(zip(full, prompts)):
+        want = _hf_logits(hf, f)[len(p) : len(p) + num_steps]  # logits after each fed token
+        _check(case, "decode", got[i], want)
+
+
+def test_extend_over_cached_prefix_matches_full_prefill(case):
+    """Prefill k tokens, then EXTEND the rest with extend_prefix_lens=k: logits equal HF's."""
+    _, path, hf = case
+    drv = RunnerDriver(make_runner(path))
+    prompts = _prompts(2)
+    ks = [1, 4, 11]
+    rows = [drv.new_request() for _ in prompts]
+    drv.extend(rows, [p[:k] for p, k in zip(prompts, ks)])
+    out = drv.extend(rows, [p[k:] for p, k in zip(prompts, ks)], return_all_logits=True)
+    want = torch.cat([_hf_logits(hf, p)[k:] for p, k in zip(prompts, ks)])
+    _check(case, "extend_prefix", out.all_logits, want)
+    # Same batch with one request already fully cached but for its last token (a 1-token extend).
+    rows2 = [drv.new_request() for _ in prompts]
+    drv.extend(rows2, [p[:-1] for p in prompts])
+    out2 = drv.extend(rows2, [p[-1:] for p in prompts], return_all_logits=True)
+    _check(case, "extend_prefix", out2.all_logits, torch.stack([_hf_logits(hf, p)[-1] for p in prompts]))
+
+
+def test_input_embeds_override(case):
+    """input_embeds = HF's embeddings reproduce the ids' logits; replace_embeds at replace_positions
+    equal HF run on inputs_embeds with those rows replaced."""
+    _, path, hf = case
+    runner = make_runner(path)
+    drv = RunnerDriver(runner)
+    prompts = _prompts(3)
+    embed = hf.get_input_embeddings()
+    with torch.no_grad():
+        embeds = [embed(torch.tensor(p)) for p in prompts]  # [len, hidden] each
+    rows = [drv.new_request() for _ in prompts]
+    out = drv.extend(rows, prompts, return_all_logits=True, input_embeds=torch.cat(embeds))
+    _check(case, "input_embeds", out.all_logits, torch.cat([_hf_logits(hf, p) for p in prompts]))
+
+    gen = torch.Generator().manual_seed(4)
+    flat_positions = [0, 4, 5, 12, 20, 28]  # flattened token indices across the 3 + 9 + 17 tokens
+    new_rows = torch.randn(len(flat_positions), embeds[0].shape[1], generator=gen)
+    replaced = torch.cat(embeds).clone()
+    replaced[flat_positions] = new_rows
+    rows = [drv.new_request() for _ in prompts]
+    out = drv.extend(rows, prompts, return_all_logits=True, replace_embeds=new_rows,
+                     replace_positions=torch.tensor(flat_positions))
+    want = torch.cat([_hf_logits(hf, embeds=e) for e in replaced.split(list(PROMPT_LENS))])
+    _check(case, "replace_embeds", out.all_logits, want)
+    # The replacement must matter, or this comparison proves nothing.
+    assert (want - torch.cat([_hf_logits(hf, p) for p in prompts])).abs().max() > 1e-2
+
+
+def test_idle_is_a_no_op(case):
+    """IDLE returns None and changes no KV buffer, allocator or request row."""
+    _, path, _ = case
+    runner = make_runner(path)
+    drv = RunnerDriver(runner)
+    drv.extend([drv.new_request()], [_prompts()[1]])  # some state that must survive
+    kv = runner.token_to_kv_pool
+    before = (kv.k_buffer.clone(), kv.v_buffer.clone(), kv.free_slots.clone(),
+              runner.req_to_token_pool.req_to_token.clone(), list(runner.req_to_token_pool.free_slots))
+    fb = ForwardBatch.idle()
+    assert runner.forward(fb) is None
+    after = (kv.k_buffer, kv.v_buffer, kv.free_slots, runner.req_to_token_pool.req_to_token,
+             runner.req_to_token_pool.free_slots)
+    for b, a in zip(before[:4], after[:4]):
+        assert torch.equal(b, a)
+    assert before[4] == after[4]
+    assert fb.attn_metadata is None

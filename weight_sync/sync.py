@@ -1,0 +1,48 @@
+"""sync_weights: one call that moves a trainer's weights into an engine, whatever the transport.
+
+The target decides the transport:
+- anything with `update_weights_from_tensor` (an in-process `rollout.Engine`, or a
+  `cross_process.RemoteEngine` handle, which ships each bucket through shared memory) gets the
+  weights bucket by bucket in the flattened-bucket format;
+- a transport object with `sync_from(...)` (`distributed.DistributedTarget`, `disk.DiskTarget`)
+  runs its own protocol.
+
+Each bucket is one atomic update on the engine side; a sync of several buckets is not atomic as a
+whole, so call it while the engine is idle or paused (the trainers do). On the first failed bucket
+it stops and returns (False, reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from weight_sync.bucket import iter_buckets
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+Source = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def sync_weights(source: Source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 name_map: Callable[[str], str | None] | None = None,
+                 weight_version: str | None = None) -> tuple[bool, str]:
+    """Push `source`'s tensors (HF names after `name_map`) into `target`. Returns (ok, message)."""
+    if hasattr(target, "sync_from"):
+        return target.sync_from(source, bucket_bytes=bucket_bytes, name_map=name_map,
+                                weight_version=weight_version)
+    if not hasattr(target, "update_weights_from_tensor"):
+        raise TypeError(f"cannot sync weights into {type(target).__name__}: it has neither "
+                        f"update_weights_from_tensor nor sync_from")
+    num_buckets, num_tensors = 0, 0
+    with torch.no_grad():
+        for bucket in iter_buckets(source, bucket_bytes=bucket_bytes, name_map=name_map):
+            ok, msg = target.update_weights_from_tensor(bucket.to_dict(), load_format="flattened_bucket",
+                                                        flush_cache=True, weight_version=weight_version)
+            if not ok:
+                return False, f"bucket {num_buckets} ({len(bucket)} tensors): {msg}"
+            num_buckets += 1
+            num_tensors += len(bucket)
+    return True, f"synced {num_tensors} tensors in {num_buckets} bucket(s)"
