@@ -141,25 +141,34 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, ou
 # vLLM runs in a child process (its own venv, its own torch); it reads a job file and writes a result file.
 _VLLM_WORKER = r"""
 import json, sys, time
-job = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams
-llm = LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, seed=0,
-          max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"], **job.get("llm_kwargs", {}))
-def params(new_tokens):
-    return SamplingParams(n=job["n"], temperature=job["temperature"], top_k=-1 if job["temperature"] else 0,
-                          top_p=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
-                          detokenize=False, seed=None)
-def generate(ids, new_tokens):
-    prompts = [{"prompt_token_ids": p} for p in ids]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params(new_tokens), use_tqdm=False)
-    dt = time.perf_counter() - t0
-    return dt, sum(len(c.token_ids) for o in outs for c in o.outputs)
-if job["warmup"]:
-    generate(job["warmup"], min(8, job["output_len"]))
-dt, num = min(generate(job["prompts"], job["output_len"]) for _ in range(job["repeat"]))
-import vllm
-json.dump({"seconds": dt, "tokens": num, "version": vllm.__version__}, open(sys.argv[2], "w"))
+
+
+def main(job_file, result_file):
+    job = json.load(open(job_file))
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, seed=0,
+              max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"])
+
+    def generate(ids, new_tokens):
+        sp = SamplingParams(n=job["n"], temperature=job["temperature"], top_k=-1 if job["temperature"] else 0,
+                            top_p=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
+                            detokenize=False)
+        prompts = [{"prompt_token_ids": p} for p in ids]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        return dt, sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    if job["warmup"]:
+        generate(job["warmup"], min(8, job["output_len"]))
+    dt, num = min(generate(job["prompts"], job["output_len"]) for _ in range(job["repeat"]))
+    json.dump({"seconds": dt, "tokens": num, "version": vllm.__version__}, open(result_file, "w"))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine-core process, which re-imports this file
+    main(sys.argv[1], sys.argv[2])
 """
 
 

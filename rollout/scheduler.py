@@ -173,13 +173,18 @@ class Scheduler:
         self.stats["num_retractions"] += 1
         self.waiting.appendleft(req)
 
+    def _requeue_chunked(self) -> None:
+        """Undo the prefill in progress: its KV goes back (to the prefix cache if on), it waits first in line."""
+        req = self.chunked_req
+        self._release_kv(req)
+        req.num_computed = req.num_cached = 0
+        self.waiting.appendleft(req)
+        self.chunked_req = None
+
     def retract_all(self) -> None:
         """Requeue every running request; their KV will be recomputed (e.g. under new weights)."""
         if self.chunked_req is not None:
-            self._release_kv(self.chunked_req)
-            self.chunked_req.num_computed = self.chunked_req.num_cached = 0
-            self.waiting.appendleft(self.chunked_req)
-            self.chunked_req = None
+            self._requeue_chunked()
         for req in sorted(self.running, key=lambda r: r.admitted_order, reverse=True):
             self.retract(req)
 
@@ -309,6 +314,12 @@ class Scheduler:
 
     def _run_decode(self) -> list[Req]:
         self.running.sort(key=lambda r: r.admitted_order)
+        if self._available_tokens() < len(self.running) and self.chunked_req is not None:
+            # A half-prefilled prompt is the youngest holder of KV: it goes first, or a running request
+            # would be aborted as "too long" while the pool is full of someone else's chunks.
+            self.chunked_req.num_retractions += 1
+            self.stats["num_retractions"] += 1
+            self._requeue_chunked()
         while self._available_tokens() < len(self.running) and len(self.running) > 1:
             self.retract(self.running[-1])
         if self._available_tokens() < len(self.running):

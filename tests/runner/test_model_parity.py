@@ -14,15 +14,16 @@ from tests.runner.driver import RunnerDriver, make_runner
 ATOL = 1e-4
 PROMPT_LENS = (3, 9, 17)
 CASES = [(arch, False) for arch in ARCHS] + [("qwen2", True)]
+CASE_IDS = [f"{arch}-tied" if tied else arch for arch, tied in CASES]
 MAX_DIFF: dict[str, dict[str, float]] = {}
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{a}{'-tied' if t else ''}" for a, t in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
 def case(request, ckpt_factory):
     """(name, checkpoint path, HF reference model)."""
     arch, tied = request.param
     path = ckpt_factory(arch, tie_word_embeddings=True) if tied else ckpt_factory(arch)
-    return request.node.callspec.id if hasattr(request.node, "callspec") else arch, path, load_hf_model(path)
+    return CASE_IDS[CASES.index(request.param)], path, load_hf_model(path)
 
 
 @pytest.fixture(scope="module", autouse=True)

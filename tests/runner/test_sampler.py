@@ -1,0 +1,209 @@
+"""Sampler against naive references: greedy is argmax, top-k/top-p/min-p never emit a masked token,
+reported logprobs are those of the renormalised truncated distribution, draws follow the target
+distribution (chi-square), a request's draw depends only on its own (seed, step), banned tokens
+never appear."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runner.sampler import Sampler, SamplingBatchInfo
+
+VOCAB = 50
+sampler = Sampler()
+
+
+def _info(rows: list[dict], vocab: int = VOCAB, **kwargs) -> SamplingBatchInfo:
+    """rows: dicts with any of temperature, top_p, top_k, min_p, seed, step."""
+    get = lambda key, default: [r.get(key, default) for r in rows]  # noqa: E731
+    return SamplingBatchInfo.from_lists(
+        temperatures=get("temperature", 1.0), top_ps=get("top_p", 1.0), top_ks=get("top_k", -1),
+        min_ps=get("min_p", 0.0), seeds=get("seed", 0), steps=get("step", 0), vocab_size=vocab,
+        device="cpu", **kwargs,
+    )
+
+
+def _logits(num_rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def naive_distribution(logits: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+                       min_p: float = 0.0) -> torch.Tensor:
+    """The distribution one row samples from, computed token by token in float64.
+
+    As SGLang: every filter is judged on the temperature-scaled full distribution and a token must
+    pass all of them; top-p keeps the smallest top prefix whose mass reaches top_p; the most likely
+    token always stays. Refuses inputs that sit within 1e-4 of a filter boundary (fp32 rounding
+    could then legitimately go either way)."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    order = p.argsort(descending=True).tolist()
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    mass_before, p_max = 0.0, p[order[0]].item()
+    for rank, tok in enumerate(order):
+        pt = p[tok].item()
+        if top_p < 1.0:
+            assert abs(mass_before - top_p) > 1e-4, "test logits sit on a top-p boundary"
+        if min_p > 0.0:
+            assert abs(pt - min_p * p_max) > 1e-4 * p_max, "test logits sit on a min-p boundary"
+        kept = (top_k < 0 or rank < top_k) and mass_before < top_p and pt >= min_p * p_max
+        keep[tok] = kept or rank == 0
+        mass_before += pt
+    q = torch.where(keep, p, torch.zeros_like(p))
+    return q / q.sum()
+
+
+FILTERS = [
+    pytest.param({"temperature": 0.8, "top_k": 5}, id="top_k"),
+    pytest.param({"temperature": 1.0, "top_p": 0.7}, id="top_p"),
+    pytest.param({"temperature": 1.2, "min_p": 0.1}, id="min_p"),
+    pytest.param({"temperature": 0.9, "top_k": 12, "top_p": 0.8, "min_p": 0.05}, id="combined"),
+    pytest.param({"temperature": 0.5}, id="temperature_only"),
+]
+
+
+@pytest.mark.parametrize("params", FILTERS)
+def test_filters_never_emit_masked_tokens_and_report_truncated_logprobs(params):
+    """Over 4000 draws on 4 logit rows: every token is in the naive keep set, every kept token with
+    p >= 1% shows up, and each logprob is log of the renormalised truncated probability."""
+    base = _logits(4, seed=1)
+    num_draws = 4000
+    logits = base.repeat(num_draws // 4, 1)  # row i uses base[i % 4]
+    rows = [dict(params, seed=1000 + i // 7, step=i % 7) for i in range(num_draws)]
+    out = sampler(logits, _info(rows))
+    for b in range(4):
+        q = naive_distribution(base[b], **params)
+        ids = out.next_token_ids[b::4]
+        assert q[ids].min() > 0, f"a masked token was sampled for row {b}"
+        common = set((q >= 0.01).nonzero().flatten().tolist())
+        assert common <= set(ids.tolist()), "a kept token never came up: over-masking"
+        torch.testing.assert_close(out.logprobs[b::4].double(), q[ids].log(), atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_is_argmax_with_raw_logprob():
+    """temperature=0 picks argmax and reports log_softmax(raw logits), alone and in a mixed batch;
+    top_k/top_p on a greedy row change nothing."""
+    logits = _logits(6, seed=2)
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    all_greedy = sampler(logits, _info([{"temperature": 0.0, "seed": i} for i in range(6)],
+                                       return_raw_logprob=True))
+    mixed_rows = [{"temperature": 0.0, "top_k": 2, "top_p": 0.1} if i % 2 == 0 else
+                  {"temperature": 1.5, "seed": i} for i in range(6)]
+    mixed = sampler(logits, _info(mixed_rows))
+    argmax = logits.argmax(-1)
+    assert torch.equal(all_greedy.next_token_ids, argmax)
+    assert torch.equal(mixed.next_token_ids[::2], argmax[::2])
+    want = raw.gather(1, argmax[:, None]).squeeze(1)
+    torch.testing.assert_close(all_greedy.logprobs.double(), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(all_greedy.raw_logprobs.double(), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(mixed.logprobs[::2].double(), want[::2], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("target", [
+    pytest.param({"temperature": 0.9}, id="temperature"),
+    pytest.param({"temperature": 1.1, "top_k": 20, "top_p": 0.9}, id="filtered"),
+])
+def test_draw_depends_only_on_seed_and_step(target):
+    """A row's token and logprob are the same alone (bs=1) and at row 2 of a 5-row batch whose other
+    rows are greedy / top-k / top-p / min-p with other seeds."""
+    others = [{"temperature": 0.0}, {"temperature": 0.7, "top_k": 3, "seed": 5},
+              {"temperature": 1.3, "top_p": 0.5, "seed": 6}, {"temperature": 1.0, "min_p": 0.2, "seed": 7}]
+    tokens = set()
+    for trial in range(40):
+        seed, step = 12345 + 977 * trial, trial % 5
+        row = dict(target, seed=seed, step=step)
+        logits = _logits(5, seed=trial)
+        alone = sampler(logits[2:3], _info([row]))
+        batch = sampler(logits, _info(others[:2] + [row] + others[2:]))
+        assert batch.next_token_ids[2] == alone.next_token_ids[0], f"trial {trial}"
+        assert batch.logprobs[2] == alone.logprobs[0]
+        tokens.add((trial, alone.next_token_ids[0].item()))
+        # The same (seed, step) again is the same token: no hidden RNG state.
+        assert sampler(logits[2:3], _info([row])).next_token_ids[0] == alone.next_token_ids[0]
+    # Seeds matter: the same logits with 64 different seeds do not all give one token.
+    logits = _logits(1, seed=0).repeat(64, 1)
+    ids = sampler(logits, _info([dict(target, seed=s) for s in range(64)])).next_token_ids
+    assert len(set(ids.tolist())) > 1
+
+
+def _chi_square_ok(observed: torch.Tensor, expected: torch.Tensor) -> tuple[bool, float]:
+    """Goodness of fit at significance 1e-3 (fixed seeds, so the outcome is deterministic)."""
+    stat = ((observed - expected) ** 2 / expected).sum().item()
+    dof = observed.numel() - 1
+    try:
+        from scipy.stats import chi2
+
+        return chi2.sf(stat, dof) > 1e-3, stat
+    except ImportError:
+        # chi-square critical values at alpha = 0.001 for dof 1..12 (standard tables)
+        critical = [10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322, 26.124, 27.877, 29.588,
+                    31.264, 32.909]
+        return stat < critical[dof - 1], stat
+
+
+@pytest.mark.parametrize("params", [
+    pytest.param({"temperature": 0.7}, id="temperature"),
+    pytest.param({"temperature": 1.4, "top_k": 7}, id="top_k"),
+    pytest.param({"temperature": 1.0, "top_p": 0.85}, id="top_p"),
+])
+@pytest.mark.parametrize("vary", ["seed", "step"])
+def test_draws_follow_the_target_distribution(params, vary):
+    """20k draws of a 10-token distribution pass a chi-square goodness-of-fit test against the
+    naive temperature-scaled, truncated, renormalised distribution (varying seed or step)."""
+    vocab, n = 10, 20000
+    base = torch.tensor([2.0, 1.6, 1.3, 1.0, 0.6, 0.3, 0.0, -0.4, -0.9, -1.5])[torch.randperm(
+        vocab, generator=torch.Generator().manual_seed(0))]
+    rows = [dict(params, seed=i if vary == "seed" else 99, step=i if vary == "step" else 3) for i in range(n)]
+    ids = sampler(base.repeat(n, 1), _info(rows, vocab=vocab)).next_token_ids
+    q = naive_distribution(base, **params)
+    observed = torch.bincount(ids, minlength=vocab).double()
+    assert observed[q == 0].sum() == 0
+    kept = q > 0
+    expected = q[kept] * n
+    assert expected.min() >= 5, "chi-square needs expected counts >= 5"
+    ok, stat = _chi_square_ok(observed[kept], expected)
+    assert ok, f"chi2={stat:.1f} (dof {int(kept.sum()) - 1}): observed {observed.tolist()} vs {expected.tolist()}"
+    if params == {"temperature": 0.7}:  # the test has power: sampling at temperature 1 would fail it
+        assert not _chi_square_ok(observed, naive_distribution(base) * n)[0]
+
+
+def test_top_logprobs_are_the_k_largest_of_the_sampled_distribution():
+    """top_logprobs/ids are the k largest log-probabilities of the distribution sampled from
+    (truncated, -inf past the kept set), and the raw distribution's for greedy rows."""
+    logits = _logits(3, seed=3)
+    rows = [{"temperature": 0.8, "top_k": 3, "seed": 1}, {"temperature": 1.1, "top_p": 0.35, "seed": 2},
+            {"temperature": 0.0}]
+    k = 5
+    out = sampler(logits, _info(rows, top_logprobs_num=k))
+    for b, row in enumerate(rows):
+        if row["temperature"] == 0:
+            logq = torch.log_softmax(logits[b].double(), dim=-1)
+        else:
+            logq = naive_distribution(logits[b], **{key: v for key, v in row.items() if key != "seed"}).log()
+        want_vals, want_ids = logq.topk(k)
+        finite = want_vals.isfinite()
+        assert finite.sum() < k or row["temperature"] == 0  # truncation shows as -inf
+        assert torch.equal(out.top_logprob_ids[b][finite], want_ids[finite])
+        torch.testing.assert_close(out.top_logprobs[b].double(), want_vals, atol=1e-5, rtol=1e-5)
+
+
+def test_banned_tokens_are_never_sampled():
+    """Tokens set in banned_mask never come out, greedy or sampled, even when they are the most
+    likely; greedy then takes the best allowed token."""
+    n = 2000
+    base = _logits(1, seed=4)[0]
+    banned_ids = base.topk(3).indices.tolist() + [0, 7]
+    rows = [{"temperature": 0.0}] + [{"temperature": 1.5, "seed": i, "step": i % 3} for i in range(1, n)]
+    info = _info(rows)
+    info.banned_mask = torch.zeros(n, VOCAB, dtype=torch.bool)
+    info.banned_mask[:, banned_ids] = True
+    out = sampler(base.repeat(n, 1), info)
+    assert not set(out.next_token_ids.tolist()) & set(banned_ids)
+    allowed = base.clone()
+    allowed[banned_ids] = -math.inf
+    assert out.next_token_ids[0] == allowed.argmax()
+    # Without the mask the banned top tokens are drawn often: the mask is what keeps them out.
+    unmasked = sampler(base.repeat(n, 1), _info(rows)).next_token_ids
+    assert set(unmasked.tolist()) & set(banned_ids)

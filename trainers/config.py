@@ -1,0 +1,83 @@
+"""RLConfig: every knob of the GRPO/PPO loops, validated with messages a user can act on, and the
+argparse CLI built from it (so `--help` and the defaults can never drift apart)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+
+DEMO_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "demo-model")
+
+
+@dataclass
+class RLConfig:
+    model: str = field(default=DEMO_MODEL, metadata={"help": "HF checkpoint dir (default: the shipped demo model)"})
+    task: str = field(default="toy", metadata={"help": "task name: toy | math"})
+    steps: int = field(default=30, metadata={"help": "RL steps (rollout + update each)"})
+    prompts_per_step: int = field(default=16, metadata={"help": "prompts per step (batch size)"})
+    group_size: int = field(default=8, metadata={"help": "samples per prompt (GRPO group, G)"})
+    lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    kl_coef: float = field(default=0.0, metadata={"help": "k3 KL penalty to the initial policy (0 = no ref model)"})
+    clip_eps: float = field(default=0.2, metadata={"help": "PPO clip epsilon"})
+    tis_cap: float = field(default=2.0, metadata={"help": "truncated IS cap for rollout/trainer mismatch (0 = off)"})
+    updates_per_step: int = field(default=1, metadata={"help": "optimizer steps per rollout batch"})
+    max_new_tokens: int = field(default=8, metadata={"help": "completion length limit"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
+    device: str = field(default="cpu", metadata={"help": "cpu | cuda"})
+    engine_mem_fraction: float = field(default=0.3, metadata={"help": "engine mem_fraction_static (GPU)"})
+    bucket_mb: int = field(default=512, metadata={"help": "weight-sync bucket size in MB"})
+    offload_trainer: bool = field(default=False, metadata={"help": "offload optimizer state and trainer params "
+                                                                   "to host while the engine generates"})
+    seed: int = field(default=0, metadata={"help": "random seed (prompts, sampling, init)"})
+    eval_every: int = field(default=5, metadata={"help": "greedy eval on the task's eval set every N steps (0 = off)"})
+    output_dir: str = field(default="runs/grpo", metadata={"help": "metrics.jsonl, plot and final checkpoint"})
+    no_wandb: bool = field(default=False, metadata={"help": "disable wandb logging"})
+    wandb_project: str = field(default="rollout-engine", metadata={"help": "wandb project (offline unless "
+                                                                           "WANDB_API_KEY/WANDB_MODE say otherwise)"})
+    save_final: bool = field(default=False, metadata={"help": "save the trained model to output_dir/final"})
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
+            (self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}"),
+            (self.group_size >= 2, f"--group-size must be >= 2 (GRPO normalizes within a group), got {self.group_size}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.kl_coef >= 0, f"--kl-coef must be >= 0, got {self.kl_coef}"),
+            (0 < self.clip_eps < 1, f"--clip-eps must be in (0, 1), got {self.clip_eps}"),
+            (self.tis_cap >= 0, f"--tis-cap must be >= 0 (0 = off), got {self.tis_cap}"),
+            (self.updates_per_step >= 1, f"--updates-per-step must be >= 1, got {self.updates_per_step}"),
+            (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.temperature > 0, f"--temperature must be > 0 for RL rollouts, got {self.temperature}"),
+            (self.device in ("cpu", "cuda"), f"--device must be cpu or cuda, got {self.device!r}"),
+            (0 < self.engine_mem_fraction < 1, f"--engine-mem-fraction must be in (0, 1), got {self.engine_mem_fraction}"),
+            (self.bucket_mb >= 1, f"--bucket-mb must be >= 1, got {self.bucket_mb}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--model {self.model!r} is not an HF checkpoint directory (no config.json)")
+
+    @classmethod
+    def parser(cls, description: str, **defaults) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(description=description,
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        for f in fields(cls):
+            default = defaults.get(f.name, f.default if f.default is not MISSING else None)
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                p.add_argument(flag, action="store_true", default=default, help=f.metadata.get("help"))
+            else:
+                typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+                p.add_argument(flag, type=typ, default=default, help=f.metadata.get("help"))
+        return p
+
+    @classmethod
+    def from_cli(cls, argv=None, description: str = "", **defaults) -> RLConfig:
+        args = cls.parser(description, **defaults).parse_args(argv)
+        try:
+            return cls(**vars(args))
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None

@@ -1,0 +1,79 @@
+"""The trainer's side of the co-located loop: the HF policy model, its logprobs, and its memory.
+
+The policy is a plain transformers model (an implementation independent of the engine's, which is
+what makes the rollout/trainer logprob mismatch meaningful). Between updates the trainer frees its
+gradients and, with `offload`, moves optimizer state and parameters to host memory so the engine
+can have the device. It never reaches into the engine: weights leave through weight_sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainers.experience import Experience
+from trainers.losses import sequence_logprobs
+
+
+def load_policy(model_path: str, device: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager")
+    return model.to(device).train()
+
+
+def policy_logprobs(model: nn.Module, exp: Experience, temperature: float) -> torch.Tensor:
+    """[B, T] logprob of token t at index t under `model` at the rollout temperature (0 at t=0)."""
+    logits = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask).logits  # [B, T, V]
+    return sequence_logprobs(logits, exp.input_ids, temperature)
+
+
+def tensor_bytes(tensors, device_type: str) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.device.type != device_type:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen and key[1]:
+            seen.add(key)
+            total += key[1]
+    return total
+
+
+def trainer_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None, device_type: str) -> int:
+    """Bytes the trainer holds on `device_type`: parameters, gradients, optimizer state."""
+    tensors = list(model.parameters()) + [p.grad for p in model.parameters()]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensor_bytes(tensors, device_type)
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> None:
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and k != "step":
+                state[k] = v.to(device, non_blocking=True)
+
+
+class TrainerMemory:
+    """Puts the trainer's state where the current phase wants it."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: str, offload: bool) -> None:
+        self.model, self.optimizer, self.device, self.offload = model, optimizer, torch.device(device), offload
+
+    def to_rollout_phase(self) -> None:
+        """Free gradients; with offload, park optimizer state and parameters in host memory."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.offload and self.device.type != "cpu":
+            move_optimizer_state(self.optimizer, "cpu")
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def to_train_phase(self) -> None:
+        if self.offload and self.device.type != "cpu":
+            self.model.to(self.device)
+            move_optimizer_state(self.optimizer, self.device)
+
+    def bytes_held(self) -> int:
+        return trainer_bytes(self.model, self.optimizer, self.device.type)

@@ -1,0 +1,78 @@
+"""PPO, co-located: the GRPO loop with a learned value head and GAE instead of group baselines.
+
+The critic is a linear head on the policy's last hidden state (shared trunk). The reward arrives on
+the last completion token; GAE turns it into per-token advantages (whitened over the batch), and the
+loss is the clipped surrogate plus `vf_coef` times the clipped value loss. Only the policy's weights
+are synced to the engine; the value head stays with the trainer. Run `python -m trainers.ppo --help`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainers.config import RLConfig
+from trainers.grpo import GRPOTrainer
+from trainers.losses import gae, masked_whiten, policy_loss, sequence_logprobs, value_loss
+
+VF_COEF = 0.5
+GAE_LAMBDA = 0.95
+
+
+class PPOTrainer(GRPOTrainer):
+    def build_policy(self):
+        policy = super().build_policy()
+        hidden = policy.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1).to(self.cfg.device)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+        return policy
+
+    def trainable_parameters(self):
+        return list(self.policy.parameters()) + list(self.value_head.parameters())
+
+    def logprobs_and_values(self, exp) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.policy(input_ids=exp.input_ids, attention_mask=exp.attention_mask, output_hidden_states=True)
+        logp = sequence_logprobs(out.logits, exp.input_ids, self.cfg.temperature)  # [B, T]
+        v = self.value_head(out.hidden_states[-1].float()).squeeze(-1)  # [B, T]: value after token t
+        # Align like the logprobs: index t holds V(state before token t) = head(hidden[t - 1]).
+        values = torch.nn.functional.pad(v[:, :-1], (1, 0))
+        return logp, values
+
+    def train_on(self, exp) -> dict:
+        mask = exp.completion_mask
+        with torch.no_grad():
+            _, old_values = self.logprobs_and_values(exp)
+            last = mask.cumsum(1).argmax(1)  # index of each row's last completion token
+            token_rewards = torch.zeros_like(old_values)
+            token_rewards[torch.arange(len(exp)), last] = exp.rewards.to(token_rewards.dtype)
+            adv, returns = gae(token_rewards, old_values, mask, gamma=1.0, lam=GAE_LAMBDA)
+            exp.advantages = masked_whiten(adv, mask)
+            exp.values, exp.returns = old_values, returns
+        out = {}
+        for _ in range(self.cfg.updates_per_step):
+            logp, values = self.logprobs_and_values(exp)
+            pl, metrics = policy_loss(logp, exp.old_logprobs, exp.advantages, mask, clip_eps_low=self.cfg.clip_eps,
+                                      rollout_logp=exp.rollout_logprobs, tis_cap=self.cfg.tis_cap or None)
+            vl, vmetrics = value_loss(values, exp.values, exp.returns, mask, clip_eps=self.cfg.clip_eps)
+            loss = pl + VF_COEF * vl
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), 1.0)
+            self.optimizer.step()
+            out = {"loss": float(loss.detach()), "value_loss": float(vl.detach()), "grad_norm": float(grad_norm),
+                   **{k: float(v) for k, v in {**metrics, **vmetrics}.items()}}
+        return out
+
+
+def main(argv=None) -> None:
+    cfg = RLConfig.from_cli(argv, description=__doc__.split("\n\n")[0], output_dir="runs/ppo")
+    trainer = PPOTrainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main()
