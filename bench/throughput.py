@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 
 PRESETS = {
-    # Qwen2-like, small enough that per-step overhead, not matmuls, dominates.
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, rope_theta=10000.0,
+    # Qwen2-like, small enough that per-step overhead, not matmuls, dominates. head_dim 32: vLLM's CPU
+    # attention has no kernel for head_dim 16.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=1024, max_position_embeddings=4096, rope_theta=10000.0,
                  tie_word_embeddings=True),
     # Qwen2.5-0.5B's config.json, written by hand so nothing is downloaded.
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

@@ -137,6 +137,9 @@ class Engine(WeightsAPI):
         reqs = []
         for i, (ids, sp) in enumerate(zip(ids_list, sps)):
             sp.verify(vocab)
+            if sp.stop and self.tokenizer.tokenizer is None:  # else they would silently never match
+                raise ValueError("sampling param stop needs a tokenizer (stop strings are matched on text); this "
+                                 "engine has none: use stop_token_ids")
             if not ids:
                 raise ValueError(f"prompt {i} is empty (input_ids needs at least one token)")
             bad = [t for t in ids if not 0 <= t < vocab]

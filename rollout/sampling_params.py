@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass
@@ -25,16 +25,17 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, params: dict | None) -> SamplingParams:
         if params is None:
-            return cls()
+            params = {}
         if isinstance(params, SamplingParams):
-            return params
-        if not isinstance(params, dict):
+            sp = replace(params)  # normalized like a dict, without touching the caller's object
+        elif not isinstance(params, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
-        sp = cls(**params)
+        else:
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(params) - known)
+            if unknown:
+                raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+            sp = cls(**params)
         sp.normalize()
         return sp
 

@@ -37,15 +37,16 @@ class WeightsAPI:
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         with self._cv:
             self._require_quiescent("release_memory_occupation")
-            if tags is None or "kv_cache" in tags:
-                self.scheduler.flush_cache()  # its KV is about to go
-            self.runner.release_memory_occupation(tags)
+            try:
+                self.runner.release_memory_occupation(tags)
+            finally:  # the prefix cache points into the KV pool: flush it iff the pool went
+                if not self.runner.memory_saver.is_resident("kv_cache"):
+                    self.scheduler.flush_cache()
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         with self._cv:
+            # Resuming what is resident is a no-op: the prefix cache (and running requests) stay.
             self.runner.resume_memory_occupation(tags)
-            if tags is None or "kv_cache" in tags:
-                self.scheduler.flush_cache()
             self._cv.notify_all()
 
     # ---- weights -----------------------------------------------------------------------------

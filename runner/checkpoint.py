@@ -54,6 +54,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         raise CheckpointError(f"{path}: cannot read checkpoint file: {e}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: not a JSON object")
     data_len = size - 8 - header_len
     entries = {}
     for name, meta in header.items():

@@ -36,7 +36,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # only for rope_type != "default"
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    attention_bias: bool = False  # q/k/v bias (Qwen2; Llama/Qwen3 with attention_bias=true)
+    o_proj_bias: bool = False  # o_proj bias (Llama/Qwen3 with attention_bias=true; never Qwen2/Mistral)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -99,10 +100,13 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         sliding = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
-            sliding = None
-        if family == "qwen2" and raw.get("use_sliding_window", False):
-            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        if family in ("qwen2", "qwen3") and raw.get("use_sliding_window", False):
+            raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+        if raw.get("mlp_bias", False):
+            raise ValueError(f"{arch} with mlp_bias=true is not supported")
+        # HF: Qwen2 always has q/k/v bias and never o_proj bias; Mistral has none; Llama and Qwen3
+        # put `attention_bias` on all four projections.
+        bias = family in ("llama", "qwen3") and bool(raw.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -117,7 +121,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            attention_bias=family == "qwen2" or bias,
+            o_proj_bias=bias,
             qk_norm=family == "qwen3",
             sliding_window=sliding if family == "mistral" else None,
             eos_token_ids=eos_ids,
@@ -131,7 +136,7 @@ class ModelConfig:
         """What must match for another checkpoint's weights to be loadable into this model."""
         keys = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-                "attention_bias", "qk_norm")
+                "attention_bias", "o_proj_bias", "qk_norm")
         return {k: getattr(self, k) for k in keys}
 
 

@@ -197,6 +197,9 @@ class ModelRunner:
             return None
         if not self.weights_valid:
             raise RuntimeError(self.invalid_weights_message())
+        if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
+            # Freed storages would be read (or written) out of bounds.
+            raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
         fb.attn_backend = self.attn_backend
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.req_to_token_pool = self.req_to_token_pool
@@ -209,9 +212,10 @@ class ModelRunner:
 
     def invalid_weights_message(self) -> str:
         some = sorted(self.invalid_weights)[:3]
+        resume = "" if self.memory_saver.is_resident("weights") else "resume_memory_occupation(['weights']), then "
         return (f"weights were released without CPU backup and {len(self.invalid_weights)} tensors have not "
-                f"been reloaded since (e.g. {some}); call update_weights_from_tensor/_from_disk with the full "
-                f"model, or create the engine with enable_weights_cpu_backup=True")
+                f"been reloaded since (e.g. {some}); call {resume}update_weights_from_tensor/_from_disk with the "
+                f"full model, or create the engine with enable_weights_cpu_backup=True")
 
     # ---- weights ---------------------------------------------------------------------------
     def _require_weights_resident(self) -> None:
@@ -231,8 +235,8 @@ class ModelRunner:
         path = Path(model_path)
         try:
             other = ModelConfig.from_pretrained(path)
-        except (FileNotFoundError, ValueError) as e:
-            raise WeightUpdateError(f"{path}: {e}") from None
+        except (FileNotFoundError, ValueError, KeyError, TypeError) as e:  # KeyError: a required key is missing
+            raise WeightUpdateError(f"{path / 'config.json'}: {type(e).__name__}: {e}") from None
         mine, theirs = self.model_config.shape_signature(), other.shape_signature()
         diff = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
         if diff:
@@ -252,6 +256,8 @@ class ModelRunner:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         self._require_weights_resident()
+        if name in self.invalid_weights:
+            raise WeightUpdateError(f"weight {name!r} was released without CPU backup and not reloaded since")
         view = self.name_map.resolve(name).view()
         return view.reshape(-1)[:truncate_size].float().cpu().tolist() if view.dim() == 1 else \
             view[: max(1, truncate_size)].float().cpu().tolist()
@@ -262,16 +268,23 @@ class ModelRunner:
         for tag in tags:
             if not self.memory_saver.is_resident(tag):
                 continue
+            self.memory_saver.pause(tag)  # first: a refusal (saver disabled) must leave everything as it was
             if tag == "kv_cache":
                 self.token_to_kv_pool.clear()
             if tag == "weights" and not self.memory_saver.has_cpu_backup("weights"):
                 self.weights_valid = False
                 self.invalid_weights = set(self.name_map.hf_names())
-            self.memory_saver.pause(tag)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         for tag in _check_tags(tags):
+            was_resident = self.memory_saver.is_resident(tag)
             self.memory_saver.resume(tag)
+            if tag == "kv_cache" and not was_resident:
+                # Resumed memory holds whatever was there before (NaN included). Attention reads the
+                # padding slot 0 for masked positions, and 0 * NaN would poison the real ones.
+                pool = self.token_to_kv_pool
+                pool.k_buffer[:, 0].zero_()
+                pool.v_buffer[:, 0].zero_()
 
     def shutdown(self) -> None:
         self.memory_saver.close()

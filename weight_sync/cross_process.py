@@ -92,9 +92,17 @@ def _serve(conn, factory: str, kwargs: dict) -> None:
     try:
         while True:
             try:
-                msg = json.loads(conn.recv_bytes())
+                raw = conn.recv_bytes()
             except EOFError:
                 return
+            try:
+                msg = json.loads(raw)
+            except (ValueError, RecursionError) as e:  # not JSON (a pickle, say): refuse it, keep serving
+                reply = {"ok": False, "error": f"message is not JSON: {type(e).__name__}"}
+                conn.send_bytes(json.dumps(reply).encode())
+                continue
+            if not isinstance(msg, dict):
+                msg = {"method": None}
             method, args, pos = msg.get("method"), msg.get("kwargs", {}), msg.get("args", [])
             if method == "shutdown":
                 conn.send_bytes(json.dumps({"ok": True, "result": None}).encode())

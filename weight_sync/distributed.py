@@ -96,7 +96,11 @@ class DistributedTarget:
                     "update_weights_from_distributed", names=[m["name"] for m in metas],
                     dtypes=[m["dtype"] for m in metas], shapes=[m["shape"] for m in metas],
                     group_name=self.group_name, weight_version=weight_version)
-                broadcast(self.group, bucket.flattened_tensor, src=0)
+                try:
+                    broadcast(self.group, bucket.flattened_tensor, src=0)
+                except RuntimeError as e:  # e.g. the engine refused before receiving: collect its reason
+                    ok, msg = self.engine.result()
+                    return False, f"bucket {num_buckets}: broadcast failed ({e}); engine said: {msg}"
                 ok, msg = self.engine.result()
                 if not ok:
                     return False, f"bucket {num_buckets}: {msg}"

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from rollout import SamplingParams
 from tests.rollout.oracle import hf_generate, random_prompts
 
 PROMPT_LENS = [1, 3, 6, 9, 14, 20, 27, 35]
@@ -93,6 +94,8 @@ def test_engine_without_tokenizer(how, ckpt_factory, make_engine, hf_models):
     assert all(s is None for _, _, s in out["meta_info"]["output_token_logprobs"])
     with pytest.raises(ValueError, match="input_ids"):
         engine.generate(prompt="hello", sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="stop"):  # stop strings could never match without a tokenizer
+        engine.generate(input_ids=prompt, sampling_params={**GREEDY, "stop": ["a"]})
     assert engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 8})["output_ids"] == ref_ids
 
 
@@ -105,8 +108,7 @@ def _first_new_token(tokens: list[int], start: int) -> int:
 
 
 def test_eos_stops_unless_ignore_eos(ckpt_factory, make_engine, hf_models):
-    """Generation stops at an eos id (finish stop, matched = that id, eos kept in output_ids), as HF generate
-    does; with ignore_eos it runs to max_new_tokens."""
+    """An eos id ends generation as HF's generate does (finish stop, matched = it); ignore_eos runs to the limit."""
     base = ckpt_factory("llama")
     prompt = random_prompts([9], seed=3)[0]
     ref_ids, _ = hf_generate(hf_models(base), prompt, MAX_NEW)
@@ -158,3 +160,17 @@ def test_max_new_tokens_zero(arch_env):
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert out["meta_info"]["output_token_logprobs"] == []
     assert engine.generate(input_ids=prompts[3], sampling_params=GREEDY)["output_ids"] == refs[3][0]
+
+
+def test_default_and_object_sampling_params(tiny_llama, module_engines):
+    """sampling_params omitted uses the defaults (max_new_tokens 128); a SamplingParams object equals its dict."""
+    engine = module_engines(tiny_llama)
+    prompt = random_prompts([5], seed=4)[0]
+    out = engine.generate(input_ids=prompt)
+    assert 1 <= out["meta_info"]["completion_tokens"] <= 128
+    assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, stop_token_ids=[], stop=None)
+    by_object = engine.generate(input_ids=prompt, sampling_params=sp)
+    assert by_object["output_ids"] == engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 8})[
+        "output_ids"]
+    assert sp.stop is None  # the caller's object is not modified

@@ -51,8 +51,7 @@ def _assert_same(outs: list[dict], refs: list[dict]) -> None:
 
 @pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["radix", "no-radix"])
 def test_batched_chunked_retracted_equals_solo(disable_radix_cache, tiny_llama, make_engine, solo_results):
-    """One batch with chunked prefill (chunk 16 < prompts), prefix hits and a tiny KV pool forcing retractions
-    gives every request the tokens (equal) and logprobs (1e-5) it gets alone."""
+    """Batched + chunked prefill + prefix hits + forced retractions: each request's tokens/logprobs equal solo."""
     engine = make_engine(tiny_llama, chunked_prefill_size=16, max_total_tokens=96,
                          disable_radix_cache=disable_radix_cache)
     prompts, params = _workload()

@@ -45,10 +45,10 @@ def _hf_logits(hf, ids: list[int] | None = None, embeds: torch.Tensor | None = N
     return hf(torch.tensor([ids])).logits[0]
 
 
-def _check(case, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+def _check(name: str, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Assert max |got - want| <= ATOL and record it under MAX_DIFF[name][what]."""
     assert got.shape == want.shape, (what, got.shape, want.shape)
     diff = (got - want).abs().max().item()
-    name = case[0]
     MAX_DIFF.setdefault(name, {})[what] = max(diff, MAX_DIFF.get(name, {}).get(what, 0.0))
     assert diff <= ATOL, f"[{name}] {what}: max |runner - HF| = {diff:.3e} > {ATOL}"
 
@@ -61,34 +61,26 @@ def test_ragged_prefill_matches_hf_at_every_position(case):
     rows = [drv.new_request() for _ in prompts]
     out = drv.extend(rows, prompts, return_all_logits=True)
     want = torch.cat([_hf_logits(hf, p) for p in prompts])
-    _check(case, "prefill", out.all_logits, want)
+    _check(case[0], "prefill", out.all_logits, want)
     last = torch.stack([_hf_logits(hf, p)[-1] for p in prompts])
-    _check(case, "prefill_last", out.next_token_logits, last)
+    _check(case[0], "prefill_last", out.next_token_logits, last)
 
 
 def test_decode_steps_match_hf(case):
-    """20 batched DECODE steps over ragged prompts, fed HF's greedy tokens (EOS suppressed by
-    min_new_tokens), give HF's logits after every fed token."""
+    """20 batched DECODE steps over ragged prompts give HF's logits after every fed token. The fed
+    tokens are a seeded random stream: greedy on the tied model just repeats one token."""
     _, path, hf = case
     drv = RunnerDriver(make_runner(path))
     prompts = _prompts(1)
     num_steps = 20
-    full = [
-        hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=num_steps, min_new_tokens=num_steps,
-                    pad_token_id=2)[0].tolist()
-        for p in prompts
-    ]
-    assert all(len(f) == len(p) + num_steps for f, p in zip(full, prompts))
+    fed = torch.randint(4, 384, (len(prompts), num_steps), generator=torch.Generator().manual_seed(6))
     rows = [drv.new_request() for _ in prompts]
     drv.extend(rows, prompts)
-    got = []
-    for step in range(num_steps):
-        tokens = [f[len(p) + step] for f, p in zip(full, prompts)]
-        got.append(drv.decode(rows, tokens).next_token_logits)  # [bs, vocab]
-    got = torch.stack(got, dim=1)  # [bs, steps, vocab]
-    for i, (f, p) in enumerate(zip(full, prompts)):
-        want = _hf_logits(hf, f)[len(p) : len(p) + num_steps]  # logits after each fed token
-        _check(case, "decode", got[i], want)
+    got = torch.stack([drv.decode(rows, fed[:, step].tolist()).next_token_logits for step in range(num_steps)],
+                      dim=1)  # [bs, steps, vocab]
+    for i, p in enumerate(prompts):
+        want = _hf_logits(hf, p + fed[i].tolist())[len(p) :]
+        _check(case[0], "decode", got[i], want)
 
 
 def test_extend_over_cached_prefix_matches_full_prefill(case):
@@ -101,12 +93,12 @@ def test_extend_over_cached_prefix_matches_full_prefill(case):
     drv.extend(rows, [p[:k] for p, k in zip(prompts, ks)])
     out = drv.extend(rows, [p[k:] for p, k in zip(prompts, ks)], return_all_logits=True)
     want = torch.cat([_hf_logits(hf, p)[k:] for p, k in zip(prompts, ks)])
-    _check(case, "extend_prefix", out.all_logits, want)
+    _check(case[0], "extend_prefix", out.all_logits, want)
     # Same batch with one request already fully cached but for its last token (a 1-token extend).
     rows2 = [drv.new_request() for _ in prompts]
     drv.extend(rows2, [p[:-1] for p in prompts])
     out2 = drv.extend(rows2, [p[-1:] for p in prompts], return_all_logits=True)
-    _check(case, "extend_prefix", out2.all_logits, torch.stack([_hf_logits(hf, p)[-1] for p in prompts]))
+    _check(case[0], "extend_prefix", out2.all_logits, torch.stack([_hf_logits(hf, p)[-1] for p in prompts]))
 
 
 def test_input_embeds_override(case):
@@ -121,7 +113,7 @@ def test_input_embeds_override(case):
         embeds = [embed(torch.tensor(p)) for p in prompts]  # [len, hidden] each
     rows = [drv.new_request() for _ in prompts]
     out = drv.extend(rows, prompts, return_all_logits=True, input_embeds=torch.cat(embeds))
-    _check(case, "input_embeds", out.all_logits, torch.cat([_hf_logits(hf, p) for p in prompts]))
+    _check(case[0], "input_embeds", out.all_logits, torch.cat([_hf_logits(hf, p) for p in prompts]))
 
     gen = torch.Generator().manual_seed(4)
     flat_positions = [0, 4, 5, 12, 20, 28]  # flattened token indices across the 3 + 9 + 17 tokens
@@ -132,7 +124,7 @@ def test_input_embeds_override(case):
     out = drv.extend(rows, prompts, return_all_logits=True, replace_embeds=new_rows,
                      replace_positions=torch.tensor(flat_positions))
     want = torch.cat([_hf_logits(hf, embeds=e) for e in replaced.split(list(PROMPT_LENS))])
-    _check(case, "replace_embeds", out.all_logits, want)
+    _check(case[0], "replace_embeds", out.all_logits, want)
     # The replacement must matter, or this comparison proves nothing.
     assert (want - torch.cat([_hf_logits(hf, p) for p in prompts])).abs().max() > 1e-2
 
@@ -154,3 +146,16 @@ def test_idle_is_a_no_op(case):
         assert torch.equal(b, a)
     assert before[4] == after[4]
     assert fb.attn_metadata is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_attention_bias_variant_matches_hf(ckpt_factory, arch):
+    """Llama/Qwen3 with attention_bias=true (biases on q, k, v and o_proj) load and match HF."""
+    path = ckpt_factory(arch, attention_bias=True)
+    hf = load_hf_model(path)
+    assert hf.model.layers[0].self_attn.o_proj.bias is not None
+    drv = RunnerDriver(make_runner(path))
+    prompts = _prompts(5)
+    out = drv.extend([drv.new_request() for _ in prompts], prompts, return_all_logits=True)
+    want = torch.cat([_hf_logits(hf, p) for p in prompts])
+    _check(f"{arch}-attention_bias", "prefill", out.all_logits, want)

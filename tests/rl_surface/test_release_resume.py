@@ -1,0 +1,268 @@
+"""Releasing and resuming memory: what comes back is what went away (with backup), nothing is served
+from freed or invalid memory, and no call with requests in flight mixes weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.rl_surface.conftest import (
+    assert_same_tensors,
+    make_engine,
+    read_state_dict,
+    run,
+    snapshot,
+    versions,
+)
+
+TAGS = ("weights", "kv_cache", "cuda_graph")
+LONG = dict(temperature=0, max_new_tokens=400, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_release_resume_with_backup_is_bit_exact(ckpt_pair, arch, tied):
+    """With enable_weights_cpu_backup every parameter and buffer comes back torch.equal, and so do outputs."""
+    a, _ = ckpt_pair(arch, tie_word_embeddings=tied)
+    with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
+        before, outputs = snapshot(engine), run(engine)
+        engine.release_memory_occupation()
+        assert all(engine.runner.memory_saver.bytes_held(t) == 0 for t in TAGS)
+        engine.resume_memory_occupation()
+        assert_same_tensors(before, engine)
+        assert run(engine) == outputs
+        assert versions(engine) == {"default"}  # a release is not an update
+
+
+def test_backup_buffer_is_allocated_once(ckpt_pair):
+    """The host backup is one persistent buffer reused by every release, not a new one each time."""
+    a, b = ckpt_pair("llama")
+    sd_b = read_state_dict(b)
+    with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
+        region = engine.runner.memory_saver.regions["weights"]
+        engine.release_memory_occupation(["weights"])
+        ptr = region.backup.data_ptr()
+        assert region.backup.numel() == sum(region.nbytes)
+        for _ in range(3):
+            engine.resume_memory_occupation(["weights"])
+            assert engine.update_weights_from_tensor(list(sd_b.items()))[0]  # the backup follows updates
+            before = snapshot(engine)
+            engine.release_memory_occupation(["weights"])
+            assert region.backup.data_ptr() == ptr
+        engine.resume_memory_occupation(["weights"])
+        assert_same_tensors(before, engine)
+
+
+def test_without_backup_generate_is_refused_until_an_update(ckpt_pair, reference_outputs):
+    """Weights released without backup are invalid: generate raises until a full update, then == fresh B."""
+    a, b = ckpt_pair("llama")
+    sd_b = read_state_dict(b)
+    with make_engine(a, enable_memory_saver=True) as engine:
+        engine.release_memory_occupation()
+        with pytest.raises(RuntimeError, match="resume_memory_occupation"):
+            run(engine)
+        engine.resume_memory_occupation()
+        with pytest.raises(RuntimeError, match="released without CPU backup"):
+            run(engine)
+        with pytest.raises(ValueError, match="released without CPU backup"):
+            engine.get_weights_by_name("model.norm.weight")
+        names = sorted(sd_b)
+        assert engine.update_weights_from_tensor([(n, sd_b[n]) for n in names[:5]])[0]  # a subset is not enough
+        with pytest.raises(RuntimeError, match="released without CPU backup"):
+            run(engine)
+        assert engine.update_weights_from_tensor([(n, sd_b[n]) for n in names[5:]])[0]
+        assert run(engine) == reference_outputs(b)
+
+
+def test_release_twice_and_resume_resident_are_no_ops(ckpt_pair):
+    """A second release, or a resume of what is resident, changes nothing (the prefix cache included)."""
+    a, _ = ckpt_pair("llama")
+    prompt = list(range(5, 45))
+    sp = dict(temperature=0, max_new_tokens=4)
+    with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
+        before, outputs = snapshot(engine), run(engine)
+        held = {t: engine.runner.memory_saver.bytes_held(t) for t in TAGS}
+        assert held["weights"] > 0 and held["kv_cache"] > 0
+        engine.release_memory_occupation()
+        engine.release_memory_occupation()
+        engine.release_memory_occupation(["weights"])
+        engine.resume_memory_occupation()
+        assert {t: engine.runner.memory_saver.bytes_held(t) for t in TAGS} == held
+        assert_same_tensors(before, engine)
+        engine.generate(input_ids=prompt, sampling_params=sp)
+        engine.resume_memory_occupation()
+        engine.resume_memory_occupation(["kv_cache"])
+        assert engine.generate(input_ids=prompt, sampling_params=sp)["meta_info"]["cached_tokens"] > 0
+        assert_same_tensors(before, engine)
+        assert run(engine) == outputs
+
+
+def test_staged_resume_weights_update_then_kv_cache(ckpt_pair, reference_outputs):
+    """resume(["weights"]) -> update -> resume(["kv_cache"]), the RL loop's order, == fresh engine on B."""
+    a, b = ckpt_pair("qwen2", tie_word_embeddings=True)
+    with make_engine(a, enable_memory_saver=True) as engine:
+        engine.release_memory_occupation()
+        ok, msg = engine.update_weights_from_disk(str(b))
+        assert not ok and "resume_memory_occupation" in msg  # nowhere to write while released
+        engine.resume_memory_occupation(["weights"])
+        assert engine.runner.memory_saver.bytes_held("kv_cache") == 0
+        ok, msg = engine.update_weights_from_disk(str(b), weight_version="step-1")
+        assert ok, msg
+        with pytest.raises(RuntimeError, match="resume_memory_occupation"):
+            run(engine)  # the KV cache is still released
+        engine.resume_memory_occupation(["kv_cache"])
+        assert run(engine) == reference_outputs(b)
+        assert versions(engine) == {"step-1"}
+
+
+def test_releasing_kv_cache_flushes_prefix_cache(ckpt_pair):
+    """After a kv_cache release no request is served from the (freed) prefix cache: cached_tokens 0."""
+    a, _ = ckpt_pair("llama")
+    prompt = list(range(5, 45))
+    sp = dict(temperature=0, max_new_tokens=6, ignore_eos=True)
+    with make_engine(a, enable_memory_saver=True) as engine:
+        first = engine.generate(input_ids=prompt, sampling_params=sp)
+        assert engine.generate(input_ids=prompt, sampling_params=sp)["meta_info"]["cached_tokens"] > 0
+        engine.release_memory_occupation(["kv_cache"])
+        engine.resume_memory_occupation(["kv_cache"])
+        again = engine.generate(input_ids=prompt, sampling_params=sp)
+        assert again["meta_info"]["cached_tokens"] == 0
+        assert again["output_ids"] == first["output_ids"]
+
+
+def test_resumed_kv_memory_content_does_not_matter(ckpt_pair):
+    """Resumed KV memory is uninitialised; even if it is all NaN, outputs (padded batches) are unchanged."""
+    a, _ = ckpt_pair("llama")
+    with make_engine(a, enable_memory_saver=True) as engine:
+        outputs = run(engine)
+        saver = engine.runner.memory_saver
+        real_resume = saver.resume
+
+        def resume_into_garbage(tag):
+            real_resume(tag)
+            for buf in saver.regions[tag].buffers:
+                buf.fill_(float("nan"))
+
+        saver.resume = resume_into_garbage
+        engine.release_memory_occupation(["kv_cache"])
+        engine.resume_memory_occupation(["kv_cache"])
+        assert run(engine) == outputs
+
+
+def test_rope_buffers_survive_a_weight_release(ckpt_pair, reference_outputs):
+    """Rope cos/sin tables are buffers, not weights: a release without backup keeps them resident and
+    intact, and after a full update the model equals a fresh one."""
+    a, b = ckpt_pair("llama")  # llama3 rope scaling: a table a default one would not reproduce
+    with make_engine(a, enable_memory_saver=True) as engine:
+        buffers = {n: t.clone() for n, t in engine.runner.model.named_buffers()}
+        assert any("cos_cached" in n for n in buffers) and any("sin_cached" in n for n in buffers)
+        engine.release_memory_occupation(["weights"])
+        for name, t in engine.runner.model.named_buffers():
+            assert t.untyped_storage().nbytes() > 0 and torch.equal(t, buffers[name]), name
+        assert all(p.untyped_storage().nbytes() == 0 for p in engine.runner.model.parameters())
+        engine.resume_memory_occupation(["weights"])
+        assert engine.update_weights_from_tensor(list(read_state_dict(b).items()))[0]
+        assert run(engine) == reference_outputs(b)
+
+
+def test_release_without_memory_saver_is_a_clear_error(ckpt_pair):
+    """enable_memory_saver=False: release raises naming the flag, and the engine keeps serving unchanged."""
+    a, _ = ckpt_pair("llama")
+    with make_engine(a) as engine:
+        before, outputs = snapshot(engine), run(engine)
+        for tags in (None, ["weights"], ["kv_cache"]):
+            with pytest.raises(RuntimeError, match="enable_memory_saver=True"):
+                engine.release_memory_occupation(tags)
+        with pytest.raises(RuntimeError, match="enable_memory_saver=True"):
+            engine.resume_memory_occupation()
+        assert_same_tensors(before, engine)
+        assert run(engine) == outputs
+
+
+def test_unknown_tag_is_a_clear_error(ckpt_pair):
+    """A misspelt tag raises, listing the valid ones, and releases nothing."""
+    a, _ = ckpt_pair("llama")
+    with make_engine(a, enable_memory_saver=True) as engine:
+        with pytest.raises(ValueError, match="kv_cache"):
+            engine.release_memory_occupation(["kvcache"])
+        assert engine.runner.memory_saver.bytes_held("kv_cache") > 0
+        run(engine)
+
+
+def test_release_refused_while_a_request_runs(ckpt_pair):
+    """Release with a request in flight and generation not paused raises; the request finishes intact."""
+    a, _ = ckpt_pair("llama")
+    with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
+        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG)["output_ids"]
+        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG, stream=True)
+        next(stream)
+        with engine._cv:  # hold the scheduler between steps so the request is surely still running
+            assert engine.scheduler.num_in_flight() == 1
+            with pytest.raises(RuntimeError, match="in flight.*pause_generation"):
+                engine.release_memory_occupation()
+            assert engine.runner.memory_saver.bytes_held("weights") > 0
+        assert list(stream)[-1]["output_ids"] == reference
+
+
+def test_paused_release_resume_continue_recomputes_identically(ckpt_pair):
+    """Paused: release all (requests are retracted), resume, continue -> the same tokens as uninterrupted."""
+    a, _ = ckpt_pair("llama")
+    with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
+        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG)["output_ids"]
+        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG, stream=True)
+        next(stream)
+        engine.pause_generation()
+        engine.release_memory_occupation()
+        assert engine.runner.memory_saver.bytes_held("kv_cache") == 0
+        engine.resume_memory_occupation()
+        engine.continue_generation()
+        final = list(stream)[-1]
+        assert final["output_ids"] == reference
+        assert final["meta_info"]["num_retractions"] == 1
+
+
+def test_paused_update_then_continue_uses_new_weights(ckpt_pair):
+    """Paused mid-request: release -> resume(weights) -> update -> resume(kv) -> continue. The tokens before
+    the pause are A's, the rest are what a fresh engine on B continues the same prefix with, and the
+    output reports the new weight_version."""
+    a, b = ckpt_pair("llama")
+    sp = dict(temperature=0, max_new_tokens=40, ignore_eos=True)
+    with make_engine(a, enable_memory_saver=True) as engine:
+        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG | sp, stream=True)
+        next(stream)
+        with engine._cv:  # pause between two steps, with the request surely unfinished
+            engine.pause_generation()
+            num_before = len(engine._reqs[next(iter(engine._reqs))].output_ids)
+        assert 0 < num_before < 40
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation(["weights"])
+        assert engine.update_weights_from_disk(str(b), weight_version="new")[0]
+        engine.resume_memory_occupation(["kv_cache"])
+        engine.continue_generation()
+        final = list(stream)[-1]
+    assert final["meta_info"]["weight_version"] == "new"
+    out = final["output_ids"]
+    assert len(out) == 40
+    with make_engine(a) as fresh_a:
+        assert out[:num_before] == fresh_a.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"][:num_before]
+    with make_engine(b) as fresh_b:
+        rest = fresh_b.generate(input_ids=[5, 6, 7, *out[:num_before]],
+                                sampling_params=sp | dict(max_new_tokens=40 - num_before))["output_ids"]
+    assert out[num_before:] == rest
+
+
+def test_paused_update_without_release_retracts_and_recomputes(ckpt_pair):
+    """Paused with requests in flight, update_weights_from_tensor succeeds (no release needed); after
+    continue_generation every one of them finishes under the new weight_version."""
+    a, b = ckpt_pair("qwen3")
+    with make_engine(a) as engine:
+        streams = [engine.generate(input_ids=[5 + i, 6, 7], sampling_params=LONG, stream=True) for i in range(3)]
+        for s in streams:
+            next(s)
+        engine.pause_generation()
+        ok, msg = engine.update_weights_from_tensor(list(read_state_dict(b).items()), weight_version="v2")
+        assert ok, msg
+        engine.continue_generation()
+        finals = [list(s)[-1] for s in streams]
+    for f in finals:
+        assert f["meta_info"]["weight_version"] == "v2"
+        assert f["meta_info"]["finish_reason"]["type"] == "length"

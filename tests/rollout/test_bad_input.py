@@ -1,0 +1,146 @@
+"""Bad input (issue 2 item 5, issue 3 item 5): each raises a clear ValueError/TypeError naming the
+field, nothing of the bad call is queued, and the engine then answers a valid request exactly as HF
+greedy generation does; a bad request arriving mid-run does not disturb the running ones."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.checkpoints import VOCAB_SIZE
+from tests.rollout.oracle import hf_generate, random_prompts
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+PROMPT = random_prompts([11], seed=41)[0]
+
+
+@pytest.fixture(scope="module")
+def env(tiny_llama, module_engines, hf_models):
+    engine = module_engines(tiny_llama, context_length=128)
+    ref_ids, _ = hf_generate(hf_models(tiny_llama), PROMPT, GREEDY["max_new_tokens"])
+    return engine, ref_ids
+
+
+def _sp(**kw) -> dict:
+    return {**GREEDY, **kw}
+
+
+BAD_CALLS = {
+    "unknown sampling key": (dict(input_ids=PROMPT, sampling_params=_sp(temprature=0.5)), ValueError, "temprature"),
+    "negative temperature": (dict(input_ids=PROMPT, sampling_params=_sp(temperature=-0.1)), ValueError, "temperature"),
+    "temperature not a number": (dict(input_ids=PROMPT, sampling_params=_sp(temperature="hot")), ValueError,
+                                 "temperature"),
+    "top_p zero": (dict(input_ids=PROMPT, sampling_params=_sp(top_p=0.0)), ValueError, "top_p"),
+    "top_p above one": (dict(input_ids=PROMPT, sampling_params=_sp(top_p=1.5)), ValueError, "top_p"),
+    "top_k zero": (dict(input_ids=PROMPT, sampling_params=_sp(top_k=0)), ValueError, "top_k"),
+    "min_p above one": (dict(input_ids=PROMPT, sampling_params=_sp(min_p=2.0)), ValueError, "min_p"),
+    "negative max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(max_new_tokens=-1)), ValueError,
+                                "max_new_tokens"),
+    "float max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(max_new_tokens=4.0)), ValueError,
+                             "max_new_tokens"),
+    "n zero": (dict(input_ids=PROMPT, sampling_params=_sp(n=0)), ValueError, "sampling param n"),
+    "stop not strings": (dict(input_ids=PROMPT, sampling_params=_sp(stop=[1, 2])), ValueError, "stop"),
+    "stop empty string": (dict(input_ids=PROMPT, sampling_params=_sp(stop=[""])), ValueError, "stop"),
+    "stop_token_ids outside vocab": (dict(input_ids=PROMPT, sampling_params=_sp(stop_token_ids=[VOCAB_SIZE])),
+                                     ValueError, "stop_token_ids"),
+    "sampling_params not a dict": (dict(input_ids=PROMPT, sampling_params=[("temperature", 0)]), ValueError,
+                                   "sampling_params"),
+    "sampling_params list too short": (dict(input_ids=[PROMPT, PROMPT], sampling_params=[GREEDY]), ValueError,
+                                       "sampling_params"),
+    "token id above vocab": (dict(input_ids=PROMPT + [VOCAB_SIZE]), ValueError, "vocabulary"),
+    "negative token id": (dict(input_ids=[-1] + PROMPT), ValueError, "vocabulary"),
+    "token id not an int": (dict(input_ids=[1.0, 2.0]), ValueError, "input_ids"),
+    "bool token id": (dict(input_ids=[True, 5]), ValueError, "input_ids"),
+    "empty prompt": (dict(input_ids=[[]]), ValueError, "empty"),
+    "empty batch": (dict(input_ids=[]), ValueError, "empty"),
+    "prompt longer than the context": (dict(input_ids=[5] * 128), ValueError, "context"),
+    "both prompt and input_ids": (dict(prompt="hi", input_ids=PROMPT), ValueError, "prompt"),
+    "neither prompt nor input_ids": (dict(), ValueError, "prompt"),
+    "prompt not a string": (dict(prompt=[1, 2, 3]), ValueError, "prompt"),
+    "unknown generate argument": (dict(input_ids=PROMPT, sampling_param=GREEDY), TypeError, "sampling_param"),
+    "negative top_logprobs_num": (dict(input_ids=PROMPT, top_logprobs_num=-1), ValueError, "top_logprobs_num"),
+    "stream with a batch": (dict(input_ids=[PROMPT, PROMPT], stream=True), ValueError, "stream"),
+    "duplicate rids": (dict(input_ids=[PROMPT, PROMPT], rid="same"), ValueError, "id"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_request_is_a_clear_error_and_engine_keeps_serving(case, env):
+    """The bad call raises naming the field, queues nothing, and the next valid request equals HF greedy."""
+    engine, ref_ids = env
+    kwargs, exc, field = BAD_CALLS[case]
+    before = engine.get_server_info()["num_prompt_tokens"]
+    with pytest.raises(exc, match=field):
+        out = engine.generate(**kwargs)
+        if kwargs.get("stream"):
+            next(out)
+    info = engine.get_server_info()
+    assert info["num_in_flight"] == 0 and info["num_prompt_tokens"] == before
+    assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == ref_ids
+
+
+def test_prompt_filling_the_context_gets_one_token(env):
+    """A prompt of context_length-1 tokens is accepted and stops after one token (finish length)."""
+    engine, _ = env
+    out = engine.generate(input_ids=[5] * 127, sampling_params=GREEDY)
+    assert out["meta_info"]["completion_tokens"] == 1
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_unknown_id_is_a_clear_error(env):
+    """abort_request of an id that is not in flight raises a ValueError naming it; the engine keeps serving."""
+    engine, ref_ids = env
+    with pytest.raises(ValueError, match="no-such-request"):
+        engine.abort_request("no-such-request")
+    assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == ref_ids
+
+
+def test_bad_sampling_param_in_one_prompt_rejects_the_whole_call(env):
+    """One bad entry in a batch rejects the call before anything is queued (all or nothing)."""
+    engine, ref_ids = env
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(input_ids=[PROMPT, PROMPT], sampling_params=[GREEDY, _sp(top_p=0)])
+    assert engine.get_server_info()["num_in_flight"] == 0
+    outs = engine.generate(input_ids=[PROMPT, PROMPT], sampling_params=[GREEDY, GREEDY])
+    assert [o["output_ids"] for o in outs] == [ref_ids, ref_ids]
+
+
+def test_bad_requests_while_others_run_do_not_disturb_them(env):
+    """Bad requests submitted from another thread while a batch runs are refused; the batch is unchanged."""
+    engine, _ = env
+    prompts = random_prompts([6, 12, 18, 24], seed=42)
+    params = [{"temperature": 0.8, "top_k": 30, "max_new_tokens": 40, "ignore_eos": True, "seed": i} for i in range(4)]
+    ref = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    result: list = []
+    engine.pause_generation()  # the batch is certainly in flight when the bad requests arrive
+    try:
+        t = threading.Thread(target=lambda: result.append(
+            engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)))
+        t.start()
+        while engine.get_server_info()["num_in_flight"] < 4:
+            time.sleep(0.005)
+        for kwargs, exc, field in list(BAD_CALLS.values())[::3]:
+            with pytest.raises(exc, match=field):
+                engine.generate(**kwargs)
+        with pytest.raises(ValueError, match="nope"):
+            engine.abort_request("nope")
+    finally:
+        engine.continue_generation()
+    t.join(timeout=60)
+    for out, r in zip(result[0], ref):
+        assert out["output_ids"] == r["output_ids"]
+        lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert lps == pytest.approx([lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]], abs=1e-5)
+
+
+def test_request_larger_than_kv_pool_aborts_with_reason(tiny_llama, make_engine, hf_models):
+    """A prompt larger than the KV pool finishes as abort naming max_total_tokens; the others finish normally."""
+    engine = make_engine(tiny_llama, max_total_tokens=40)
+    ref_ids, _ = hf_generate(hf_models(tiny_llama), PROMPT, 8)
+    big, ok = engine.generate(input_ids=[[5] * 60, PROMPT], sampling_params=GREEDY)
+    assert big["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "max_total_tokens" in big["meta_info"]["finish_reason"]["message"]
+    assert ok["output_ids"] == ref_ids
+    assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == ref_ids

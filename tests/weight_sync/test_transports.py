@@ -1,0 +1,328 @@
+"""Every weight-sync transport makes the engine serve exactly the trainer's weights.
+
+The oracle is independent of weight_sync: the trainer's in-memory model is written with HF's own
+`save_pretrained` and loaded into a fresh Engine; after a sync, the engine under test must give the
+same greedy tokens and logprobs as that fresh engine. The trainer's weights are a seeded perturbation
+of the checkpoint, so no file on disk holds them before the test writes one, and each test first
+checks that the engine's outputs differ from the target (a sync that does nothing cannot pass).
+
+Transports: in-process buckets, a RemoteEngine child fed through shared memory (one child per
+module), a gloo broadcast group between this process and that child, and atomic HF checkpoints.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import socket
+import time
+from multiprocessing import shared_memory
+
+import pytest
+import torch
+from torch import nn
+
+from rollout import Engine
+from tests.checkpoints import load_hf_model
+from tests.rollout.oracle import random_prompts
+from weight_sync import DiskTarget, sync_weights
+from weight_sync.cross_process import RemoteEngine
+from weight_sync.distributed import DistributedTarget, create_weight_update_group
+
+ENGINE_KW = dict(show_progress=False, max_total_tokens=1024, max_running_requests=16, disable_radix_cache=True)
+PROMPTS = random_prompts([5, 9, 3], seed=7)
+SMALL_BUCKET = 32 << 10  # the tiny llama is ~590 KB of fp32: many buckets
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def perturbed_model(ckpt, seed: int) -> nn.Module:
+    """The trainer's model: the checkpoint plus seeded noise (half each tensor's std), fp32 CPU."""
+    model = load_hf_model(ckpt)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5 * p.std().clamp_min(0.05))
+    return model
+
+
+def outputs(engine) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs for PROMPTS (works for Engine and RemoteEngine)."""
+    outs = engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0.0, "max_new_tokens": 8},
+                           return_logprob=True)
+    return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+def assert_same(got, want, atol: float = 1e-5) -> None:
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, want, strict=True):
+        assert ids == ref_ids
+        assert torch.allclose(torch.tensor(lps), torch.tensor(ref_lps), atol=atol, rtol=0)
+
+
+def differ(a, b) -> bool:
+    return [ids for ids, _ in a] != [ids for ids, _ in b]
+
+
+@pytest.fixture(scope="module")
+def ckpt(ckpt_factory):
+    return ckpt_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def trainer(ckpt, tmp_path_factory):
+    """`trainer(seed, base=ckpt) -> (model, reference outputs)`: `base` perturbed with `seed`, and
+    the outputs of a fresh Engine on the model's own `save_pretrained` output. Cached per module."""
+    cache: dict = {}
+
+    def get(seed: int, base=None):
+        base = base or ckpt
+        key = (str(base), seed)
+        if key not in cache:
+            model = perturbed_model(base, seed)
+            path = tmp_path_factory.mktemp(f"trainer-{seed}")
+            model.save_pretrained(path)
+            for f in TOKENIZER_FILES:
+                if (base / f).exists():
+                    shutil.copy(base / f, path / f)
+            with Engine(str(path), **ENGINE_KW) as fresh:
+                cache[key] = (model, outputs(fresh))
+        return cache[key]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------
+# in-process
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_in_process_sync_in_many_buckets_equals_fresh_engine(ckpt_factory, trainer, tied):
+    """sync_weights into an in-process Engine, bucket by bucket, gives the fresh engine's outputs."""
+    base = ckpt_factory("llama", tie_word_embeddings=tied)
+    model, want = trainer(1, base)
+    with Engine(str(base), **ENGINE_KW) as engine:
+        assert differ(outputs(engine), want)
+        calls = []
+        real = engine.update_weights_from_tensor
+
+        def counting(*args, **kwargs):
+            calls.append(kwargs.get("load_format"))
+            return real(*args, **kwargs)
+
+        engine.update_weights_from_tensor = counting
+        ok, msg = sync_weights(model, engine, bucket_bytes=SMALL_BUCKET)
+        assert ok, msg
+        assert len(calls) > 3 and set(calls) == {"flattened_bucket"}
+        assert_same(outputs(engine), want)
+
+
+class Wrapped(nn.Module):
+    """A trainer whose names are not HF's: `policy.`-prefixed, plus a value head the engine lacks."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+        self.value_head = nn.Linear(policy.config.hidden_size, 1)
+
+
+def hf_name(name: str) -> str | None:
+    return None if name.startswith("value_head.") else name.removeprefix("policy.")
+
+
+def test_name_map_renames_and_skips(ckpt, trainer):
+    """name_map maps prefixed trainer names back to HF names and drops tensors mapped to None;
+    without it the first bucket is refused and the engine keeps its old weights."""
+    model, want = trainer(2)
+    wrapped = Wrapped(model)
+    with Engine(str(ckpt), **ENGINE_KW) as engine:
+        before = outputs(engine)
+        assert differ(before, want)
+        ok, msg = sync_weights(wrapped, engine, bucket_bytes=SMALL_BUCKET)
+        assert not ok and "policy.model" in msg
+        assert_same(outputs(engine), before)
+        ok, msg = sync_weights(wrapped, engine, bucket_bytes=SMALL_BUCKET, name_map=hf_name)
+        assert ok, msg
+        assert_same(outputs(engine), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# disk
+
+
+def test_disk_sync_equals_fresh_engine_and_leaves_hf_checkpoint(ckpt, trainer, tmp_path):
+    """DiskTarget saves an HF checkpoint atomically and the engine reloads it: outputs equal the
+    fresh engine's, the directory loads with transformers to the trainer's exact tensors, and no
+    temp directory is left behind."""
+    model, want = trainer(3)
+    out_dir = tmp_path / "sync" / "policy"
+    with Engine(str(ckpt), **ENGINE_KW) as engine:
+        assert differ(outputs(engine), want)
+        ok, msg = sync_weights(model, DiskTarget(engine, out_dir, ckpt / "config.json"))
+        assert ok, msg
+        assert_same(outputs(engine), want)
+    reloaded = load_hf_model(out_dir)
+    mine = dict(model.named_parameters())
+    for name, p in reloaded.named_parameters():
+        assert torch.equal(p, mine[name]), name
+    assert [p.name for p in out_dir.parent.iterdir()] == ["policy"]
+
+
+# ---------------------------------------------------------------------------------------------
+# cross-process: one engine child for the rest of the module
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """Trainer-side broadcast groups (and their stores), kept alive until the child has shut down."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def remote(ckpt, groups):
+    with RemoteEngine(model_path=str(ckpt), **ENGINE_KW) as r:
+        yield r
+
+
+def test_cross_process_sync_equals_fresh_engine(remote, trainer):
+    """sync_weights through shared memory into a RemoteEngine child gives the fresh engine's outputs,
+    twice in a row with different weights (the trainer's segment is reused between buckets)."""
+    model_a, want_a = trainer(11)
+    model_b, want_b = trainer(12)
+    assert differ(want_a, want_b)
+    for model, want in [(model_a, want_a), (model_b, want_b)]:
+        ok, msg = sync_weights(model, remote, bucket_bytes=SMALL_BUCKET)
+        assert ok, msg
+        assert_same(outputs(remote), want)
+
+
+def test_malformed_descriptor_is_refused_and_old_weights_kept(remote, trainer):
+    """A bad shared-memory descriptor sent straight to the child comes back (False, reason) and the
+    engine keeps serving its previous weights."""
+    model, want = trainer(11)
+    ok, msg = sync_weights(model, remote)
+    assert ok, msg
+    seg = shared_memory.SharedMemory(create=True, size=64)
+    try:
+        meta = {"name": "model.norm.weight", "shape": [64], "dtype": "float32", "start": 0, "end": 64}
+        good = {"shm_name": seg.name, "nbytes": 64, "dtype": "float32", "metadata": []}
+        bad_descriptors = {
+            "not a dict": ["model.norm.weight"],
+            "missing key": {"shm_name": seg.name, "nbytes": 64, "dtype": "float32"},
+            "extra key": {**good, "__reduce__": "os.system"},
+            "no such segment": {**good, "shm_name": "rollout-test-no-such-segment"},
+            "nbytes past the segment": {**good, "nbytes": 1 << 20},
+            "negative nbytes": {**good, "nbytes": -4},
+            "unknown dtype": {**good, "dtype": "object"},
+            "offsets past the data": {**good, "metadata": [meta]},  # 64 elements need 256 bytes
+            "shape/offset mismatch": {**good, "metadata": [{**meta, "shape": [3], "end": 16}]},
+            "metadata not a list": {**good, "metadata": "model.norm.weight"},
+        }
+        for what, descriptor in bad_descriptors.items():
+            ok, msg = remote.call("update_weights_from_tensor", named_tensors=descriptor, load_format="shm_bucket")
+            assert ok is False, what
+            assert "bad bucket" in msg, (what, msg)
+    finally:
+        seg.close()
+        seg.unlink()
+    assert_same(outputs(remote), want)
+
+
+def test_disallowed_methods_are_refused(remote):
+    """Only Engine's public RL surface can be called remotely: other names fail on both ends."""
+    for method in ("__init__", "runner", "_update", "shutdown_everything"):
+        with pytest.raises(RuntimeError, match="not allowed"):
+            remote.call(method)
+    with pytest.raises(AttributeError):
+        remote.runner  # noqa: B018 - the proxy itself refuses names outside ALLOWED_METHODS
+    assert remote.get_server_info()["num_in_flight"] == 0  # still serving
+
+
+class _Unpickled:
+    """Unpickling this creates `path`: proof that a pickle was executed."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_protocol_never_unpickles(remote, tmp_path):
+    """A pickle payload (or any non-object JSON) on the wire gets an error reply; nothing executes
+    and the engine keeps serving."""
+    marker = tmp_path / "unpickled"
+    payloads = [pickle.dumps(_Unpickled(marker)), b"[1, 2, 3]", b"\xff\xfe not json"]
+    with remote._lock:  # raw bytes on the pipe, below RemoteEngine's JSON encoder
+        for payload in payloads:
+            remote._conn.send_bytes(payload)
+            with pytest.raises(RuntimeError, match="not JSON|not allowed"):
+                remote._recv()
+    assert not marker.exists()
+    assert len(outputs(remote)) == len(PROMPTS)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed (gloo): this process is rank 0, the engine child is rank 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_group(remote, name: str, timeout_s: float):
+    """Both sides create the group at once: the child joins asynchronously while we host the store."""
+    port = free_port()
+    remote.call_async("init_weights_update_group", master_address="127.0.0.1", master_port=port, rank_offset=1,
+                      world_size=2, group_name=name, backend="gloo", timeout_s=timeout_s)
+    group = create_weight_update_group("127.0.0.1", port, rank=0, world_size=2, group_name=name, backend="gloo",
+                                       timeout_s=timeout_s)
+    ok, msg = remote.result()
+    assert ok, msg
+    return group
+
+
+def test_distributed_sync_equals_fresh_engine(remote, trainer, groups):
+    """Broadcasting bucket by bucket over a gloo group gives the fresh engine's outputs."""
+    group = join_group(remote, "test-broadcast", timeout_s=30)
+    groups.append(group)
+    target = DistributedTarget(remote, group, "test-broadcast")
+    for seed in (21, 22):
+        model, want = trainer(seed)
+        assert differ(outputs(remote), want)
+        ok, msg = sync_weights(model, target, bucket_bytes=SMALL_BUCKET)
+        assert ok, msg
+        assert_same(outputs(remote), want)
+
+
+def test_engine_refusing_a_broadcast_fails_cleanly(remote, trainer, groups):
+    """When the engine refuses before receiving (unknown group name), sync_weights returns
+    (False, the engine's reason) after the group timeout, and the handle stays usable."""
+    model, want = trainer(11)
+    ok, msg = sync_weights(model, remote)
+    assert ok, msg
+    group = join_group(remote, "test-refused", timeout_s=3)
+    groups.append(group)
+    ok, msg = sync_weights(model, DistributedTarget(remote, group, "no-such-group"))
+    assert ok is False and "no-such-group" in msg, msg
+    assert_same(outputs(remote), want)
+
+
+def test_trainer_dying_mid_update_times_out_and_keeps_old_weights(remote, trainer, groups):
+    """An update whose broadcast never comes fails after the group timeout with a message saying so,
+    and the engine keeps serving the weights it had."""
+    model, want = trainer(11)
+    ok, msg = sync_weights(model, remote)
+    assert ok, msg
+    groups.append(join_group(remote, "test-dead-trainer", timeout_s=3))
+    names, shapes = zip(*[(n, list(p.shape)) for n, p in model.named_parameters()])
+    t0 = time.perf_counter()
+    remote.call_async("update_weights_from_distributed", names=list(names), dtypes=["float32"] * len(names),
+                      shapes=list(shapes), group_name="test-dead-trainer")
+    # ... and the trainer "dies": it never broadcasts.
+    ok, msg = remote.result()
+    elapsed = time.perf_counter() - t0
+    assert ok is False
+    assert "timed out" in msg.lower() or "timeout" in msg.lower(), msg
+    assert 2 < elapsed < 30
+    assert_same(outputs(remote), want)
