@@ -101,19 +101,28 @@ def test_abort_mid_stream_leaves_others_unchanged(engine):
     params = [_sp(20 + i) for i in range(len(others))]
     ref = engine.generate(input_ids=others, sampling_params=params, return_logprob=True)
     victim = random_prompts([16], seed=35)[0]
-    stream = engine.generate(input_ids=victim, sampling_params=_sp(3, max_new_tokens=400), stream=True,
-                             rid="victim")
-    result: list = []
-    t = threading.Thread(target=lambda: result.append(
-        engine.generate(input_ids=others, sampling_params=params, return_logprob=True)))
-    t.start()
-    next(stream), next(stream)
-    engine.abort_request("victim")
-    *_, final = stream
-    t.join(timeout=60)
+    for _ in range(3):
+        stream = engine.generate(input_ids=victim, sampling_params=_sp(3, max_new_tokens=400), stream=True,
+                                 rid="victim")
+        result: list = []
+        t = threading.Thread(target=lambda result=result: result.append(
+            engine.generate(input_ids=others, sampling_params=params, return_logprob=True)))
+        t.start()
+        next(stream), next(stream)
+        try:
+            engine.abort_request("victim")
+            aborted = True
+        except ValueError:  # the engine does not wait for readers: a starved one saw chunk 2 after the end
+            aborted = False
+        *_, final = stream
+        t.join(timeout=60)
+        _assert_same(result[0], ref)
+        if aborted:
+            break
+    else:
+        pytest.fail("the victim always finished before the abort landed")
     assert final["meta_info"]["finish_reason"]["type"] == "abort"
     assert 2 <= len(final["output_ids"]) < 400
-    _assert_same(result[0], ref)
     with pytest.raises(ValueError, match="victim"):  # gone: a second abort names the id
         engine.abort_request("victim")
 
@@ -144,31 +153,39 @@ def test_abort_from_another_thread_inside_a_batch(engine):
 def test_pause_holds_progress_and_continue_resumes(engine):
     """Paused: no new chunks and no new request finishes; after continue both equal an unpaused run."""
     prompt, other = random_prompts([9, 14], seed=37)
-    long_sp = _sp(4, max_new_tokens=200)  # long enough that it cannot finish before the pause lands
+    long_sp = _sp(4, max_new_tokens=400)
     ref = engine.generate(input_ids=prompt, sampling_params=long_sp, return_logprob=True)
     ref_other = engine.generate(input_ids=other, sampling_params=_sp(5), return_logprob=True)
-    chunks: list[dict] = []
-    other_out: list[dict] = []
-    stream = engine.generate(input_ids=prompt, sampling_params=long_sp, return_logprob=True, stream=True)
+    for _ in range(3):
+        chunks: list[dict] = []
+        stream = engine.generate(input_ids=prompt, sampling_params=long_sp, return_logprob=True, stream=True)
 
-    def consume():
-        for chunk in stream:
-            chunks.append(chunk)
-            if len(chunks) == 2:
-                engine.pause_generation()
+        def consume(stream=stream, chunks=chunks):
+            for chunk in stream:
+                chunks.append(chunk)
+                if len(chunks) == 2:
+                    engine.pause_generation()
 
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    try:
+        consumer = threading.Thread(target=consume)
+        consumer.start()
         _wait_until(lambda: engine.get_server_info()["paused"])
-        late = threading.Thread(target=lambda: other_out.append(
-            engine.generate(input_ids=other, sampling_params=_sp(5), return_logprob=True)))
+        if engine.get_server_info()["num_in_flight"] == 1:
+            break
+        # The engine does not wait for readers: a starved consumer saw chunk 2 after the end. Try again.
+        engine.continue_generation()
+        consumer.join(timeout=60)
+    else:
+        pytest.fail("the stream always finished before the pause landed")
+    other_out: list[dict] = []
+    late = threading.Thread(target=lambda: other_out.append(
+        engine.generate(input_ids=other, sampling_params=_sp(5), return_logprob=True)))
+    try:
         late.start()
+        _wait_until(lambda: engine.get_server_info()["num_in_flight"] == 2)
         time.sleep(0.2)  # chunks made before the pause are delivered
         held = len(chunks)
         time.sleep(0.3)
-        assert len(chunks) == held < 200 and not other_out
-        assert engine.get_server_info()["num_in_flight"] == 2
+        assert len(chunks) == held and chunks[-1]["meta_info"]["finish_reason"] is None and not other_out
     finally:
         engine.continue_generation()
     consumer.join(timeout=60)

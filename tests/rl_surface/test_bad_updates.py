@@ -1,0 +1,308 @@
+"""Bad weight updates: each returns (False, reason naming the tensor or file) and changes nothing.
+
+One engine serves the whole module; after every refused update its parameters are torch.equal to the
+snapshot taken at the start, its outputs are bit-identical, and weight_version has not moved. Tensor
+lists put valid tensors *before* the bad one, so a loader that wrote as it checked would be caught.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.rl_surface.conftest import assert_same_tensors, make_engine, read_state_dict, run
+from weight_sync import iter_buckets
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+K = "model.layers.1.self_attn.k_proj.weight"
+UP = "model.layers.1.mlp.up_proj.weight"
+NORM = "model.norm.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+@pytest.fixture(scope="module")
+def setup(ckpt_factory):
+    """(engine on A, B's checkpoint dir, B's state dict, A's snapshot, A's outputs)."""
+    a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
+    with make_engine(a) as engine:
+        from tests.rl_surface.conftest import snapshot
+
+        yield engine, b, read_state_dict(b), snapshot(engine), run(engine)
+
+
+def _valid_first(sd: dict, name: str, bad) -> list:
+    """B's tensors with `name` replaced by `bad`, moved to the end."""
+    return [(n, t) for n, t in sd.items() if n != name] + [(name, bad)]
+
+
+TENSOR_CASES = {
+    "unknown name": lambda sd: ([*sd.items(), ("model.layers.7.mlp.gate_proj.weight", sd[UP])],
+                                ["model.layers.7.mlp.gate_proj.weight", "unknown"]),
+    "wrong shape (fused shard)": lambda sd: (_valid_first(sd, K, sd[K][:, :-1]), [K, "shape"]),
+    "wrong shape (norm)": lambda sd: (_valid_first(sd, NORM, sd[NORM][:-1]), [NORM, "shape"]),
+    "int dtype": lambda sd: (_valid_first(sd, NORM, sd[NORM].to(torch.int32)), [NORM, "int32"]),
+    "bool dtype": lambda sd: (_valid_first(sd, NORM, sd[NORM] > 1), [NORM, "bool"]),
+    "nan": lambda sd: (_valid_first(sd, UP, sd[UP].clone().index_fill_(0, torch.tensor([3]), float("nan"))),
+                       [UP, "NaN"]),
+    "inf": lambda sd: (_valid_first(sd, EMBED, sd[EMBED].clone().index_fill_(1, torch.tensor([0]), -float("inf"))),
+                       [EMBED, "inf"]),
+    "not a tensor": lambda sd: (_valid_first(sd, NORM, sd[NORM].tolist()), [NORM, "torch.Tensor"]),
+    "duplicate name": lambda sd: ([*sd.items(), (Q, sd[Q])], [Q, "twice"]),
+    "not pairs": lambda sd: ([Q], ["(name, tensor)"]),
+}
+
+
+def _check_refused(setup, ok_msg, expected):
+    engine, _, _, before, outputs = setup
+    ok, msg = ok_msg
+    assert not ok, msg
+    for part in expected:
+        assert part in msg, (part, msg)
+    assert engine.weight_version == "default"
+    assert_same_tensors(before, engine)
+    assert run(engine) == outputs
+
+
+@pytest.mark.parametrize("case", TENSOR_CASES)
+def test_bad_tensor_update_changes_nothing(setup, case):
+    """A bad (name, tensor) anywhere in the list -> (False, reason naming it); weights and outputs intact."""
+    engine, _, sd, _, _ = setup
+    named, expected = TENSOR_CASES[case](sd)
+    _check_refused(setup, engine.update_weights_from_tensor(named), expected)
+
+
+# ---- flattened buckets ------------------------------------------------------------------------------
+def _buckets(sd):
+    return [bk.to_dict() for bk in iter_buckets(sd, bucket_bytes=64 << 10)]
+
+
+def _edit_meta(sd, name, **changes):
+    """B as buckets, with the metadata entry of `name` edited."""
+    buckets = _buckets(sd)
+    for bk in buckets:
+        for m in bk["metadata"]:
+            if m["name"] == name:
+                m.update(changes)
+    return buckets
+
+
+def _bucket_with(sd, name, tensor):
+    buckets = _buckets({n: t for n, t in sd.items() if n != name})
+    return buckets + [bk.to_dict() for bk in iter_buckets({name: tensor})]
+
+
+BUCKET_CASES = {
+    "no metadata key": lambda sd: ([*_buckets(sd)[:-1], {"flattened_tensor": sd[NORM]}], ["metadata"]),
+    "metadata not a list": lambda sd: ([{"flattened_tensor": sd[NORM], "metadata": "x"}], ["metadata", "list"]),
+    "offsets out of bounds": lambda sd: (_edit_meta(sd, UP, end=10**9), [UP, "out of bounds"]),
+    "numel != shape": lambda sd: (_edit_meta(sd, K, shape=[3, 3]), [K, "shape"]),
+    "unknown dtype": lambda sd: (_edit_meta(sd, NORM, dtype="float13"), [NORM, "float13"]),
+    "dtype != flat tensor's": lambda sd: (_edit_meta(sd, NORM, dtype="float16"), [NORM, "float16"]),
+    "2-D flat tensor": lambda sd: ([{"flattened_tensor": sd[Q], "metadata": []}], ["1-D"]),
+    "unknown name": lambda sd: (_bucket_with(sd, "model.layers.9.mlp.up_proj.weight", sd[UP]),
+                                ["model.layers.9.mlp.up_proj.weight"]),
+    "nan in bucket": lambda sd: (_bucket_with(sd, Q, sd[Q].clone().fill_(float("nan"))), [Q, "NaN"]),
+    "int bucket": lambda sd: (_bucket_with(sd, NORM, sd[NORM].to(torch.int64)), [NORM, "int64"]),
+}
+
+
+@pytest.mark.parametrize("case", BUCKET_CASES)
+def test_bad_flattened_bucket_changes_nothing(setup, case):
+    """A malformed bucket (any one of several in a call) -> (False, reason); weights and outputs intact."""
+    engine, _, sd, _, _ = setup
+    buckets, expected = BUCKET_CASES[case](sd)
+    _check_refused(setup, engine.update_weights_from_tensor(buckets, load_format="flattened_bucket"), expected)
+
+
+def test_unknown_load_format_changes_nothing(setup):
+    """An unsupported load_format is refused by name for both update paths."""
+    engine, b, sd, _, _ = setup
+    _check_refused(setup, engine.update_weights_from_tensor(list(sd.items()), load_format="npz"), ["npz"])
+    _check_refused(setup, engine.update_weights_from_disk(str(b), load_format="pt"), ["'pt'"])
+
+
+# ---- checkpoints on disk ----------------------------------------------------------------------------
+def _copy(b, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(b, dst)
+    return dst
+
+
+def _rewrite_header(path, edit):
+    """Rewrite the JSON header of a safetensors file in place (same length, padded with spaces)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = edit(json.loads(data[8 : 8 + n]))
+    raw = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
+    raw = raw.ljust(n, b" ")
+    assert len(raw) == n
+    path.write_bytes(data[:8] + raw + data[8 + n :])
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    for k in [k for k, v in changes.items() if v is None]:
+        del cfg[k]
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _missing_dir(b, tmp_path, ckpt_factory):
+    return tmp_path / "nowhere", ["nowhere"]
+
+
+def _no_config(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    (d / "config.json").unlink()
+    return d, ["config.json"]
+
+
+def _no_weights(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    (d / "model.safetensors").unlink()
+    return d, ["no *.safetensors"]
+
+
+def _missing_shard(b, tmp_path, ckpt_factory):
+    d = _copy(ckpt_factory("llama", seed=1, shard=True), tmp_path)
+    shard = sorted(d.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    return d, [shard.name, "missing"]
+
+
+def _truncated_data(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    return d, ["model.safetensors", "truncated"]
+
+
+def _truncated_header(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:200])
+    return d, ["model.safetensors"]
+
+
+def _empty_file(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    (d / "model.safetensors").write_bytes(b"")
+    return d, ["model.safetensors", "truncated"]
+
+
+def _corrupt_header(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    _rewrite_header(d / "model.safetensors", lambda h: json.dumps(h, separators=(",", ":")).encode()[:-9] + b"\xff\x00garbage")
+    return d, ["model.safetensors", "corrupt"]
+
+
+def _header_not_a_dict(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    _rewrite_header(d / "model.safetensors", lambda h: b"[1, 2, 3]")
+    return d, ["model.safetensors", "corrupt"]
+
+
+def _header_offsets_inconsistent(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+
+    def edit(h):
+        h[NORM]["shape"] = [h[NORM]["shape"][0] * 2]  # the data range no longer fits the shape
+        return h
+
+    _rewrite_header(d / "model.safetensors", edit)
+    return d, ["model.safetensors"]
+
+
+def _other_architecture(b, tmp_path, ckpt_factory):
+    d = _copy(ckpt_factory("qwen2", seed=1), tmp_path)
+    return d, ["config.json", "Qwen2ForCausalLM"]
+
+
+def _unsupported_architecture(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    _edit_config(d, architectures=["GPT2LMHeadModel"])
+    return d, ["config.json", "GPT2LMHeadModel"]
+
+
+def _other_shapes(b, tmp_path, ckpt_factory):
+    d = _copy(ckpt_factory("llama", seed=1, hidden_size=96), tmp_path)
+    return d, ["config.json", "hidden_size"]
+
+
+def _other_depth(b, tmp_path, ckpt_factory):
+    d = _copy(ckpt_factory("llama", seed=1, num_hidden_layers=3), tmp_path)
+    return d, ["config.json", "num_hidden_layers"]
+
+
+def _config_missing_key(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    _edit_config(d, num_attention_heads=None)
+    return d, ["config.json", "num_attention_heads"]
+
+
+def _tensor_missing(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    sd = read_state_dict(d)
+    del sd[UP]
+    save_file(sd, d / "model.safetensors")
+    return d, [UP, "missing"]
+
+
+def _extra_tensor(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    sd = read_state_dict(d)
+    sd["model.layers.5.mlp.up_proj.weight"] = sd[UP].clone()
+    save_file(sd, d / "model.safetensors")
+    return d, ["model.layers.5.mlp.up_proj.weight", "model.safetensors"]
+
+
+def _wrong_shape_in_file(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    sd = read_state_dict(d)
+    sd[K] = sd[K][:-1].contiguous()
+    save_file(sd, d / "model.safetensors")
+    return d, [K, "shape", "model.safetensors"]
+
+
+def _int_tensor_in_file(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    sd = read_state_dict(d)
+    sd[NORM] = sd[NORM].to(torch.int32)
+    save_file(sd, d / "model.safetensors")
+    return d, [NORM, "model.safetensors"]
+
+
+def _nan_in_file(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    sd = read_state_dict(d)
+    sd["model.layers.1.mlp.down_proj.weight"][5, 7] = float("nan")  # sorted late: read after good ones
+    save_file(sd, d / "model.safetensors")
+    return d, ["model.layers.1.mlp.down_proj.weight", "NaN", "model.safetensors"]
+
+
+DISK_CASES = [_missing_dir, _no_config, _no_weights, _missing_shard, _truncated_data, _truncated_header,
+              _empty_file, _corrupt_header, _header_not_a_dict, _header_offsets_inconsistent, _other_architecture,
+              _unsupported_architecture, _other_shapes, _other_depth, _config_missing_key, _tensor_missing,
+              _extra_tensor, _wrong_shape_in_file, _int_tensor_in_file, _nan_in_file]
+
+
+@pytest.mark.parametrize("make_bad", DISK_CASES, ids=lambda f: f.__name__.strip("_"))
+def test_bad_checkpoint_changes_nothing(setup, tmp_path, ckpt_factory, make_bad):
+    """A missing, truncated, corrupt or mismatched checkpoint -> (False, reason naming the file or tensor);
+    the old weights keep serving bit-identically."""
+    engine, b, _, _, _ = setup
+    path, expected = make_bad(b, tmp_path, ckpt_factory)
+    _check_refused(setup, engine.update_weights_from_disk(str(path)), expected)
+
+
+def test_valid_update_still_works_after_refusals(setup, reference_outputs):
+    """After every refusal above, a valid update loads and equals a fresh engine on B (runs last)."""
+    engine, b, _, _, _ = setup
+    ok, msg = engine.update_weights_from_disk(str(b))
+    assert ok, msg
+    assert run(engine) == reference_outputs(b)
