@@ -72,15 +72,23 @@ def vocab_size_of(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
 
-# ---- backends: each returns (seconds, output tokens) for the timed call --------------------------
+# ---- backends: each returns the best timed run as {seconds, cpu_seconds, tokens} ----------------
+# Wall clock is the number that counts; CPU seconds (all threads, and for vLLM all its processes) are
+# kept beside it because this machine may be shared, and a busy neighbour inflates wall time only.
+def _timed(fn):
+    t0, c0 = time.perf_counter(), time.process_time()
+    tokens = fn()
+    return dict(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0, tokens=tokens)
+
+
 def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int, temperature: float,
-           warmup: list[list[int]], repeat: int = 1) -> tuple[float, int]:
+           warmup: list[list[int]], repeat: int = 1) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).eval()
     do_sample = temperature > 0
 
-    def generate(ids: list[list[int]], new_tokens: int) -> tuple[float, int]:
+    def generate(ids: list[list[int]], new_tokens: int) -> dict:
         input_ids = torch.tensor(ids, dtype=torch.int64)  # [batch, prompt_len]; equal lengths, no padding
         kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=do_sample, use_cache=True,
                       pad_token_id=model.generation_config.pad_token_id or 0)
@@ -89,59 +97,67 @@ def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output
         else:  # greedy does not take num_return_sequences; replicate the prompts instead (what HF does anyway)
             input_ids = input_ids.repeat_interleave(n, dim=0)
         attention_mask = torch.ones_like(input_ids)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-            dt = time.perf_counter() - t0
-        num_new = out.shape[1] - input_ids.shape[1]
-        assert num_new == new_tokens, f"HF generated {num_new} tokens, asked {new_tokens}"
-        return dt, out.shape[0] * num_new
+
+        def call() -> int:
+            with torch.inference_mode():
+                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            num_new = out.shape[1] - input_ids.shape[1]
+            assert num_new == new_tokens, f"HF generated {num_new} tokens, asked {new_tokens}"
+            return out.shape[0] * num_new
+
+        return _timed(call)
 
     torch.manual_seed(0)
     if warmup:
         generate(warmup, min(8, output_len))
-    return min(generate(prompts, output_len) for _ in range(repeat))
+    return min((generate(prompts, output_len) for _ in range(repeat)), key=lambda r: r["seconds"])
 
 
 def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int, temperature: float,
-               warmup: list[list[int]], repeat: int = 1, engine_kwargs: dict | None = None
-               ) -> tuple[float, int, dict]:
+               warmup: list[list[int]], repeat: int = 1, engine_kwargs: dict | None = None) -> dict:
     from rollout import Engine
 
     num_seqs = len(prompts) * n
     seq_len = len(prompts[0]) + output_len
+    max_pos = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
     kwargs = dict(device="cpu", dtype=dtype, max_running_requests=max(num_seqs, 16),
-                  context_length=min(seq_len + 16, json.loads((model_dir / "config.json").read_text())
-                                     ["max_position_embeddings"]),
+                  context_length=min(seq_len + 16, max_pos),
                   # Room for every sequence at once, so the workload never retracts.
                   max_total_tokens=num_seqs * (seq_len + 1) + 1024, random_seed=0)
     kwargs.update(engine_kwargs or {})
     sp = dict(max_new_tokens=output_len, temperature=temperature, ignore_eos=True, n=n)
+    stat_keys = ("num_prefill_steps", "num_decode_steps", "num_prefill_tokens", "num_cached_tokens",
+                 "num_retractions")
     with Engine(str(model_dir), **kwargs) as engine:
         if warmup:
             engine.generate(input_ids=warmup, sampling_params={**sp, "max_new_tokens": min(8, output_len)},
                             show_progress=False)
-        best = None
+        runs = []
         for _ in range(repeat):
-            engine.flush_cache()  # each repeat prefills its prompts again
+            engine.flush_cache()  # each run prefills its prompts afresh
             before = engine.get_server_info()
-            t0 = time.perf_counter()
-            outs = engine.generate(input_ids=prompts, sampling_params=sp, show_progress=False)
-            dt = time.perf_counter() - t0
+
+            def call() -> int:
+                outs = engine.generate(input_ids=prompts, sampling_params=sp, show_progress=False)
+                return sum(o["meta_info"]["completion_tokens"] for o in outs)
+
+            run = _timed(call)
             after = engine.get_server_info()
-            best = dt if best is None else min(best, dt)
-        dt = best
-    num = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    assert num == num_seqs * output_len, f"engine generated {num} tokens, expected {num_seqs * output_len}"
-    keys = ("num_prefill_steps", "num_decode_steps", "num_prefill_tokens", "num_cached_tokens", "num_retractions")
-    stats = {k: after[k] - before[k] for k in keys if k in after}
-    gc.collect()
-    return dt, num, stats
+            run["stats"] = {k: after[k] - before[k] for k in stat_keys if k in after}
+            assert run["tokens"] == num_seqs * output_len, f"engine generated {run['tokens']} tokens"
+            runs.append(run)
+    return min(runs, key=lambda r: r["seconds"])
 
 
 # vLLM runs in a child process (its own venv, its own torch); it reads a job file and writes a result file.
 _VLLM_WORKER = r"""
 import json, sys, time
+
+
+def cpu_seconds():
+    import psutil  # a vLLM dependency
+    me = psutil.Process()
+    return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
 
 
 def main(job_file, result_file):
@@ -157,15 +173,15 @@ def main(job_file, result_file):
                             top_p=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
                             detokenize=False)
         prompts = [{"prompt_token_ids": p} for p in ids]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        return dt, sum(len(c.token_ids) for o in outs for c in o.outputs)
+        dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
+        return dict(seconds=dt, cpu_seconds=dc, tokens=sum(len(c.token_ids) for o in outs for c in o.outputs))
 
     if job["warmup"]:
         generate(job["warmup"], min(8, job["output_len"]))
-    dt, num = min(generate(job["prompts"], job["output_len"]) for _ in range(job["repeat"]))
-    json.dump({"seconds": dt, "tokens": num, "version": vllm.__version__}, open(result_file, "w"))
+    runs = [generate(job["prompts"], job["output_len"]) for _ in range(job["repeat"])]
+    json.dump({**min(runs, key=lambda r: r["seconds"]), "version": vllm.__version__}, open(result_file, "w"))
 
 
 if __name__ == "__main__":  # vLLM spawns its engine-core process, which re-imports this file
@@ -174,8 +190,7 @@ if __name__ == "__main__":  # vLLM spawns its engine-core process, which re-impo
 
 
 def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int,
-             temperature: float, warmup: list[list[int]], repeat: int, tmp: Path, timeout: float
-             ) -> tuple[float, int, str]:
+             temperature: float, warmup: list[list[int]], repeat: int, tmp: Path, timeout: float) -> dict:
     num_seqs = len(prompts) * n
     seq_len = len(prompts[0]) + output_len
     job = dict(model=str(model_dir), dtype=dtype, prompts=prompts, warmup=warmup, n=n, output_len=output_len,
@@ -193,7 +208,7 @@ def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]],
         raise RuntimeError(f"vLLM worker exited with {proc.returncode}:\n{tail}")
     res = json.loads(result_file.read_text())
     assert res["tokens"] == num_seqs * output_len, f"vLLM generated {res['tokens']} tokens"
-    return res["seconds"], res["tokens"], res["version"]
+    return res
 
 
 def _kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
@@ -250,33 +265,36 @@ def main(argv=None) -> dict:
         warmup = make_prompts(args.warmup, args.prompt_len, vocab, args.seed + 1) if args.warmup else []
         workload = dict(model=str(args.model or args.preset), dtype=args.dtype, batch=args.batch,
                         prompt_len=args.prompt_len, output_len=args.output_len, n=args.n,
-                        temperature=args.temperature, repeat=args.repeat, torch_threads=torch.get_num_threads(),
-                        load_avg_1m=os.getloadavg()[0])
+                        temperature=args.temperature, repeat=args.repeat, torch_threads=torch.get_num_threads())
         print("workload:", json.dumps(workload), flush=True)
         rows: dict[str, dict] = {}
         common = (model_dir, args.dtype, prompts, args.n, args.output_len, args.temperature, warmup)
+        backends = []
         if not args.skip_hf:
-            dt, num = run_hf(*common, args.repeat)
-            gc.collect()  # free HF's model before the next backend loads
-            rows["hf"] = dict(seconds=dt, tokens=num)
-            print(f"hf generate: {num} tokens in {dt:.2f}s", flush=True)
+            backends.append(("hf", lambda: run_hf(*common, args.repeat)))
         if not args.skip_engine:
-            dt, num, stats = run_engine(*common, args.repeat, args.engine_kwargs)
-            rows["engine"] = dict(seconds=dt, tokens=num, stats=stats)
-            print(f"engine: {num} tokens in {dt:.2f}s  {stats}", flush=True)
+            backends.append(("engine", lambda: run_engine(*common, args.repeat, args.engine_kwargs)))
         if args.vllm:
+            backends.append(("vllm", lambda: run_vllm(args.vllm_python, *common, args.repeat, tmp,
+                                                      args.vllm_timeout)))
+        for name, run in backends:
+            load = os.getloadavg()[0]
             try:
-                dt, num, version = run_vllm(args.vllm_python, *common, args.repeat, tmp, args.vllm_timeout)
-                rows["vllm"] = dict(seconds=dt, tokens=num, version=version)
-                print(f"vllm {version}: {num} tokens in {dt:.2f}s", flush=True)
+                row = run()
             except (RuntimeError, subprocess.TimeoutExpired, FileNotFoundError) as e:
-                rows["vllm"] = dict(error=str(e))
-                print(f"vllm: failed: {e}", flush=True)
-        hf_tps = rows["hf"]["tokens"] / rows["hf"]["seconds"] if "hf" in rows else None
+                if name != "vllm":
+                    raise
+                row = dict(error=str(e))
+            gc.collect()  # free this backend's model before the next one loads
+            row["load_avg_1m"] = load
+            rows[name] = row
+            print(f"{name}: {json.dumps(row)}", flush=True)
+        hf = rows.get("hf")
         for row in rows.values():
             if "seconds" in row:
                 row["tokens_per_s"] = row["tokens"] / row["seconds"]
-                row["ratio_vs_hf"] = row["tokens_per_s"] / hf_tps if hf_tps else None
+                row["tokens_per_cpu_s"] = row["tokens"] / row["cpu_seconds"]
+                row["ratio_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"] if hf else None
         result = dict(workload=workload, results=rows)
         if args.json:
             args.json.write_text(json.dumps(result, indent=2))
@@ -290,14 +308,15 @@ def print_table(workload: dict, rows: dict) -> None:
     w = workload
     print(f"\n{w['model']} {w['dtype']}  {w['batch']} prompts x n={w['n']} x {w['prompt_len']} prompt "
           f"-> {w['output_len']} new tokens, temperature {w['temperature']}, {w['torch_threads']} threads, "
-          f"best of {w['repeat']}, load avg at start {w['load_avg_1m']:.1f}")
-    print(f"{'backend':<10}{'seconds':>10}{'out tok/s':>12}{'vs HF':>8}")
+          f"best of {w['repeat']}")
+    print(f"{'backend':<10}{'seconds':>10}{'out tok/s':>12}{'vs HF':>8}{'tok/CPU-s':>12}{'load':>6}")
     for name, row in rows.items():
         if "seconds" not in row:
-            print(f"{name:<10}{'failed':>10}")
+            print(f"{name:<10}{'failed':>10}  (see the log above)")
             continue
         ratio = f"{row['ratio_vs_hf']:.2f}x" if row.get("ratio_vs_hf") else "-"
-        print(f"{name:<10}{row['seconds']:>10.2f}{row['tokens_per_s']:>12.1f}{ratio:>8}")
+        print(f"{name:<10}{row['seconds']:>10.2f}{row['tokens_per_s']:>12.1f}{ratio:>8}"
+              f"{row['tokens_per_cpu_s']:>12.1f}{row['load_avg_1m']:>6.1f}")
 
 
 if __name__ == "__main__":

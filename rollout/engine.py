@@ -92,14 +92,17 @@ class Engine(WeightsAPI):
                         req.sink.put(("chunk", req.snapshot()))
 
     def _fail_all(self, message: str) -> None:
-        self.scheduler.retract_all()
-        for req in list(self.scheduler.waiting):
+        """A step raised: finish every in-flight request with the reason and start from clean pools.
+
+        The failed step may have admitted requests half-way (a row, some KV slots), so rather than
+        unwinding each one the scheduler's bookkeeping is reset wholesale; nothing else is running.
+        """
+        for req in list(self._reqs.values()):
             req.finished_reason = FinishReason("abort", message=message)
             req.error = message
             req.sink.put(("final", req))
-            self._reqs.pop(req.rid, None)
-        self.scheduler.waiting.clear()
-        self.scheduler.flush_cache()
+        self._reqs.clear()
+        self.scheduler.reset()
 
     # ---- requests ----------------------------------------------------------------------------
     def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream):

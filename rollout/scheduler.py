@@ -188,6 +188,17 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.admitted_order, reverse=True):
             self.retract(req)
 
+    def reset(self) -> None:
+        """Forget every request and return every slot (after a failed step; callers own the requests)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.chunked_req = None
+        self._failed.clear()
+        self.req_pool.free_slots = list(range(self.req_pool.size))
+        if self.tree is not None:
+            self.tree.reset()
+        self.kv_pool.clear()
+
     def flush_cache(self) -> None:
         if self.running or self.chunked_req:
             raise RuntimeError("flush_cache refused: requests are running (pause and finish or abort them first)")

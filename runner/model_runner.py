@@ -233,6 +233,8 @@ class ModelRunner:
     def update_weights_from_disk(self, model_path: str | Path) -> int:
         self._require_weights_resident()
         path = Path(model_path)
+        if not path.is_dir():
+            raise WeightUpdateError(f"checkpoint directory {path} does not exist")
         try:
             other = ModelConfig.from_pretrained(path)
         except (FileNotFoundError, ValueError, KeyError, TypeError) as e:  # KeyError: a required key is missing

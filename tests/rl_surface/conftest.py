@@ -9,6 +9,8 @@ the process RSS from /proc/self/status.
 from __future__ import annotations
 
 import pathlib
+import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -40,7 +42,10 @@ def run(engine: Engine) -> list[tuple[list[int], list[float]]]:
 
 
 def versions(engine: Engine) -> set[str]:
-    return {o["meta_info"]["weight_version"] for o in engine.generate(input_ids=PROMPTS[:2], sampling_params=SAMPLING[0])}
+    return {
+        o["meta_info"]["weight_version"]
+        for o in engine.generate(input_ids=PROMPTS[:2], sampling_params=SAMPLING[0])
+    }
 
 
 def read_state_dict(path) -> dict[str, torch.Tensor]:
@@ -68,6 +73,29 @@ def assert_same_tensors(before: dict[str, torch.Tensor], engine: Engine) -> None
     assert now.keys() == before.keys()
     for name, t in before.items():
         assert torch.equal(now[name], t), f"{name} changed"
+
+
+def at_step(engine: Engine, n: int, fn: Callable[[], object]) -> dict:
+    """Run `fn()` right after the scheduler's `n`-th step from now, in its thread with the engine lock held:
+    exactly where a control call from another thread lands between steps n and n+1, but deterministic
+    (no race with a request that might finish first). Returns {"done": Event, "result"/"error": ...}."""
+    real_step = engine.scheduler.step
+    state: dict = {"done": threading.Event(), "steps": 0}
+
+    def step():
+        out = real_step()
+        state["steps"] += 1
+        if state["steps"] == n:
+            engine.scheduler.step = real_step
+            try:
+                state["result"] = fn()
+            except Exception as e:  # handed to the test, not to the engine loop
+                state["error"] = e
+            state["done"].set()
+        return out
+
+    engine.scheduler.step = step
+    return state
 
 
 def rss_bytes() -> int:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.rl_surface.conftest import assert_same_tensors, make_engine, read_state_dict, run
+from tests.rl_surface.conftest import assert_same_tensors, make_engine, read_state_dict, run, snapshot
 from weight_sync import iter_buckets
 
 Q = "model.layers.0.self_attn.q_proj.weight"
@@ -30,8 +30,6 @@ def setup(ckpt_factory):
     """(engine on A, B's checkpoint dir, B's state dict, A's snapshot, A's outputs)."""
     a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
     with make_engine(a) as engine:
-        from tests.rl_surface.conftest import snapshot
-
         yield engine, b, read_state_dict(b), snapshot(engine), run(engine)
 
 
@@ -41,16 +39,22 @@ def _valid_first(sd: dict, name: str, bad) -> list:
 
 
 TENSOR_CASES = {
-    "unknown name": lambda sd: ([*sd.items(), ("model.layers.7.mlp.gate_proj.weight", sd[UP])],
-                                ["model.layers.7.mlp.gate_proj.weight", "unknown"]),
+    "unknown name": lambda sd: (
+        [*sd.items(), ("model.layers.7.mlp.gate_proj.weight", sd[UP])],
+        ["model.layers.7.mlp.gate_proj.weight", "unknown"],
+    ),
     "wrong shape (fused shard)": lambda sd: (_valid_first(sd, K, sd[K][:, :-1]), [K, "shape"]),
     "wrong shape (norm)": lambda sd: (_valid_first(sd, NORM, sd[NORM][:-1]), [NORM, "shape"]),
     "int dtype": lambda sd: (_valid_first(sd, NORM, sd[NORM].to(torch.int32)), [NORM, "int32"]),
     "bool dtype": lambda sd: (_valid_first(sd, NORM, sd[NORM] > 1), [NORM, "bool"]),
-    "nan": lambda sd: (_valid_first(sd, UP, sd[UP].clone().index_fill_(0, torch.tensor([3]), float("nan"))),
-                       [UP, "NaN"]),
-    "inf": lambda sd: (_valid_first(sd, EMBED, sd[EMBED].clone().index_fill_(1, torch.tensor([0]), -float("inf"))),
-                       [EMBED, "inf"]),
+    "nan": lambda sd: (
+        _valid_first(sd, UP, sd[UP].clone().index_fill_(0, torch.tensor([3]), float("nan"))),
+        [UP, "NaN"],
+    ),
+    "inf": lambda sd: (
+        _valid_first(sd, EMBED, sd[EMBED].clone().index_fill_(1, torch.tensor([0]), -float("inf"))),
+        [EMBED, "inf"],
+    ),
     "not a tensor": lambda sd: (_valid_first(sd, NORM, sd[NORM].tolist()), [NORM, "torch.Tensor"]),
     "duplicate name": lambda sd: ([*sd.items(), (Q, sd[Q])], [Q, "twice"]),
     "not pairs": lambda sd: ([Q], ["(name, tensor)"]),
@@ -98,14 +102,19 @@ def _bucket_with(sd, name, tensor):
 
 BUCKET_CASES = {
     "no metadata key": lambda sd: ([*_buckets(sd)[:-1], {"flattened_tensor": sd[NORM]}], ["metadata"]),
-    "metadata not a list": lambda sd: ([{"flattened_tensor": sd[NORM], "metadata": "x"}], ["metadata", "list"]),
+    "metadata not a list": lambda sd: (
+        [{"flattened_tensor": sd[NORM], "metadata": "x"}],
+        ["metadata", "list"],
+    ),
     "offsets out of bounds": lambda sd: (_edit_meta(sd, UP, end=10**9), [UP, "out of bounds"]),
     "numel != shape": lambda sd: (_edit_meta(sd, K, shape=[3, 3]), [K, "shape"]),
     "unknown dtype": lambda sd: (_edit_meta(sd, NORM, dtype="float13"), [NORM, "float13"]),
     "dtype != flat tensor's": lambda sd: (_edit_meta(sd, NORM, dtype="float16"), [NORM, "float16"]),
     "2-D flat tensor": lambda sd: ([{"flattened_tensor": sd[Q], "metadata": []}], ["1-D"]),
-    "unknown name": lambda sd: (_bucket_with(sd, "model.layers.9.mlp.up_proj.weight", sd[UP]),
-                                ["model.layers.9.mlp.up_proj.weight"]),
+    "unknown name": lambda sd: (
+        _bucket_with(sd, "model.layers.9.mlp.up_proj.weight", sd[UP]),
+        ["model.layers.9.mlp.up_proj.weight"],
+    ),
     "nan in bucket": lambda sd: (_bucket_with(sd, Q, sd[Q].clone().fill_(float("nan"))), [Q, "NaN"]),
     "int bucket": lambda sd: (_bucket_with(sd, NORM, sd[NORM].to(torch.int64)), [NORM, "int64"]),
 }
@@ -116,7 +125,9 @@ def test_bad_flattened_bucket_changes_nothing(setup, case):
     """A malformed bucket (any one of several in a call) -> (False, reason); weights and outputs intact."""
     engine, _, sd, _, _ = setup
     buckets, expected = BUCKET_CASES[case](sd)
-    _check_refused(setup, engine.update_weights_from_tensor(buckets, load_format="flattened_bucket"), expected)
+    _check_refused(
+        setup, engine.update_weights_from_tensor(buckets, load_format="flattened_bucket"), expected
+    )
 
 
 def test_unknown_load_format_changes_nothing(setup):
@@ -153,7 +164,7 @@ def _edit_config(d, **changes):
 
 
 def _missing_dir(b, tmp_path, ckpt_factory):
-    return tmp_path / "nowhere", ["nowhere"]
+    return tmp_path / "nowhere", ["nowhere", "does not exist"]
 
 
 def _no_config(b, tmp_path, ckpt_factory):
@@ -197,7 +208,10 @@ def _empty_file(b, tmp_path, ckpt_factory):
 
 def _corrupt_header(b, tmp_path, ckpt_factory):
     d = _copy(b, tmp_path)
-    _rewrite_header(d / "model.safetensors", lambda h: json.dumps(h, separators=(",", ":")).encode()[:-9] + b"\xff\x00garbage")
+    _rewrite_header(
+        d / "model.safetensors",
+        lambda h: json.dumps(h, separators=(",", ":")).encode()[:-9] + b"\xff\x00garbage",
+    )
     return d, ["model.safetensors", "corrupt"]
 
 
@@ -211,7 +225,8 @@ def _header_offsets_inconsistent(b, tmp_path, ckpt_factory):
     d = _copy(b, tmp_path)
 
     def edit(h):
-        h[NORM]["shape"] = [h[NORM]["shape"][0] * 2]  # the data range no longer fits the shape
+        begin, end = h[NORM]["data_offsets"]
+        h[NORM]["data_offsets"] = [begin, end - 4]  # shape kept, data range one element short
         return h
 
     _rewrite_header(d / "model.safetensors", edit)
@@ -285,10 +300,28 @@ def _nan_in_file(b, tmp_path, ckpt_factory):
     return d, ["model.layers.1.mlp.down_proj.weight", "NaN", "model.safetensors"]
 
 
-DISK_CASES = [_missing_dir, _no_config, _no_weights, _missing_shard, _truncated_data, _truncated_header,
-              _empty_file, _corrupt_header, _header_not_a_dict, _header_offsets_inconsistent, _other_architecture,
-              _unsupported_architecture, _other_shapes, _other_depth, _config_missing_key, _tensor_missing,
-              _extra_tensor, _wrong_shape_in_file, _int_tensor_in_file, _nan_in_file]
+DISK_CASES = [
+    _missing_dir,
+    _no_config,
+    _no_weights,
+    _missing_shard,
+    _truncated_data,
+    _truncated_header,
+    _empty_file,
+    _corrupt_header,
+    _header_not_a_dict,
+    _header_offsets_inconsistent,
+    _other_architecture,
+    _unsupported_architecture,
+    _other_shapes,
+    _other_depth,
+    _config_missing_key,
+    _tensor_missing,
+    _extra_tensor,
+    _wrong_shape_in_file,
+    _int_tensor_in_file,
+    _nan_in_file,
+]
 
 
 @pytest.mark.parametrize("make_bad", DISK_CASES, ids=lambda f: f.__name__.strip("_"))

@@ -8,6 +8,7 @@ import torch
 
 from tests.rl_surface.conftest import (
     assert_same_tensors,
+    at_step,
     make_engine,
     read_state_dict,
     run,
@@ -16,7 +17,7 @@ from tests.rl_surface.conftest import (
 )
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
-LONG = dict(temperature=0, max_new_tokens=400, ignore_eos=True)
+SP = dict(temperature=0, max_new_tokens=40, ignore_eos=True)
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
@@ -66,7 +67,9 @@ def test_without_backup_generate_is_refused_until_an_update(ckpt_pair, reference
         with pytest.raises(ValueError, match="released without CPU backup"):
             engine.get_weights_by_name("model.norm.weight")
         names = sorted(sd_b)
-        assert engine.update_weights_from_tensor([(n, sd_b[n]) for n in names[:5]])[0]  # a subset is not enough
+        assert engine.update_weights_from_tensor([(n, sd_b[n]) for n in names[:5]])[
+            0
+        ]  # a subset is not enough
         with pytest.raises(RuntimeError, match="released without CPU backup"):
             run(engine)
         assert engine.update_weights_from_tensor([(n, sd_b[n]) for n in names[5:]])[0]
@@ -188,29 +191,43 @@ def test_unknown_tag_is_a_clear_error(ckpt_pair):
         run(engine)
 
 
+def _pause_at(engine, steps: int) -> dict:
+    """Pause right after `steps` scheduler steps from now; the result is each in-flight request's token count."""
+
+    def pause():
+        engine.pause_generation()
+        return [len(r.output_ids) for r in engine._reqs.values()]
+
+    return at_step(engine, steps, pause)
+
+
 def test_release_refused_while_a_request_runs(ckpt_pair):
     """Release with a request in flight and generation not paused raises; the request finishes intact."""
     a, _ = ckpt_pair("llama")
     with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
-        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG)["output_ids"]
-        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG, stream=True)
-        next(stream)
-        with engine._cv:  # hold the scheduler between steps so the request is surely still running
+        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=SP)["output_ids"]
+
+        def try_release():
             assert engine.scheduler.num_in_flight() == 1
-            with pytest.raises(RuntimeError, match="in flight.*pause_generation"):
-                engine.release_memory_occupation()
-            assert engine.runner.memory_saver.bytes_held("weights") > 0
-        assert list(stream)[-1]["output_ids"] == reference
+            engine.release_memory_occupation()
+
+        state = at_step(engine, 5, try_release)  # between decode steps, mid-request, not paused
+        final = engine.generate(input_ids=[5, 6, 7], sampling_params=SP)
+        assert state["done"].is_set()
+        assert isinstance(state["error"], RuntimeError)
+        assert "in flight" in str(state["error"]) and "pause_generation" in str(state["error"])
+        assert engine.runner.memory_saver.bytes_held("weights") > 0
+        assert final["output_ids"] == reference
 
 
 def test_paused_release_resume_continue_recomputes_identically(ckpt_pair):
     """Paused: release all (requests are retracted), resume, continue -> the same tokens as uninterrupted."""
     a, _ = ckpt_pair("llama")
     with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
-        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG)["output_ids"]
-        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG, stream=True)
-        next(stream)
-        engine.pause_generation()
+        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=SP)["output_ids"]
+        state = _pause_at(engine, 5)
+        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=SP, stream=True)
+        assert state["done"].wait(30) and state["result"] == [5]
         engine.release_memory_occupation()
         assert engine.runner.memory_saver.bytes_held("kv_cache") == 0
         engine.resume_memory_occupation()
@@ -225,14 +242,11 @@ def test_paused_update_then_continue_uses_new_weights(ckpt_pair):
     the pause are A's, the rest are what a fresh engine on B continues the same prefix with, and the
     output reports the new weight_version."""
     a, b = ckpt_pair("llama")
-    sp = dict(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompt = [5, 6, 7]
     with make_engine(a, enable_memory_saver=True) as engine:
-        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=LONG | sp, stream=True)
-        next(stream)
-        with engine._cv:  # pause between two steps, with the request surely unfinished
-            engine.pause_generation()
-            num_before = len(engine._reqs[next(iter(engine._reqs))].output_ids)
-        assert 0 < num_before < 40
+        state = _pause_at(engine, 6)  # one prefill + five decode steps: six tokens under A
+        stream = engine.generate(input_ids=prompt, sampling_params=SP, stream=True)
+        assert state["done"].wait(30) and state["result"] == [6]
         engine.release_memory_occupation()
         engine.resume_memory_occupation(["weights"])
         assert engine.update_weights_from_disk(str(b), weight_version="new")[0]
@@ -240,14 +254,15 @@ def test_paused_update_then_continue_uses_new_weights(ckpt_pair):
         engine.continue_generation()
         final = list(stream)[-1]
     assert final["meta_info"]["weight_version"] == "new"
-    out = final["output_ids"]
-    assert len(out) == 40
+    out, n = final["output_ids"], 6
+    assert len(out) == SP["max_new_tokens"]
     with make_engine(a) as fresh_a:
-        assert out[:num_before] == fresh_a.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"][:num_before]
+        assert out[:n] == fresh_a.generate(input_ids=prompt, sampling_params=SP)["output_ids"][:n]
     with make_engine(b) as fresh_b:
-        rest = fresh_b.generate(input_ids=[5, 6, 7, *out[:num_before]],
-                                sampling_params=sp | dict(max_new_tokens=40 - num_before))["output_ids"]
-    assert out[num_before:] == rest
+        rest = fresh_b.generate(
+            input_ids=prompt + out[:n], sampling_params=SP | dict(max_new_tokens=len(out) - n)
+        )
+    assert out[n:] == rest["output_ids"]
 
 
 def test_paused_update_without_release_retracts_and_recomputes(ckpt_pair):
@@ -255,10 +270,13 @@ def test_paused_update_without_release_retracts_and_recomputes(ckpt_pair):
     continue_generation every one of them finishes under the new weight_version."""
     a, b = ckpt_pair("qwen3")
     with make_engine(a) as engine:
-        streams = [engine.generate(input_ids=[5 + i, 6, 7], sampling_params=LONG, stream=True) for i in range(3)]
-        for s in streams:
-            next(s)
         engine.pause_generation()
+        streams = [
+            engine.generate(input_ids=[5 + i, 6, 7], sampling_params=SP, stream=True) for i in range(3)
+        ]
+        state = _pause_at(engine, 3)
+        engine.continue_generation()
+        assert state["done"].wait(30) and state["result"] == [3, 3, 3]
         ok, msg = engine.update_weights_from_tensor(list(read_state_dict(b).items()), weight_version="v2")
         assert ok, msg
         engine.continue_generation()
@@ -266,3 +284,4 @@ def test_paused_update_without_release_retracts_and_recomputes(ckpt_pair):
     for f in finals:
         assert f["meta_info"]["weight_version"] == "v2"
         assert f["meta_info"]["finish_reason"]["type"] == "length"
+        assert f["meta_info"]["num_retractions"] == 1

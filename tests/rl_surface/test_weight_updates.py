@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from tests.rl_surface.conftest import (
     assert_same_tensors,
+    at_step,
     make_engine,
     params,
     read_state_dict,
@@ -22,8 +23,14 @@ from tests.rl_surface.conftest import (
 from weight_sync import iter_buckets
 
 # (arch, tied): every architecture, tied and untied embeddings between them; all fuse q/k/v and gate/up.
-VARIANTS = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", True), ("qwen2", False),
-            ("qwen3", True)]
+VARIANTS = [
+    ("llama", False),
+    ("llama", True),
+    ("mistral", False),
+    ("qwen2", True),
+    ("qwen2", False),
+    ("qwen3", True),
+]
 
 
 @pytest.mark.parametrize("arch,tied", VARIANTS)
@@ -80,8 +87,9 @@ def test_update_split_in_many_buckets(ckpt_pair, reference_outputs):
     assert len(buckets) >= 4
     with make_engine(a) as engine:
         for i, bucket in enumerate(buckets):
-            ok, msg = engine.update_weights_from_tensor(bucket, load_format="flattened_bucket",
-                                                        flush_cache=i == len(buckets) - 1)
+            ok, msg = engine.update_weights_from_tensor(
+                bucket, load_format="flattened_bucket", flush_cache=i == len(buckets) - 1
+            )
             assert ok, msg
         assert run(engine) == reference_outputs(b)
         assert versions(engine) == {str(len(buckets))}
@@ -110,8 +118,13 @@ def test_subset_update_touches_only_named_tensors(ckpt_pair, reference_outputs, 
     every other parameter is bit-identical, and outputs == a fresh engine on the spliced checkpoint."""
     a, b = ckpt_pair("qwen2", tie_word_embeddings=tied)
     sd_a, sd_b = read_state_dict(a), read_state_dict(b)
-    subset = ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.bias",
-              "model.layers.1.mlp.up_proj.weight", "model.norm.weight", "model.embed_tokens.weight"]
+    subset = [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.k_proj.bias",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.norm.weight",
+        "model.embed_tokens.weight",
+    ]
     # The oracle: A's files with the subset taken from B, loaded by a fresh engine.
     spliced = tmp_path / "spliced"
     shutil.copytree(a, spliced)
@@ -126,10 +139,16 @@ def test_subset_update_touches_only_named_tensors(ckpt_pair, reference_outputs, 
         p = params(engine)
         kv = engine.runner.model.model.layers[0].self_attn
         q, k, v = kv.q_size, kv.kv_size, kv.kv_size
-        qkv_w, qkv_b = p["model.layers.0.self_attn.qkv_proj.weight"], p["model.layers.0.self_attn.qkv_proj.bias"]
+        qkv_w, qkv_b = (
+            p["model.layers.0.self_attn.qkv_proj.weight"],
+            p["model.layers.0.self_attn.qkv_proj.bias"],
+        )
         assert torch.equal(qkv_w[q : q + k], sd_b["model.layers.0.self_attn.k_proj.weight"])
         assert torch.equal(qkv_b[q : q + k], sd_b["model.layers.0.self_attn.k_proj.bias"])
-        old_w, old_b = before["model.layers.0.self_attn.qkv_proj.weight"], before["model.layers.0.self_attn.qkv_proj.bias"]
+        old_w, old_b = (
+            before["model.layers.0.self_attn.qkv_proj.weight"],
+            before["model.layers.0.self_attn.qkv_proj.bias"],
+        )
         assert torch.equal(qkv_w[:q], old_w[:q]) and torch.equal(qkv_w[q + k : q + k + v], old_w[q + k :])
         assert torch.equal(qkv_b[:q], old_b[:q]) and torch.equal(qkv_b[q + k :], old_b[q + k :])
         inter = sd_a["model.layers.1.mlp.up_proj.weight"].shape[0]
@@ -140,8 +159,13 @@ def test_subset_update_touches_only_named_tensors(ckpt_pair, reference_outputs, 
         assert torch.equal(p["model.embed_tokens.weight"], sd_b["model.embed_tokens.weight"])
         if tied:  # the LM head is the embedding
             assert engine.runner.model.lm_head.weight is p["model.embed_tokens.weight"]
-        touched = {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.qkv_proj.bias",
-                   "model.layers.1.mlp.gate_up_proj.weight", "model.norm.weight", "model.embed_tokens.weight"}
+        touched = {
+            "model.layers.0.self_attn.qkv_proj.weight",
+            "model.layers.0.self_attn.qkv_proj.bias",
+            "model.layers.1.mlp.gate_up_proj.weight",
+            "model.norm.weight",
+            "model.embed_tokens.weight",
+        }
         for name, t in p.items():
             if name not in touched:
                 assert torch.equal(t, before[name]), name
@@ -152,14 +176,20 @@ def test_get_weights_by_name_reads_hf_names(ckpt_pair):
     a, b = ckpt_pair("qwen2")
     sd_a, sd_b = read_state_dict(a), read_state_dict(b)
     with make_engine(a) as engine:
-        for name in ("model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.q_proj.bias",
-                     "model.layers.1.mlp.gate_proj.weight", "model.norm.weight", "lm_head.weight"):
+        for name in (
+            "model.layers.0.self_attn.v_proj.weight",
+            "model.layers.0.self_attn.q_proj.bias",
+            "model.layers.1.mlp.gate_proj.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ):
             got = torch.tensor(engine.get_weights_by_name(name, truncate_size=3))
             assert torch.equal(got, sd_a[name][:3]), name
         with pytest.raises(ValueError, match="unknown weight name"):
             engine.get_weights_by_name("model.layers.9.mlp.gate_proj.weight")
-        assert engine.update_weights_from_tensor([("model.layers.0.self_attn.v_proj.weight",
-                                                   sd_b["model.layers.0.self_attn.v_proj.weight"])])[0]
+        assert engine.update_weights_from_tensor(
+            [("model.layers.0.self_attn.v_proj.weight", sd_b["model.layers.0.self_attn.v_proj.weight"])]
+        )[0]
         got = torch.tensor(engine.get_weights_by_name("model.layers.0.self_attn.v_proj.weight", 2))
         assert torch.equal(got, sd_b["model.layers.0.self_attn.v_proj.weight"][:2])
 
@@ -180,18 +210,16 @@ def test_update_flushes_prefix_cache(ckpt_pair, reference_outputs):
 def test_update_refused_while_requests_run_unless_paused(ckpt_pair):
     """An update with a request in flight and generation not paused is (False, reason); nothing changes."""
     a, b = ckpt_pair("llama")
+    sp = dict(temperature=0, max_new_tokens=40, ignore_eos=True)
     with make_engine(a) as engine:
         before = snapshot(engine)
-        stream = engine.generate(input_ids=[5, 6, 7], stream=True,
-                                 sampling_params=dict(temperature=0, max_new_tokens=400, ignore_eos=True))
-        next(stream)
-        with engine._cv:  # hold the scheduler between steps so the request is surely still running
-            assert engine.scheduler.num_in_flight() == 1
-            ok, msg = engine.update_weights_from_disk(str(b))
+        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"]
+        state = at_step(engine, 5, lambda: engine.update_weights_from_disk(str(b)))  # mid-request
+        final = engine.generate(input_ids=[5, 6, 7], sampling_params=sp)
+        ok, msg = state["result"]
         assert not ok and "in flight" in msg and "pause_generation" in msg, msg
-        final = list(stream)[-1]
-        assert final["meta_info"]["weight_version"] == "default"
-        assert engine.weight_version == "default"
+        assert final["output_ids"] == reference
+        assert final["meta_info"]["weight_version"] == engine.weight_version == "default"
         assert_same_tensors(before, engine)
 
 

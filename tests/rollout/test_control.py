@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.rollout.oracle import random_prompts
+from tests.rollout.oracle import pause_mid_stream, random_prompts
 
 N_NEW = 12
 
@@ -153,29 +153,12 @@ def test_abort_from_another_thread_inside_a_batch(engine):
 def test_pause_holds_progress_and_continue_resumes(engine):
     """Paused: no new chunks and no new request finishes; after continue both equal an unpaused run."""
     prompt, other = random_prompts([9, 14], seed=37)
-    long_sp = _sp(4, max_new_tokens=400)
+    long_sp = _sp(4, max_new_tokens=200)
     ref = engine.generate(input_ids=prompt, sampling_params=long_sp, return_logprob=True)
     ref_other = engine.generate(input_ids=other, sampling_params=_sp(5), return_logprob=True)
-    for _ in range(3):
-        chunks: list[dict] = []
-        stream = engine.generate(input_ids=prompt, sampling_params=long_sp, return_logprob=True, stream=True)
-
-        def consume(stream=stream, chunks=chunks):
-            for chunk in stream:
-                chunks.append(chunk)
-                if len(chunks) == 2:
-                    engine.pause_generation()
-
-        consumer = threading.Thread(target=consume)
-        consumer.start()
-        _wait_until(lambda: engine.get_server_info()["paused"])
-        if engine.get_server_info()["num_in_flight"] == 1:
-            break
-        # The engine does not wait for readers: a starved consumer saw chunk 2 after the end. Try again.
-        engine.continue_generation()
-        consumer.join(timeout=60)
-    else:
-        pytest.fail("the stream always finished before the pause landed")
+    stream, chunks = pause_mid_stream(engine, input_ids=prompt, sampling_params=long_sp, return_logprob=True)
+    consumer = threading.Thread(target=lambda: chunks.extend(stream))
+    consumer.start()
     other_out: list[dict] = []
     late = threading.Thread(target=lambda: other_out.append(
         engine.generate(input_ids=other, sampling_params=_sp(5), return_logprob=True)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout.radix_cache import RadixCache
-from tests.rollout.oracle import random_prompts
+from tests.rollout.oracle import pause_mid_stream, random_prompts
 
 PROMPT_LENS = [6, 9, 12, 15, 18, 21, 24, 27]
 N = 8
@@ -106,16 +106,14 @@ def test_flush_cache_empties_and_is_refused_while_running(tiny_llama, make_engin
     """flush_cache() empties the cache, is refused while a request runs, and that request finishes unchanged."""
     engine = make_engine(tiny_llama)
     prompt = random_prompts([20], seed=26)[0]
-    sp = {**SAMPLED, "seed": 3, "max_new_tokens": 12}
+    sp = {**SAMPLED, "seed": 3, "max_new_tokens": 200}
     ref = engine.generate(input_ids=prompt, sampling_params=sp)
     assert engine.flush_cache()
     assert engine.scheduler.tree.total_size() == 0
     assert engine.scheduler.kv_pool.available_size() == 4096
     assert engine.generate(input_ids=prompt, sampling_params=sp)["meta_info"]["cached_tokens"] == 0
 
-    stream = engine.generate(input_ids=prompt, sampling_params=sp, stream=True)
-    next(stream)  # the request is running
-    engine.pause_generation()
+    stream, _ = pause_mid_stream(engine, input_ids=prompt, sampling_params=sp)
     try:
         with pytest.raises(RuntimeError, match="flush_cache"):
             engine.flush_cache()
