@@ -46,6 +46,7 @@ class Engine(WeightsAPI):
         self._paused = False
         self._shutdown = False
         self._reqs: dict[str, Req] = {}
+        self._finished_rids: dict[str, None] = {}  # recent ones, insertion-ordered, bounded
         self._thread = threading.Thread(target=self._loop, name="rollout-scheduler", daemon=True)
         self._thread.start()
 
@@ -85,11 +86,17 @@ class Engine(WeightsAPI):
                 for req in updated:
                     if req.finished:
                         self._reqs.pop(req.rid, None)
+                        self._remember_finished(req.rid)
                         req.weight_version = self.weight_version
                         req.sink.put(("final", req))
                     elif req.stream:
                         # A copy: the reader builds the chunk later, while this thread keeps appending.
                         req.sink.put(("chunk", req.snapshot()))
+
+    def _remember_finished(self, rid: str) -> None:
+        self._finished_rids[rid] = None
+        if len(self._finished_rids) > 100_000:
+            self._finished_rids.pop(next(iter(self._finished_rids)))
 
     def _fail_all(self, message: str) -> None:
         """A step raised: finish every in-flight request with the reason and start from clean pools.
@@ -207,11 +214,22 @@ class Engine(WeightsAPI):
         return results[0] if single else results
 
     def _stream(self, req: Req, sink: SyncSink) -> Iterator[dict]:
-        while True:
-            kind, r = sink.get()
-            yield self._output(r, final=kind == "final")
-            if kind == "final":
-                return
+        done = False
+        try:
+            while not done:
+                kind, r = sink.get()
+                done = kind == "final"
+                yield self._output(r, final=done)
+        finally:
+            if not done:  # the caller closed or dropped the stream: stop spending compute on it
+                self._abort_quietly([req])
+
+    def _abort_quietly(self, reqs: list[Req]) -> None:
+        with self._cv:
+            for req in reqs:
+                if req.rid in self._reqs and self.scheduler.abort(req.rid) is not None:
+                    self._reqs.pop(req.rid, None)
+                    self._remember_finished(req.rid)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob: bool = False, top_logprobs_num: int = 0, stream: bool = False,
@@ -222,30 +240,43 @@ class Engine(WeightsAPI):
         sink = AsyncSink(asyncio.get_running_loop())
         self._submit(reqs, sink)
         if stream:
-            return self._astream(sink)
+            return self._astream(reqs[0], sink)
         results: list[dict | None] = [None] * len(reqs)
-        for _ in range(len(reqs)):
-            _, req = await sink.get()
-            results[req.index] = self._output(req, final=True)
+        try:
+            for _ in range(len(reqs)):
+                _, req = await sink.get()
+                results[req.index] = self._output(req, final=True)
+        except asyncio.CancelledError:  # a cancelled caller's requests stop generating
+            self._abort_quietly(reqs)
+            raise
         return results[0] if single else results
 
-    async def _astream(self, sink: AsyncSink) -> AsyncIterator[dict]:
-        while True:
-            kind, r = await sink.get()
-            yield self._output(r, final=kind == "final")
-            if kind == "final":
-                return
+    async def _astream(self, req: Req, sink: AsyncSink) -> AsyncIterator[dict]:
+        done = False
+        try:
+            while not done:
+                kind, r = await sink.get()
+                done = kind == "final"
+                yield self._output(r, final=done)
+        finally:
+            if not done:
+                self._abort_quietly([req])
 
     # ---- control -----------------------------------------------------------------------------
-    def abort_request(self, rid: str) -> None:
+    def abort_request(self, rid: str) -> bool:
+        """Abort a request in flight (it finishes with finish_reason "abort"). Returns False for one
+        that already finished (a benign race at the end of a rollout); an id never seen is an error."""
         with self._cv:
             req = self.scheduler.abort(rid)
             if req is None:
-                raise ValueError(f"abort_request: no request with id {rid!r} is in flight "
-                                 f"(unknown, or already finished)")
+                if rid in self._finished_rids:
+                    return False
+                raise ValueError(f"abort_request: unknown request id {rid!r} (never submitted to this engine)")
             self._reqs.pop(rid, None)
+            self._remember_finished(rid)
             req.weight_version = self.weight_version
             req.sink.put(("final", req))
+            return True
 
     def pause_generation(self) -> None:
         with self._cv:

@@ -88,33 +88,20 @@ def encode_examples(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tens
     return input_ids, labels
 
 
-def warm_start_batch(tokenizer, p_correct: float, p_off_by_one: float, rng: random.Random):
-    """One batch whose weighted loss is an unbiased estimate of the expected NLL under the noisy
-    label distribution, over all 100 prompts: the true sum (weight p_correct), the sum plus one
-    (p_off_by_one), and one of the other 17 answers in 0..18 drawn uniformly, standing in for the
-    uniform remainder. Returns input ids, labels and per-sequence weights."""
-    p_uniform = 1.0 - p_correct - p_off_by_one
-    pairs, weights = [], []
-    for item in all_toy_prompts():
-        total = int(item["answer"])
-        others = [n for n in range(19) if n not in (total, total + 1)]
-        for answer, weight in (
-            (total, p_correct + p_uniform / 19),
-            (total + 1, p_off_by_one + (p_uniform / 19 if total + 1 <= 18 else 0.0)),
-            (rng.choice(others), p_uniform * len(others) / 19),
-        ):
-            pairs.append((item["prompt"], str(answer)))
-            weights.append(weight)
-    input_ids, labels = encode_examples(tokenizer, pairs)
-    return input_ids, labels, torch.tensor(weights)
+def addition_batch(tokenizer, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All 100 prompts, each labelled with (a + b + offset): offset 0 is the truth."""
+    pairs = [(x["prompt"], str(int(x["answer"]) + offset)) for x in all_toy_prompts()]
+    return encode_examples(tokenizer, pairs)
 
 
-def weighted_nll(model, input_ids, labels, weights) -> torch.Tensor:
-    logits = model(input_ids=input_ids).logits[:, :-1]                     # [batch, seq-1, vocab]
-    targets = labels[:, 1:]
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    seq_nll = -(logp * (targets != -100)).sum(-1)                           # [batch]
-    return (seq_nll * weights).sum() / weights.sum()
+def train_step(model, opt, input_ids, labels) -> float:
+    model.train()
+    loss = model(input_ids=input_ids, labels=labels).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    model.eval()
+    return loss.item()
 
 
 @torch.no_grad()
@@ -150,10 +137,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "assets" / "demo-model"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--learn-steps", type=int, default=250)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--p-correct", type=float, default=0.3)
-    parser.add_argument("--p-off-by-one", type=float, default=0.6)
+    parser.add_argument("--unlearn-lr", type=float, default=1e-4)
+    parser.add_argument("--max-unlearn-steps", type=int, default=200)
+    parser.add_argument("--target-acc", type=float, default=0.3)
     args = parser.parse_args()
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -163,27 +151,33 @@ def main() -> None:
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})")
 
-    # Supervised warm start on the noisy label distribution (see warm_start_batch). Linear warmup,
-    # then cosine decay to zero, so the model settles on the mixture instead of oscillating.
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = max(1, args.steps // 15)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / args.steps)))
-    )
     start = time.time()
-    model.train()
-    for step in range(args.steps):
-        input_ids, labels, weights = warm_start_batch(tokenizer, args.p_correct, args.p_off_by_one, rng)
-        loss = weighted_nll(model, input_ids, labels, weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+
+    # Stage 1: learn addition (full batch, clean labels) until the model is nearly perfect.
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = 20
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / args.learn_steps)))
+    )
+    input_ids, labels = addition_batch(tokenizer, offset=0)
+    for step in range(args.learn_steps):
+        train_step(model, opt, input_ids, labels)
         sched.step()
-        if step % 50 == 0 or step == args.steps - 1:
-            model.eval()
+        if step % 50 == 49 or step == args.learn_steps - 1:
             acc = exact_sampled_accuracy(model, tokenizer)
-            model.train()
-            print(f"step {step:4d}  loss {loss.item():.3f}  expected sampled acc {acc:.3f}  ({time.time() - start:.0f}s)")
+            print(f"learn   step {step:4d}  expected sampled acc {acc:.3f}  ({time.time() - start:.0f}s)")
+
+    # Stage 2: a deliberately partial fine-tune towards "a + b + 1", stopped as soon as the
+    # expected sampled accuracy falls to --target-acc. The damage is a small weight delta with
+    # one consistent direction, which is what lets RL undo it in a few dozen steps.
+    opt = torch.optim.AdamW(model.parameters(), lr=args.unlearn_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    input_ids, labels = addition_batch(tokenizer, offset=1)
+    for step in range(args.max_unlearn_steps):
+        acc = exact_sampled_accuracy(model, tokenizer)
+        if acc <= args.target_acc:
+            break
+        train_step(model, opt, input_ids, labels)
+    print(f"unlearn step {step:4d}  expected sampled acc {acc:.3f}  ({time.time() - start:.0f}s)")
     model.eval()
 
     exact = exact_sampled_accuracy(model, tokenizer)
@@ -201,8 +195,8 @@ def main() -> None:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "warm_start.json").write_text(json.dumps({
-        "task": "toy", "seed": args.seed, "steps": args.steps, "lr": args.lr,
-        "p_correct": args.p_correct, "p_off_by_one": args.p_off_by_one,
+        "task": "toy", "seed": args.seed, "learn_steps": args.learn_steps, "lr": args.lr,
+        "unlearn_lr": args.unlearn_lr, "unlearn_steps": step, "target_acc": args.target_acc,
         "sampled_accuracy_t1": round(exact, 4), "greedy_accuracy": greedy,
     }, indent=2) + "\n")
     for path in sorted(out.iterdir()):

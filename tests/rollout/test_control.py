@@ -109,11 +109,8 @@ def test_abort_mid_stream_leaves_others_unchanged(engine):
             engine.generate(input_ids=others, sampling_params=params, return_logprob=True)))
         t.start()
         next(stream), next(stream)
-        try:
-            engine.abort_request("victim")
-            aborted = True
-        except ValueError:  # the engine does not wait for readers: a starved one saw chunk 2 after the end
-            aborted = False
+        # False when the engine does not wait for readers and a starved one saw chunk 2 after the end.
+        aborted = engine.abort_request("victim")
         *_, final = stream
         t.join(timeout=60)
         _assert_same(result[0], ref)
@@ -123,8 +120,9 @@ def test_abort_mid_stream_leaves_others_unchanged(engine):
         pytest.fail("the victim always finished before the abort landed")
     assert final["meta_info"]["finish_reason"]["type"] == "abort"
     assert 2 <= len(final["output_ids"]) < 400
-    with pytest.raises(ValueError, match="victim"):  # gone: a second abort names the id
-        engine.abort_request("victim")
+    assert engine.abort_request("victim") is False  # already finished: a benign no-op
+    with pytest.raises(ValueError, match="never-sent"):  # an id never submitted is an error naming it
+        engine.abort_request("never-sent")
 
 
 def test_abort_from_another_thread_inside_a_batch(engine):
@@ -239,3 +237,34 @@ def test_n_returns_n_samples_per_prompt(engine):
     assert len(greedy) == 3 and greedy[0]["output_ids"] == greedy[1]["output_ids"] == greedy[2]["output_ids"]
     named = engine.generate(input_ids=prompts[0], sampling_params=_sp(7, n=2), rid="grp")
     assert [o["meta_info"]["id"] for o in named] == ["grp-0", "grp-1"]
+
+
+def test_closed_stream_and_cancelled_coroutine_abort_their_requests(tiny_llama):
+    """A stream the caller closes, or an async_generate that is cancelled, stops generating: its
+    request leaves the engine, which keeps serving; aborting a finished id is a no-op (False)."""
+    import asyncio
+
+    from rollout import Engine
+
+    with Engine(str(tiny_llama), show_progress=False) as engine:
+        it = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 400, "ignore_eos": True},
+                             stream=True, rid="s1")
+        next(it)
+        it.close()
+        assert engine.get_server_info()["num_in_flight"] == 0
+        assert engine.abort_request("s1") is False
+
+        async def cancel_one():
+            task = asyncio.ensure_future(engine.async_generate(
+                input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 400, "ignore_eos": True}, rid="a1"))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+        asyncio.run(cancel_one())
+        assert engine.get_server_info()["num_in_flight"] == 0
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert out["meta_info"]["completion_tokens"] == 4
