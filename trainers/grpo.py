@@ -170,13 +170,17 @@ class GRPOTrainer:
         self.engine.shutdown()
 
 
-def main(argv=None) -> None:
-    cfg = RLConfig.from_cli(argv, description=__doc__.split("\n\n")[0])
-    trainer = GRPOTrainer(cfg)
+def run_cli(trainer_cls, argv=None, description: str = "", **defaults) -> None:
+    cfg = RLConfig.from_cli(argv, description=description, **defaults)
+    trainer = trainer_cls(cfg)
     try:
         trainer.train()
     finally:
         trainer.close()
+
+
+def main(argv=None) -> None:
+    run_cli(GRPOTrainer, argv, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

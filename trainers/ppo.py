@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainers.config import RLConfig
-from trainers.grpo import GRPOTrainer
+from trainers.grpo import GRPOTrainer, run_cli
 from trainers.losses import gae, masked_whiten, policy_loss, sequence_logprobs, value_loss
 
 VF_COEF = 0.5
@@ -66,12 +65,7 @@ class PPOTrainer(GRPOTrainer):
 
 
 def main(argv=None) -> None:
-    cfg = RLConfig.from_cli(argv, description=__doc__.split("\n\n")[0], output_dir="runs/ppo")
-    trainer = PPOTrainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    run_cli(PPOTrainer, argv, description=__doc__.split("\n\n")[0], output_dir="runs/ppo")
 
 
 if __name__ == "__main__":
