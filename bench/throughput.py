@@ -3,9 +3,11 @@
 Every backend gets the same requests: `batch` prompts of `prompt_len` random token ids, `n` samples
 each, exactly `output_len` new tokens (`ignore_eos`; HF gets `min_new_tokens = max_new_tokens`),
 greedy or temperature-1.0 sampling with top-k/top-p off. Each backend is loaded, warmed up once on a
-small batch, then timed with the wall clock around the one generate call (loading is not timed).
-Backends run one after another and free their model before the next starts, so they never compete
-for cores or memory. vLLM runs in a subprocess, usually from its own venv (`--vllm-python`).
+small batch, then timed with the wall clock around the one generate call (loading is not timed);
+with `--repeat k` the fastest of k calls counts. Backends run one after another and free their model
+before the next starts, so they never compete for cores or memory. vLLM runs in a subprocess,
+usually from its own venv (`--vllm-python`). On a shared machine wall time swings with the
+neighbours' load, so the table also shows tokens per CPU-second and the load average at each start.
 
 It does not check that the backends produce the same tokens (tests do that) and does not measure
 time to first token or latency percentiles: only output tokens per second of a whole batch.

@@ -1,23 +1,28 @@
-"""Build assets/demo-model: a ~1.2M-parameter Llama that half-knows single-digit addition.
+"""Build assets/demo-model: a 1.2M-parameter Llama that half-knows single-digit addition.
 
 The README demo trains this model with GRPO on the "toy" task (trainers/tasks.py: "3+4=" -> "7")
-and must show learning on a CPU within minutes. So the checkpoint is warm-started on purpose to a
-*partial* skill: supervised training on noisy labels, where each example's label is the true sum
-with probability --p-correct, the sum plus one (a consistent, learnable mistake) with probability
---p-off-by-one, and a uniformly random sum otherwise. Trained to convergence, the model learns that
-mixture: it always answers with a number and eos (the right form), its greedy answer is usually
-the off-by-one one, and its sampled accuracy at temperature 1.0 is about --p-correct. RL then only
-has to move probability mass between answers the model already produces.
+and must show learning on a CPU within a minute or two, so the checkpoint starts from a
+deliberately *partial* skill, made in two supervised stages on all 100 prompts (full batch):
+
+1. learn:   clean labels until the model is nearly perfect (sampled accuracy ~0.99);
+2. unlearn: a few small AdamW steps towards the consistent mistake "a + b + 1", stopped as soon as
+            the expected sampled accuracy (temperature 1.0) falls to --target-acc (0.3).
+
+The result always answers in the right form (digits, then eos), puts ~27% of its probability on
+the right sum and most of the rest on the sum plus one (so its greedy answer is usually wrong
+too), and the damage is a small weight delta with one consistent direction: GRPO at a typical RL
+learning rate (3e-6 .. 3e-5) undoes it in 5-30 steps, while shuffled rewards do not (accuracy
+drifts to ~0.4 in 30 steps) and negated advantages drive it to 0. Learning rates of 3e-4 and up
+wreck it, as they would a fine-tuned LLM.
 
 What this script deliberately does not do: download anything, or train the model to be good.
 
-    python scripts/make_demo_model.py                # writes assets/demo-model/ (about 5 MB)
+    python scripts/make_demo_model.py                # writes assets/demo-model/ (~4.8 MB)
 """
 
 import argparse
 import json
 import math
-import random
 import string
 import sys
 import time
@@ -48,8 +53,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-        padding_side="left", model_max_length=128,
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        model_max_length=128,
     )
 
 
@@ -60,8 +70,8 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausal
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,
-        num_attention_heads=4,          # head_dim 64: a size every attention kernel supports
-        num_key_value_heads=2,          # GQA, group size 2
+        num_attention_heads=4,  # head_dim 64: a size every attention kernel supports
+        num_key_value_heads=2,  # GQA, group size 2
         max_position_embeddings=128,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -110,46 +120,61 @@ def exact_sampled_accuracy(model, tokenizer) -> float:
     computed by teacher forcing (exact, no sampling noise)."""
     items = all_toy_prompts()
     input_ids, labels = encode_examples(tokenizer, [(x["prompt"], x["answer"]) for x in items])
-    logits = model(input_ids=input_ids).logits[:, :-1]                    # [batch, seq-1, vocab]
+    logits = model(input_ids=input_ids).logits[:, :-1]  # [batch, seq-1, vocab]
     targets = labels[:, 1:]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    seq_logp = (logp * (targets != -100)).sum(-1)                           # [batch]
+    seq_logp = (logp * (targets != -100)).sum(-1)  # [batch]
     return seq_logp.exp().mean().item()
 
 
 @torch.no_grad()
-def generate_accuracy(model, tokenizer, num_samples: int, do_sample: bool, seed: int) -> float:
-    """Accuracy of HF `generate` completions over all 100 prompts (num_samples each)."""
+def generate_stats(model, tokenizer, num_samples: int, do_sample: bool, seed: int) -> dict[str, float]:
+    """HF `generate` over all 100 prompts (num_samples each, temperature 1.0 or greedy): the
+    accuracy, the fraction of well-formed completions (digits, then eos) and of off-by-one ones."""
     torch.manual_seed(seed)
     items = all_toy_prompts()
     enc = tokenizer([x["prompt"] for x in items], return_tensors="pt", padding=True)
+    num_return = num_samples if do_sample else 1
     out = model.generate(
-        **enc, do_sample=do_sample, temperature=1.0 if do_sample else None, top_k=0 if do_sample else None,
-        max_new_tokens=4, num_return_sequences=num_samples if do_sample else 1,
+        **enc,
+        do_sample=do_sample,
+        temperature=1.0 if do_sample else None,
+        top_k=0 if do_sample else None,
+        max_new_tokens=4,
+        num_return_sequences=num_return,
         pad_token_id=tokenizer.pad_token_id,
     )
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    prompts = [x["prompt"] for x in items for _ in range(num_samples if do_sample else 1)]
-    return sum(toy_reward(p, t) for p, t in zip(prompts, texts)) / len(texts)
+    completions = out[:, enc["input_ids"].shape[1] :].tolist()  # [num_prompts * num_return, <=4]
+    stats = {"accuracy": 0.0, "well_formed": 0.0, "off_by_one": 0.0}
+    for i, ids in enumerate(completions):
+        item = items[i // num_return]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        stats["accuracy"] += toy_reward(item["prompt"], text)
+        stats["well_formed"] += tokenizer.eos_token_id in ids and text.isdigit()
+        stats["off_by_one"] += text == str(int(item["answer"]) + 1)
+    return {k: v / len(completions) for k, v in stats.items()}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "assets" / "demo-model"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learn-steps", type=int, default=250)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--unlearn-lr", type=float, default=1e-4)
+    parser.add_argument("--unlearn-lr", type=float, default=1e-5)
     parser.add_argument("--max-unlearn-steps", type=int, default=200)
     parser.add_argument("--target-acc", type=float, default=0.3)
     args = parser.parse_args()
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    rng = random.Random(args.seed)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, args.seed)
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})")
+    print(
+        f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})"
+    )
 
     start = time.time()
 
@@ -172,33 +197,55 @@ def main() -> None:
     # one consistent direction, which is what lets RL undo it in a few dozen steps.
     opt = torch.optim.AdamW(model.parameters(), lr=args.unlearn_lr, weight_decay=0.0, betas=(0.9, 0.98))
     input_ids, labels = addition_batch(tokenizer, offset=1)
-    for step in range(args.max_unlearn_steps):
-        acc = exact_sampled_accuracy(model, tokenizer)
-        if acc <= args.target_acc:
-            break
+    unlearn_steps = 0
+    while (acc := exact_sampled_accuracy(model, tokenizer)) > args.target_acc:
+        if unlearn_steps == args.max_unlearn_steps:
+            raise RuntimeError(
+                f"accuracy still {acc:.3f} after {unlearn_steps} unlearn steps; raise --unlearn-lr"
+            )
         train_step(model, opt, input_ids, labels)
-    print(f"unlearn step {step:4d}  expected sampled acc {acc:.3f}  ({time.time() - start:.0f}s)")
+        unlearn_steps += 1
+    print(f"unlearn: {unlearn_steps} steps  expected sampled acc {acc:.3f}  ({time.time() - start:.0f}s)")
     model.eval()
 
     exact = exact_sampled_accuracy(model, tokenizer)
-    sampled = generate_accuracy(model, tokenizer, num_samples=20, do_sample=True, seed=args.seed)
-    greedy = generate_accuracy(model, tokenizer, num_samples=1, do_sample=False, seed=args.seed)
-    print(f"starting accuracy: sampled T=1.0 {sampled:.3f} (2000 samples; exact expectation {exact:.3f}), "
-          f"greedy {greedy:.3f}")
+    sampled = generate_stats(model, tokenizer, num_samples=20, do_sample=True, seed=args.seed)
+    greedy = generate_stats(model, tokenizer, num_samples=1, do_sample=False, seed=args.seed)["accuracy"]
+    print(
+        f"starting accuracy: sampled at T=1.0 {sampled['accuracy']:.3f} over 2000 samples (exact expectation "
+        f"{exact:.3f}; well-formed {sampled['well_formed']:.3f}, off-by-one {sampled['off_by_one']:.3f}), "
+        f"greedy {greedy:.3f}"
+    )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0, max_new_tokens=4,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+        max_new_tokens=4,
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "warm_start.json").write_text(json.dumps({
-        "task": "toy", "seed": args.seed, "learn_steps": args.learn_steps, "lr": args.lr,
-        "unlearn_lr": args.unlearn_lr, "unlearn_steps": step, "target_acc": args.target_acc,
-        "sampled_accuracy_t1": round(exact, 4), "greedy_accuracy": greedy,
-    }, indent=2) + "\n")
+    (out / "warm_start.json").write_text(
+        json.dumps(
+            {
+                "task": "toy",
+                "seed": args.seed,
+                "learn_steps": args.learn_steps,
+                "lr": args.lr,
+                "unlearn_lr": args.unlearn_lr,
+                "unlearn_steps": unlearn_steps,
+                "target_acc": args.target_acc,
+                "sampled_accuracy_t1": round(exact, 4),
+                "greedy_accuracy": greedy,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     for path in sorted(out.iterdir()):
         print(f"  {path.name:28s} {path.stat().st_size / 1024:8.1f} KiB")
     print(f"wrote {out} in {time.time() - start:.0f}s")

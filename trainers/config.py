@@ -17,7 +17,7 @@ class RLConfig:
     steps: int = field(default=30, metadata={"help": "RL steps (rollout + update each)"})
     prompts_per_step: int = field(default=16, metadata={"help": "prompts per step (batch size)"})
     group_size: int = field(default=8, metadata={"help": "samples per prompt (GRPO group, G)"})
-    lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate"})
+    lr: float = field(default=5e-6, metadata={"help": "AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     kl_coef: float = field(default=0.0, metadata={"help": "k3 KL penalty to the initial policy (0 = no ref model)"})
     clip_eps: float = field(default=0.2, metadata={"help": "PPO clip epsilon"})

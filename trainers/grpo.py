@@ -49,7 +49,8 @@ class GRPOTrainer:
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.99),
+                                           weight_decay=cfg.weight_decay)
         self.memory = TrainerMemory(self.policy, self.optimizer, cfg.device, cfg.offload_trainer)
         self.memory.to_rollout_phase()
         self.eval_set = eval_prompts(self.task)

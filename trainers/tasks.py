@@ -136,16 +136,14 @@ def _math_task_reward(prompt: str, completion: str, answer: str) -> float:
 # Templated GSM8K-style problems so the task runs without a dataset download; pass real GSM8K
 # rows through load_gsm8k_jsonl instead when you have the file.
 _MATH_TEMPLATES = [
-    ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?",
-     lambda a, b: a + b),
-    ("{name} had {a} marbles and gave away {b}. How many marbles are left?",
-     lambda a, b: a - b),
-    ("A box holds {a} pencils. How many pencils are in {b} boxes?",
-     lambda a, b: a * b),
-    ("{name} reads {a} pages a day. How many pages does {name} read in {b} days?",
-     lambda a, b: a * b),
-    ("{name} earns ${a} per hour and works {b} hours. How many dollars does {name} earn?",
-     lambda a, b: a * b),
+    ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?", lambda a, b: a + b),
+    ("{name} had {a} marbles and gave away {b}. How many marbles are left?", lambda a, b: a - b),
+    ("A box holds {a} pencils. How many pencils are in {b} boxes?", lambda a, b: a * b),
+    ("{name} reads {a} pages a day. How many pages does {name} read in {b} days?", lambda a, b: a * b),
+    (
+        "{name} earns ${a} per hour and works {b} hours. How many dollars does {name} earn?",
+        lambda a, b: a * b,
+    ),
 ]
 _NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana"]
 
@@ -174,7 +172,9 @@ def load_gsm8k_jsonl(path: str | Path) -> list[dict]:
             final = extract_final_number(row["answer"])
             if final is None:
                 raise ValueError(f"GSM8K row without a final number: {row['answer']!r}")
-            prompt = f"Question: {row['question']}\nAnswer step by step, then write the final number after ####.\n"
+            prompt = (
+                f"Question: {row['question']}\nAnswer step by step, then write the final number after ####.\n"
+            )
             rows.append({"prompt": prompt, "answer": str(final)})
     return rows
 
