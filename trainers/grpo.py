@@ -152,6 +152,7 @@ class GRPOTrainer:
     def train(self) -> list[dict]:
         acc = self.initial_eval()
         if acc is not None:
+            self.logger.initial_eval = acc
             print(f"step   0 | greedy eval accuracy {acc:.3f} (before training)", flush=True)
         t_start = time.perf_counter()
         try:

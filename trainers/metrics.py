@@ -19,6 +19,7 @@ class MetricsLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.output_dir / "metrics.jsonl", "w")
         self.history: list[dict] = []
+        self.initial_eval: float | None = None  # greedy eval before step 1, plotted at step 0
         self.wandb_run = None
         if use_wandb:
             try:
@@ -66,7 +67,8 @@ class MetricsLogger:
         steps = [m["step"] for m in self.history]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
         ax1.plot(steps, [m["reward_mean"] for m in self.history], label="rollout reward")
-        evals = [(m["step"], m["eval_accuracy"]) for m in self.history if "eval_accuracy" in m]
+        evals = [(0, self.initial_eval)] if self.initial_eval is not None else []
+        evals += [(m["step"], m["eval_accuracy"]) for m in self.history if "eval_accuracy" in m]
         if evals:
             ax1.plot(*zip(*evals), "o-", label="greedy eval accuracy")
         ax1.set_xlabel("step")
