@@ -28,6 +28,7 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     tp_size: int = 1
     random_seed: int = 0
+    cpu_prepack: bool = True
     skip_tokenizer_init: bool = False
     show_progress: bool = True
     log_level: str = "warning"

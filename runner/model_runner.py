@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from runner import cpu_prepack
 from runner.attention import create_attention_backend
 from runner.checkpoint import CheckpointError, CheckpointIndex
 from runner.config import ModelConfig
@@ -48,6 +49,7 @@ class RunnerConfig:
     enable_weights_cpu_backup: bool = False
     tp_size: int = 1
     random_seed: int = 0
+    cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/cpu_prepack.py)
 
     def __post_init__(self) -> None:
         if self.tp_size != 1:
@@ -111,6 +113,29 @@ class ModelRunner:
             else:
                 self._load_from_disk(Path(cfg.model_path), check_finite=False)
             self.memory_saver.track("weights", list(self.name_map.params.values()))
+        self.use_prepack = cfg.cpu_prepack and cpu_prepack.is_supported(self.device, self.dtype)
+        self._modules_of_param: dict[int, list] = {}
+        for m in cpu_prepack.packable_modules(self.model):
+            for p in (m.weight, getattr(m, "bias", None)):
+                if p is not None:
+                    self._modules_of_param.setdefault(id(p), []).append(m)
+        self._repack(None)
+
+    def _repack(self, hf_names: set[str] | None) -> None:
+        """Refresh the prepacked shadows of the modules whose weights `hf_names` touched (None = all)."""
+        if not self.use_prepack:
+            return
+        if hf_names is None:
+            modules = cpu_prepack.packable_modules(self.model)
+        else:
+            ids = {id(self.name_map.resolve(n).param) for n in hf_names}
+            modules = list({id(m): m for i in ids for m in self._modules_of_param.get(i, [])}.values())
+        for m in modules:
+            cpu_prepack.pack(m)
+
+    def _drop_packs(self) -> None:
+        for m in cpu_prepack.packable_modules(self.model):
+            cpu_prepack.unpack(m)
 
     def _init_dummy_weights(self) -> None:
         gen = torch.Generator().manual_seed(self.server_config.random_seed)
@@ -227,6 +252,7 @@ class ModelRunner:
         self._require_weights_resident()
         plan = plan_weight_load(self.name_map, list(named_tensors))
         loaded = apply_plan(plan)
+        self._repack(loaded)
         self._mark_loaded(loaded)
         return len(loaded)
 
@@ -248,6 +274,7 @@ class ModelRunner:
             loaded = self._load_from_disk(path, check_finite=True)
         except CheckpointError as e:
             raise WeightUpdateError(str(e)) from None
+        self._repack(loaded)
         self._mark_loaded(loaded)
         return len(loaded)
 
@@ -271,6 +298,8 @@ class ModelRunner:
             if not self.memory_saver.is_resident(tag):
                 continue
             self.memory_saver.pause(tag)  # first: a refusal (saver disabled) must leave everything as it was
+            if tag == "weights":
+                self._drop_packs()  # shadows of the weights go with them
             if tag == "kv_cache":
                 self.token_to_kv_pool.clear()
             if tag == "weights" and not self.memory_saver.has_cpu_backup("weights"):
@@ -287,6 +316,8 @@ class ModelRunner:
                 pool = self.token_to_kv_pool
                 pool.k_buffer[:, 0].zero_()
                 pool.v_buffer[:, 0].zero_()
+            if tag == "weights" and not was_resident and self.memory_saver.has_cpu_backup("weights"):
+                self._repack(None)  # without backup, shadows come back module by module with updates
 
     def shutdown(self) -> None:
         self.memory_saver.close()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.layers.linear import default_weight_loader
+from runner.layers.linear import default_weight_loader, packed_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -20,6 +20,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
+    packed = None  # see runner.cpu_prepack
+
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
         super().__init__()
         if tied_to is not None:
@@ -29,4 +31,6 @@ class LMHead(nn.Module):
             self.weight.weight_loader = default_weight_loader
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and hidden.dim() == 2:
+            return packed_linear(hidden, self.packed)
         return F.linear(hidden, self.weight)

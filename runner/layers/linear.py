@@ -13,6 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def packed_linear(x: torch.Tensor, packed) -> torch.Tensor:
+    """Linear over a oneDNN-prepacked weight (see runner.cpu_prepack).
+    x: [num_tokens, in_features] dense -> [num_tokens, out_features] dense."""
+    weight, bias = packed
+    return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), weight, bias).to_dense()
+
+
 def shard_view(param: torch.Tensor, shard_id: str | int | None) -> torch.Tensor:
     """The slice of `param` that HF shard `shard_id` fills (the whole param for None)."""
     if shard_id is None:
@@ -28,6 +35,8 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 class Linear(nn.Module):
     """y = x W^T (+ b). Parameters named like HF's so most weights load by identity."""
 
+    packed = None  # set by runner.cpu_prepack: a oneDNN copy of the weight (CPU fp32 fast path)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -38,6 +47,8 @@ class Linear(nn.Module):
             self.bias.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dim() == 2:
+            return packed_linear(x, self.packed)
         return F.linear(x, self.weight, self.bias)
 
 

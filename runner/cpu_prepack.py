@@ -1,0 +1,37 @@
+"""CPU fp32 fast path: oneDNN-prepacked copies of the linear weights, as a pass over a built model.
+
+On the CPU, `F.linear` (MKL) on decode-sized inputs reaches about half the memory bandwidth that
+oneDNN's blocked-layout linear does (measured here at M=16: 0.5B-shape lm_head 78 ms vs 31 ms), and
+decode is bound by reading the weights. So each Linear/LMHead may hold a prepacked shadow of its
+weight. The dense parameters stay the source of truth (loading, updates, release, get_weights): the
+runner drops a module's shadow before anything writes its weights and repacks after, and a module
+without a shadow just uses `F.linear`. bf16 gains nothing from it here, so only fp32 is packed.
+Costs one extra copy of the linear weights in host memory while resident.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.layers.embedding import LMHead
+from runner.layers.linear import Linear
+
+
+def packable_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, Linear | LMHead)]
+
+
+def is_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+@torch.no_grad()
+def pack(module: nn.Module) -> None:
+    bias = getattr(module, "bias", None)
+    module.packed = (module.weight.detach().to_mkldnn(), None if bias is None else bias.detach().to_mkldnn())
+
+
+def unpack(module: nn.Module) -> None:
+    module.packed = None
+
