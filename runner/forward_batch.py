@@ -54,6 +54,7 @@ class ForwardBatch:
     # Set by the runner before forward: the attention backend, its per-step plan, the KV pool.
     attn_backend: Any = None
     attn_metadata: Any = None
+    rope_cos_sin: Any = None  # (cos, sin) for `positions`, shared by every layer
     token_to_kv_pool: Any = None
     req_to_token_pool: Any = None
 

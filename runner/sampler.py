@@ -58,6 +58,8 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
+    need_temperature: bool = True  # some row has a temperature other than 0 (greedy) or 1
+    has_greedy: bool = False  # some (not necessarily all) rows are greedy
     top_logprobs_num: int = 0
     return_raw_logprob: bool = False
     banned_mask: torch.Tensor | None = None  # [bs, vocab] bool: tokens that may not be sampled
@@ -74,6 +76,8 @@ class SamplingBatchInfo:
             seeds=torch.tensor([_signed(s & _MASK64) for s in seeds], dtype=torch.int64, device=device),
             steps=torch.tensor(steps, dtype=torch.int64, device=device),
             is_all_greedy=all(t == 0 for t in temperatures),
+            need_temperature=any(t not in (0, 1) for t in temperatures),
+            has_greedy=any(t == 0 for t in temperatures),
             need_top_k=any(k < vocab_size for k in ks),
             need_top_p=any(p < 1.0 for p in top_ps),
             need_min_p=any(p > 0.0 for p in min_ps),
@@ -93,9 +97,11 @@ class SampleOutput:
 
 def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """log-softmax of the distribution each row samples from: [bs, vocab], -inf where masked."""
-    greedy = info.temperatures == 0
-    temps = torch.where(greedy, torch.ones_like(info.temperatures), info.temperatures)
-    scaled = logits / temps.unsqueeze(1)
+    scaled = logits
+    if info.need_temperature:
+        greedy = info.temperatures == 0
+        temps = torch.where(greedy, torch.ones_like(info.temperatures), info.temperatures)
+        scaled = logits / temps.unsqueeze(1)
     if info.need_top_k or info.need_top_p or info.need_min_p:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
@@ -118,29 +124,44 @@ def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.T
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-        # logits: [bs, vocab] fp32
+        # logits: [bs, vocab] fp32. Full-vocab passes are the cost here, so greedy rows and the raw
+        # logprob work on [bs] gathers against one logsumexp instead of a second log_softmax.
         if info.banned_mask is not None:
             logits = logits.masked_fill(info.banned_mask, float("-inf"))
-        raw_logprobs_all = torch.log_softmax(logits, dim=-1)
-        argmax = logits.argmax(dim=-1)
+        argmax = logits.argmax(dim=-1)  # [bs]; also the argmax after temperature and truncation
+        lse = torch.logsumexp(logits, dim=-1)  # [bs]
+
+        def raw_lp(ids: torch.Tensor) -> torch.Tensor:
+            return logits.gather(1, ids.unsqueeze(1)).squeeze(1) - lse
+
         if info.is_all_greedy:
-            ids, logprobs_all = argmax, raw_logprobs_all
+            out = SampleOutput(argmax, raw_lp(argmax))
+            if info.top_logprobs_num > 0:
+                vals, out.top_logprob_ids = logits.topk(info.top_logprobs_num, dim=-1)
+                out.top_logprobs = vals - lse.unsqueeze(1)
         else:
-            logprobs_all = processed_logprobs(logits, info)
-            probs = logprobs_all.exp()
-            cdf = probs.cumsum(dim=-1)  # [bs, vocab]
+            logprobs_all = processed_logprobs(logits, info)  # [bs, vocab]
+            cdf = logprobs_all.exp().cumsum_(dim=-1)  # [bs, vocab]
             u = seeded_uniform(info.seeds, info.steps).to(cdf.dtype)
             target = (u * cdf[:, -1]).unsqueeze(1)
             ids = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
+            del cdf
             # Rounding at the very top of the CDF could land on a masked tail token: take argmax then.
-            chosen_p = probs.gather(1, ids.unsqueeze(1)).squeeze(1)
-            ids = torch.where(chosen_p > 0, ids, probs.argmax(dim=-1))
+            chosen = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
+            ids = torch.where(chosen > float("-inf"), ids, argmax)
+            lp = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
             greedy = info.temperatures == 0
-            ids = torch.where(greedy, argmax, ids)
-            logprobs_all = torch.where(greedy.unsqueeze(1), raw_logprobs_all, logprobs_all)
-        out = SampleOutput(ids, logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1))
+            if info.has_greedy:
+                ids = torch.where(greedy, argmax, ids)
+                lp = torch.where(greedy, raw_lp(argmax), lp)
+            out = SampleOutput(ids, lp)
+            if info.top_logprobs_num > 0:
+                vals, top_ids = logprobs_all.topk(info.top_logprobs_num, dim=-1)
+                if info.has_greedy:
+                    raw_vals, raw_ids = logits.topk(info.top_logprobs_num, dim=-1)
+                    vals = torch.where(greedy.unsqueeze(1), raw_vals - lse.unsqueeze(1), vals)
+                    top_ids = torch.where(greedy.unsqueeze(1), raw_ids, top_ids)
+                out.top_logprobs, out.top_logprob_ids = vals, top_ids
         if info.return_raw_logprob:
-            out.raw_logprobs = raw_logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
-        if info.top_logprobs_num > 0:
-            out.top_logprobs, out.top_logprob_ids = logprobs_all.topk(info.top_logprobs_num, dim=-1)
+            out.raw_logprobs = raw_lp(out.next_token_ids)
         return out

@@ -17,7 +17,7 @@ def packed_linear(x: torch.Tensor, packed) -> torch.Tensor:
     """Linear over a oneDNN-prepacked weight (see runner.cpu_prepack).
     x: [num_tokens, in_features] dense -> [num_tokens, out_features] dense."""
     weight, bias = packed
-    return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), weight, bias).to_dense()
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
 def shard_view(param: torch.Tensor, shard_id: str | int | None) -> torch.Tensor:

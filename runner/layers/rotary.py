@@ -45,10 +45,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Looked up once per forward and shared by every layer: [num_tokens, 1, head_dim] each."""
+        return (self.cos_cached[positions].to(dtype).unsqueeze(1),
+                self.sin_cached[positions].to(dtype).unsqueeze(1))
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return self.apply(q, k, *self.cos_sin(positions, q.dtype))

@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = self.rotary[0].apply(q, k, *fb.rope_cos_sin)
         return self.o_proj(self.attn(q, k, v, fb))
 
 
@@ -99,6 +99,7 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
             if fb.replace_embeds is not None:
                 hidden = hidden.index_copy(0, fb.replace_positions, fb.replace_embeds.to(hidden.dtype))
+        fb.rope_cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, fb)
