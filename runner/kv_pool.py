@@ -56,15 +56,22 @@ class TokenToKVPool:
 
     def clear(self) -> None:
         self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+        # Freed slots wait here and are merged only when an alloc needs them: a free is then O(freed),
+        # not a copy of the whole (possibly million-entry) free list.
+        self._freed: list[torch.Tensor] = []
+        self._num_freed = 0
 
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.k_buffer[:, 0].numel() * self.k_buffer.element_size()
 
     def available_size(self) -> int:
-        return int(self.free_slots.numel())
+        return int(self.free_slots.numel()) + self._num_freed
 
     def alloc(self, num_tokens: int) -> torch.Tensor:
+        if num_tokens > self.free_slots.numel() and self._freed:
+            self.free_slots = torch.cat([self.free_slots, *self._freed])
+            self._freed, self._num_freed = [], 0
         if num_tokens > self.free_slots.numel():
             raise KVPoolExhaustedError(
                 f"KV cache exhausted: need {num_tokens} token slots, {self.free_slots.numel()} free "
@@ -75,7 +82,9 @@ class TokenToKVPool:
 
     def free(self, locs: torch.Tensor) -> None:
         if locs.numel():
-            self.free_slots = torch.cat([self.free_slots, locs.to("cpu", torch.int64)])
+            # A copy: callers pass views of req_to_token rows, which get reused.
+            self._freed.append(locs.to("cpu", torch.int64, copy=True))
+            self._num_freed += locs.numel()
 
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffer[layer_id].index_copy_(0, locs, k.to(self.dtype))

@@ -81,3 +81,17 @@ def test_req_to_token_pool():
     assert pool.alloc() == rows[1]
     pool.write(rows[0], 2, torch.tensor([7, 9, 4]))
     assert pool.req_to_token[rows[0]].tolist() == [0, 0, 7, 9, 4, 0, 0, 0]
+
+
+def test_freed_slots_are_copied_not_aliased():
+    """Freeing a view of a req_to_token row, then reusing that row, must not change what was freed."""
+    from runner.kv_pool import TokenToKVPool
+
+    pool = TokenToKVPool(8, torch.float32, 1, 1, 2, "cpu")
+    locs = pool.alloc(8)
+    row = torch.zeros(8, dtype=torch.int64)
+    row[:] = locs
+    pool.free(row[:3])
+    row[:3] = torch.tensor([99, 98, 97])  # the row is reused for another request
+    got = pool.alloc(3)
+    assert sorted(got.tolist()) == sorted(locs[:3].tolist())
