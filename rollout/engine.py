@@ -73,7 +73,8 @@ class Engine(WeightsAPI):
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._shutdown and (self._paused or not self.scheduler.has_work()):
+                while not self._shutdown and (self._paused or not self.scheduler.has_work()
+                                              or not self._memory_resident()):
                     self._cv.wait()
                 if self._shutdown:
                     return
@@ -92,6 +93,11 @@ class Engine(WeightsAPI):
                     elif req.stream:
                         # A copy: the reader builds the chunk later, while this thread keeps appending.
                         req.sink.put(("chunk", req.snapshot()))
+
+    def _memory_resident(self) -> bool:
+        """Requests wait (rather than fail) while weights or KV cache are released."""
+        saver = self.runner.memory_saver
+        return saver.is_resident("weights") and saver.is_resident("kv_cache")
 
     def _remember_finished(self, rid: str) -> None:
         self._finished_rids[rid] = None

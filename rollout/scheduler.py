@@ -216,9 +216,10 @@ class Scheduler:
                 if items:
                     return self._run_prefill(items)
         self.last_step_was_chunk = False
+        failed = self._drain_failed()  # too big for the pool: finished here even when nothing runs
         if self.running:
-            return self._run_decode()
-        return []
+            return self._run_decode() + failed
+        return failed
 
     def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
         budget = self.config.chunked_prefill_size
@@ -364,9 +365,10 @@ class Scheduler:
         if req.return_logprob:
             req.output_logprobs.append(logprob)
             if req.top_logprobs_num:
-                vals = out.top_logprobs[i, : req.top_logprobs_num].tolist()
-                toks = out.top_logprob_ids[i, : req.top_logprobs_num].tolist()
-                req.output_top_logprobs.append(list(zip(vals, toks)))
+                if not hasattr(out, "top_lists"):  # one device->host read per step, not per request
+                    out.top_lists = (out.top_logprobs.tolist(), out.top_logprob_ids.tolist())
+                vals, toks = out.top_lists[0][i], out.top_lists[1][i]
+                req.output_top_logprobs.append(list(zip(vals, toks))[: req.top_logprobs_num])
         reason = self._check_finished(req, token)
         if reason is not None:
             self._finish(req, reason)

@@ -55,10 +55,12 @@ class WeightsAPI:
             try:
                 self._require_quiescent(what)
                 n = fn()
-            except (WeightUpdateError, RuntimeError, ValueError, TypeError) as e:
+            except Exception as e:  # any failure is reported, never raised: the (bool, str) contract
                 logger.warning("%s failed: %s", what, e)
                 return False, f"{what} failed: {e}"
-            if flush_cache:
+            # Paused requests were retracted into the prefix cache with KV of the old weights: never
+            # keep that cache across an update, whatever flush_cache says.
+            if flush_cache or self._paused:
                 self.scheduler.flush_cache()
             self._bump_version(weight_version)
             self._cv.notify_all()
@@ -72,7 +74,7 @@ class WeightsAPI:
             return self.runner.update_weights_from_tensor(_named_tensors(named_tensors, load_format))
         # KV computed from the old weights must not be reused: an update without flush is only
         # safe when nothing is cached, so force it if requests were retracted.
-        return self._update("update_weights_from_tensor", load, flush_cache or self._paused, weight_version)
+        return self._update("update_weights_from_tensor", load, flush_cache, weight_version)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  weight_version: str | None = None) -> tuple[bool, str]:
@@ -87,7 +89,8 @@ class WeightsAPI:
         """Join the trainer's weight-broadcast group (the trainer is rank 0; this engine is rank_offset)."""
         from weight_sync.distributed import create_weight_update_group
 
-        groups = self.__dict__.setdefault("_update_groups", {})
+        with self._cv:
+            groups = self.__dict__.setdefault("_update_groups", {})
         if group_name in groups:
             return False, f"init_weights_update_group failed: group {group_name!r} already exists"
         try:

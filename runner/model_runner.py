@@ -251,8 +251,10 @@ class ModelRunner:
         """Atomic: all tensors are checked before the first is written. Returns how many were loaded."""
         self._require_weights_resident()
         plan = plan_weight_load(self.name_map, list(named_tensors))
-        loaded = apply_plan(plan)
-        self._repack(loaded)
+        try:
+            loaded = apply_plan(plan)
+        finally:  # even a write that failed half-way must not leave stale packed copies behind
+            self._repack({t.hf_name for t, _ in plan})
         self._mark_loaded(loaded)
         return len(loaded)
 
@@ -273,6 +275,7 @@ class ModelRunner:
         try:
             loaded = self._load_from_disk(path, check_finite=True)
         except CheckpointError as e:
+            self._repack(None)  # pass 2 may have written some tensors before failing
             raise WeightUpdateError(str(e)) from None
         self._repack(loaded)
         self._mark_loaded(loaded)

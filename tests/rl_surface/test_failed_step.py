@@ -34,3 +34,22 @@ def test_step_failure_finishes_streams_and_engine_recovers(ckpt_pair, reference_
         assert run(engine) == reference_outputs(a)
     finally:
         engine.shutdown()
+
+
+def test_single_prompt_larger_than_kv_pool_finishes_with_abort(ckpt_pair):
+    """A lone request that can never fit the KV pool comes back as abort naming max_total_tokens
+    (it used to leave the caller waiting forever when nothing else was running)."""
+    a, _ = ckpt_pair("llama")
+    engine = make_engine(a, max_total_tokens=40)
+    try:
+        result: list = []
+        caller = threading.Thread(target=lambda: result.append(engine.generate(
+            input_ids=list(range(5, 64)), sampling_params=dict(max_new_tokens=4))), daemon=True)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive(), "generate never returned"
+        reason = result[0]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "max_total_tokens" in reason["message"]
+        assert engine.generate(input_ids=[5, 6, 7], sampling_params=dict(max_new_tokens=2))["output_ids"]
+    finally:
+        engine.shutdown()
