@@ -298,8 +298,9 @@ class Scheduler:
         self._failed.append(req)
 
     def _run_prefill(self, items: list[tuple[Req, int, int]]) -> list[Req]:
-        fb = extend_batch(items, torch.cat([self.req_pool.req_to_token[r.req_pool_idx, s : s + n].cpu()
-                                            for r, s, n in items]), self.runner.device)
+        # The slots _take_chunk just wrote, gathered where they live (no device->host read).
+        locs = torch.cat([self.req_pool.req_to_token[r.req_pool_idx, s : s + n] for r, s, n in items])
+        fb = extend_batch(items, locs, self.runner.device)
         reqs = [r for r, _, _ in items]
         fb.sampling_info = sampling_info(reqs, self.runner.model_config.vocab_size, self.eos_ids, self.runner.device)
         out = self.runner.sample(self.runner.forward(fb), fb)
@@ -340,11 +341,9 @@ class Scheduler:
                                                             "raise max_total_tokens"))
             return [req]
         reqs = list(self.running)
-        loc = self._alloc(len(reqs))
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.runner.device)
-        cols = torch.tensor([r.seq_len - 1 for r in reqs], dtype=torch.int64, device=self.runner.device)
-        self.req_pool.req_to_token[rows, cols] = loc.to(self.runner.device)
-        fb = decode_batch(reqs, loc, self.runner.device)
+        fb = decode_batch(reqs, self._alloc(len(reqs)), self.runner.device)
+        # The new token of each request sits at position seq_len - 1 of its row.
+        self.req_pool.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
         fb.sampling_info = sampling_info(reqs, self.runner.model_config.vocab_size, self.eos_ids, self.runner.device)
         out = self.runner.sample(self.runner.forward(fb), fb)
         ids, logprobs = out.next_token_ids.tolist(), out.logprobs.tolist()  # the one device->host read

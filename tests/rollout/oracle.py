@@ -56,7 +56,7 @@ def random_prompts(lengths: list[int], seed: int = 0, low: int = 3, high: int = 
     return [torch.randint(low, high, (n,), generator=g).tolist() for n in lengths]
 
 
-def pause_mid_stream(engine: Engine, num_chunks: int = 2, attempts: int = 3, **generate_kwargs):
+def pause_mid_stream(engine: Engine, num_chunks: int = 2, attempts: int = 10, **generate_kwargs):
     """Start a streaming request, read `num_chunks` chunks, pause the engine with it still in flight.
 
     Returns (stream, chunks read). The engine does not wait for readers, so a starved reader can see its
