@@ -38,6 +38,11 @@ PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=1024, max_position_embeddings=4096, rope_theta=10000.0,
                  tie_word_embeddings=True),
+    # ~40M parameters (8 layers, hidden 512, 32k vocab): big enough that weights, not per-op
+    # overhead, set the decode floor, small enough to run in seconds.
+    "qwen2-40m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=32768, max_position_embeddings=4096, rope_theta=10000.0,
+                      tie_word_embeddings=True),
     # Qwen2.5-0.5B's config.json, written by hand so nothing is downloaded.
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,

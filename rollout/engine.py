@@ -1,9 +1,14 @@
 """Engine: the public API, method for method after `sglang.Engine`.
 
-One background thread runs the scheduler; callers submit requests and wait on sinks. Control calls
-(pause, abort, weight updates, memory release) take the same lock as a scheduler step, so they run
-between steps, never inside one. Every input is validated in the caller's thread before anything is
-queued: a bad request raises there and the engine keeps serving the others.
+One background thread runs the scheduler (rollout.scheduler_loop); callers submit requests and wait on
+sinks. Control calls (pause, abort, weight updates, memory release) take the same lock as a scheduler
+step, so they run between steps, never inside one. Every input is validated in the caller's thread
+before anything is queued: a bad request raises there and the engine keeps serving the others. Every
+output leaves through one path, `_deliver`, which no caller can make raise: a consumer that is gone
+(closed event loop, dropped stream) has its requests aborted and their KV freed.
+
+Control semantics are SGLang's: abort_request(rid, abort_all) (an unknown or finished id is a no-op),
+pause_generation(mode="abort" | "retract" | "in_place") / continue_generation(), flush_cache() -> bool.
 """
 
 from __future__ import annotations
@@ -14,20 +19,22 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
 
 from tqdm.auto import tqdm
 
 from rollout.engine_args import EngineArgs
-from rollout.outputs import AsyncSink, SyncSink, build_output
+from rollout.outputs import AsyncSink, AsyncStream, SyncSink, SyncStream, build_output
 from rollout.request import FinishReason, Req
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
+from rollout.scheduler_loop import run_scheduler_loop
 from rollout.tokenizer import TokenizerWrapper
 from rollout.weights_api import WeightsAPI
 from runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class Engine(WeightsAPI):
@@ -39,15 +46,15 @@ class Engine(WeightsAPI):
         mc = self.runner.model_config
         self.eos_ids = self.tokenizer.eos_token_ids(mc.eos_token_ids, self.args.model_path)
         self.scheduler = Scheduler(self.runner, self.args.scheduler_config(), self.eos_ids, self.tokenizer.find_stop)
-        self.weight_version = "default"
+        self.weight_version = getattr(self.args, "weight_version", "default")  # until the first update
         self._num_updates = 0
         self._rng = random.Random(self.args.random_seed)
         self._cv = threading.Condition(threading.RLock())
         self._paused = False
         self._shutdown = False
-        self._reqs: dict[str, Req] = {}
-        self._finished_rids: dict[str, None] = {}  # recent ones, insertion-ordered, bounded
-        self._thread = threading.Thread(target=self._loop, name="rollout-scheduler", daemon=True)
+        self._reqs: dict[str, Req] = {}  # in flight, by rid
+        self._thread = threading.Thread(target=run_scheduler_loop, args=(self,), name="rollout-scheduler",
+                                        daemon=True)
         self._thread.start()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -56,9 +63,7 @@ class Engine(WeightsAPI):
             if self._shutdown:
                 return
             self._shutdown = True
-            for req in list(self._reqs.values()):
-                req.finished_reason = FinishReason("abort", message="engine shut down")
-                req.sink.put(("final", req))
+            self._abort_reqs(list(self._reqs.values()), "engine shut down")
             self._cv.notify_all()
         self._thread.join(timeout=30)
         self.runner.shutdown()
@@ -69,55 +74,81 @@ class Engine(WeightsAPI):
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    # ---- the scheduler thread ----------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._shutdown and (self._paused or not self.scheduler.has_work()
-                                              or not self._memory_resident()):
-                    self._cv.wait()
-                if self._shutdown:
-                    return
-                try:
-                    updated = self.scheduler.step()
-                except Exception as e:  # keep serving: fail what was in flight, with the reason
-                    logger.exception("scheduler step failed")
-                    self._fail_all(f"{type(e).__name__}: {e}")
-                    continue
-                for req in updated:
-                    if req.finished:
-                        self._reqs.pop(req.rid, None)
-                        self._remember_finished(req.rid)
-                        req.weight_version = self.weight_version
-                        req.sink.put(("final", req))
-                    elif req.stream:
-                        # A copy: the reader builds the chunk later, while this thread keeps appending.
-                        req.sink.put(("chunk", req.snapshot()))
-
-    def _memory_resident(self) -> bool:
-        """Requests wait (rather than fail) while weights or KV cache are released."""
+    # ---- what the scheduler thread calls (rollout.scheduler_loop), always under self._cv ---------
+    def _can_step(self) -> bool:
+        # Requests wait (rather than fail) while weights or KV cache are released.
         saver = self.runner.memory_saver
-        return saver.is_resident("weights") and saver.is_resident("kv_cache")
+        return (not self._paused and self.scheduler.has_work() and saver.is_resident("weights")
+                and saver.is_resident("kv_cache"))
 
-    def _remember_finished(self, rid: str) -> None:
-        self._finished_rids[rid] = None
-        if len(self._finished_rids) > 100_000:
-            self._finished_rids.pop(next(iter(self._finished_rids)))
+    def _deliver(self, req: Req) -> None:
+        """The one path by which outputs leave the scheduler: a stream chunk, or the final output (then
+        the request leaves the engine). Never raises: a consumer that is gone drops its requests."""
+        if req.finished:
+            if self._reqs.get(req.rid) is not req:
+                return  # delivered already
+            del self._reqs[req.rid]
+            req.weight_version = self.weight_version
+            req.finished_time = time.perf_counter()
+            item = ("final", req)
+        elif req.stream:
+            # A copy: the reader builds the chunk later, while the scheduler keeps appending.
+            item = ("chunk", req.snapshot())
+        else:
+            return
+        try:
+            req.sink.put(item)
+        except Exception as e:  # closed loop, closed stream, anything: that consumer only
+            self._drop_consumer(req.sink, f"{type(e).__name__}: {e}")
+
+    def _drop_consumer(self, sink, reason: str) -> None:
+        """Nobody reads `sink` any more: abort every request that delivers to it and free its KV."""
+        sink.closed = True
+        victims = [r for r in self._reqs.values() if r.sink is sink]
+        for req in victims:
+            self.scheduler.abort(req, f"the caller is gone ({reason})")
+            del self._reqs[req.rid]
+        if victims:
+            logger.warning("dropped %d request(s) whose caller is gone (%s): %s", len(victims), reason,
+                           [r.rid for r in victims][:5])
+
+    def _abort_reqs(self, reqs: list[Req], message: str) -> int:
+        """Finish each request still in flight as abort with its partial output, and deliver it."""
+        n = 0
+        for req in reqs:
+            if self._reqs.get(req.rid) is not req:
+                continue
+            try:
+                aborted = self.scheduler.abort(req, message)
+            except Exception:  # its bookkeeping is broken (a bug): still give the caller its output
+                logger.exception("aborting request %s failed", req.rid)
+                aborted = False
+            if not aborted:  # not (or no longer) queued in the scheduler: finish it here
+                req.finished_reason = FinishReason("abort", message=message)
+            self._deliver(req)
+            n += 1
+        return n
 
     def _fail_all(self, message: str) -> None:
-        """A step raised: finish every in-flight request with the reason and start from clean pools.
-
-        The failed step may have admitted requests half-way (a row, some KV slots), so rather than
-        unwinding each one the scheduler's bookkeeping is reset wholesale; nothing else is running.
-        """
-        for req in list(self._reqs.values()):
+        """Last resort after an unexpected error in the loop: finish every request in flight with the
+        reason and start from clean pools (the failure may have left the bookkeeping half-done)."""
+        reqs = list(self._reqs.values())
+        self.scheduler.reset()
+        for req in reqs:
             req.finished_reason = FinishReason("abort", message=message)
             req.error = message
-            req.sink.put(("final", req))
-        self._reqs.clear()
-        self.scheduler.reset()
+            self._deliver(req)
 
     # ---- requests ----------------------------------------------------------------------------
+    def _per_prompt(self, name: str, value, num: int, check) -> list:
+        """SGLang takes one value for every prompt or a list with one per prompt."""
+        values = value if isinstance(value, list) else [value] * num
+        if len(values) != num:
+            raise ValueError(f"{name} has {len(values)} entries for {num} prompts")
+        for v in values:
+            check(v)
+        return values
+
     def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream):
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
@@ -137,20 +168,34 @@ class Engine(WeightsAPI):
                 raise ValueError("input_ids must be a list of ints or a list of lists of ints")
         if not ids_list:
             raise ValueError("empty batch: no prompts given")
+        num = len(ids_list)
         if isinstance(sampling_params, list):
-            if len(sampling_params) != len(ids_list):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} prompts")
+            if len(sampling_params) != num:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {num} prompts")
             sps = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             sp = SamplingParams.from_dict(sampling_params)
-            sps = [sp] * len(ids_list)
-        if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
-            raise ValueError(f"top_logprobs_num must be an int >= 0, got {top_logprobs_num!r}")
-        rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
-        if len(rids) != len(ids_list):
-            raise ValueError(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
+            sps = [sp] * num
         vocab, ctx = self.runner.model_config.vocab_size, self.runner.context_len
+
+        def check_bool(name):
+            def check(v):
+                if not isinstance(v, bool):
+                    raise ValueError(f"{name} must be a bool (or a list of one per prompt), got {v!r}")
+            return check
+
+        def check_top(v):
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= vocab:
+                raise ValueError(f"top_logprobs_num must be an int in [0, {vocab}] (the vocabulary size), "
+                                 f"got {v!r}")
+
+        logprob_flags = self._per_prompt("return_logprob", return_logprob, num, check_bool("return_logprob"))
+        tops = self._per_prompt("top_logprobs_num", top_logprobs_num, num, check_top)
+        check_bool("stream")(stream)
+        total = sum(sp.n for sp in sps)
+        rids = self._expand_rids(rid, num, total, single and sps[0].n == 1)
         reqs = []
+        now = time.perf_counter()
         for i, (ids, sp) in enumerate(zip(ids_list, sps)):
             sp.verify(vocab)
             if sp.stop and self.tokenizer.tokenizer is None:  # else they would silently never match
@@ -166,14 +211,31 @@ class Engine(WeightsAPI):
                                  f"(prompt must leave room for at least one new token)")
             base_seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
             for j in range(sp.n):
-                req_rid = (rids[i] if sp.n == 1 else f"{rids[i]}-{j}") if rids[i] else uuid.uuid4().hex
                 # n samples of one seeded request differ from each other but are reproducible.
                 seed = base_seed if j == 0 else hash((base_seed, j)) & ((1 << 63) - 1)
-                reqs.append(Req(req_rid, list(ids), sp, seed, return_logprob, top_logprobs_num, stream,
-                                index=len(reqs)))
-        if stream and len(reqs) != 1:
-            raise ValueError("stream=True takes a single prompt with n=1")
+                req = Req(rids[len(reqs)], list(ids), sp, seed, logprob_flags[i], tops[i], stream, index=len(reqs))
+                req.created_time = now
+                reqs.append(req)
         return reqs, single and sps[0].n == 1
+
+    @staticmethod
+    def _expand_rids(rid, num_prompts: int, total: int, is_single: bool) -> list[str]:
+        """SGLang's rid rules: None -> fresh ids; a string names a single request, or on a batch (or n > 1)
+        expands to f"{rid}_{i}" over every sequence; a list gives one per prompt (f"{rid}_{j}" with n > 1)."""
+        if rid is None or rid == "":
+            return [uuid.uuid4().hex for _ in range(total)]
+        if isinstance(rid, str):
+            return [rid] if is_single else [f"{rid}_{i}" for i in range(total)]
+        if not isinstance(rid, list) or not all(isinstance(r, str) and r for r in rid):
+            raise ValueError(f"rid must be a string or a list of non-empty strings, got {rid!r}")
+        if len(rid) != num_prompts:
+            raise ValueError(f"rid has {len(rid)} entries for {num_prompts} prompts")
+        if total == num_prompts:
+            return list(rid)
+        per_prompt = total // num_prompts if total % num_prompts == 0 else None
+        if per_prompt is None:  # different n per prompt
+            raise ValueError("a list of rids needs the same n for every prompt")
+        return [f"{r}_{j}" for r in rid for j in range(per_prompt)]
 
     def _submit(self, reqs: list[Req], sink) -> None:
         with self._cv:
@@ -196,10 +258,11 @@ class Engine(WeightsAPI):
     def _output(self, req: Req, final: bool) -> dict:
         return build_output(req, self.tokenizer, req.weight_version if final else self.weight_version, final)
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, stream: bool = False, rid=None, show_progress: bool | None = None,
-                 **unsupported):
-        """Blocking generation. One dict for a single prompt with n=1, else a list (n dicts per prompt)."""
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool | list[bool] = False,
+                 top_logprobs_num: int | list[int] = 0, stream: bool = False, rid=None,
+                 show_progress: bool | None = None, **unsupported):
+        """Blocking generation. One dict for a single prompt with n=1, else a list (n dicts per prompt).
+        stream=True returns an iterator of chunk dicts (of every request of the call, each with "index")."""
         if unsupported:
             raise TypeError(f"generate got unsupported argument(s) {sorted(unsupported)}")
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
@@ -207,7 +270,7 @@ class Engine(WeightsAPI):
         sink = SyncSink()
         self._submit(reqs, sink)
         if stream:
-            return self._stream(reqs[0], sink)
+            return SyncStream(reqs, sink, self._output, self._abort_quietly)
         show = self.args.show_progress if show_progress is None else show_progress
         results: list[dict | None] = [None] * len(reqs)
         t0 = time.perf_counter()
@@ -219,34 +282,21 @@ class Engine(WeightsAPI):
         self.last_call_seconds = time.perf_counter() - t0
         return results[0] if single else results
 
-    def _stream(self, req: Req, sink: SyncSink) -> Iterator[dict]:
-        done = False
-        try:
-            while not done:
-                kind, r = sink.get()
-                done = kind == "final"
-                yield self._output(r, final=done)
-        finally:
-            if not done:  # the caller closed or dropped the stream: stop spending compute on it
-                self._abort_quietly([req])
-
     def _abort_quietly(self, reqs: list[Req]) -> None:
+        """The caller stopped listening (closed stream, cancelled coroutine): stop spending compute."""
         with self._cv:
-            for req in reqs:
-                if req.rid in self._reqs and self.scheduler.abort(req.rid) is not None:
-                    self._reqs.pop(req.rid, None)
-                    self._remember_finished(req.rid)
+            self._abort_reqs(reqs, "the caller stopped reading")
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
-                             return_logprob: bool = False, top_logprobs_num: int = 0, stream: bool = False,
-                             rid=None):
+                             return_logprob: bool | list[bool] = False, top_logprobs_num: int | list[int] = 0,
+                             stream: bool = False, rid=None):
         """asyncio twin of generate: many coroutines share the engine, each awaiting its own results."""
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                        rid, stream)
         sink = AsyncSink(asyncio.get_running_loop())
         self._submit(reqs, sink)
         if stream:
-            return self._astream(reqs[0], sink)
+            return AsyncStream(reqs, sink, self._output, self._abort_quietly)
         results: list[dict | None] = [None] * len(reqs)
         try:
             for _ in range(len(reqs)):
@@ -257,36 +307,40 @@ class Engine(WeightsAPI):
             raise
         return results[0] if single else results
 
-    async def _astream(self, req: Req, sink: AsyncSink) -> AsyncIterator[dict]:
-        done = False
-        try:
-            while not done:
-                kind, r = await sink.get()
-                done = kind == "final"
-                yield self._output(r, final=done)
-        finally:
-            if not done:
-                self._abort_quietly([req])
-
-    # ---- control -----------------------------------------------------------------------------
-    def abort_request(self, rid: str) -> bool:
-        """Abort a request in flight (it finishes with finish_reason "abort"). Returns False for one
-        that already finished (a benign race at the end of a rollout); an id never seen is an error."""
+    # ---- control (SGLang's semantics) -------------------------------------------------------------
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
+        """Abort requests in flight; each returns what it generated so far with finish_reason
+        {"type": "abort", "message": ...}. As SGLang: `abort_all=True` aborts every request in flight;
+        otherwise, if `rid` is the id of a request in flight, every request in flight whose id starts
+        with `rid` is aborted (SGLang matches by prefix once the id is known), and an unknown or finished
+        id is a no-op. Returns how many requests were aborted (0: nothing was in flight under that id)."""
+        if not isinstance(rid, str) or not isinstance(abort_all, bool):
+            raise TypeError(f"abort_request takes rid: str and abort_all: bool, got {rid!r}, {abort_all!r}")
         with self._cv:
-            req = self.scheduler.abort(rid)
-            if req is None:
-                if rid in self._finished_rids:
-                    return False
-                raise ValueError(f"abort_request: unknown request id {rid!r} (never submitted to this engine)")
-            self._reqs.pop(rid, None)
-            self._remember_finished(rid)
-            req.weight_version = self.weight_version
-            req.sink.put(("final", req))
-            return True
+            if abort_all:
+                victims = list(self._reqs.values())
+            elif rid in self._reqs:
+                victims = [r for r in self._reqs.values() if r.rid.startswith(rid)]
+            else:
+                return 0
+            return self._abort_reqs(victims, "aborted by abort_request" + (" (abort_all)" if abort_all else ""))
 
-    def pause_generation(self) -> None:
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating until continue_generation(). SGLang's modes:
+        "abort": every request in flight is aborted (partial outputs returned);
+        "retract": running requests go back to the waiting queue, their KV freed (into the prefix cache,
+            so flush_cache() now succeeds); they recompute it and go on after continue_generation();
+        "in_place": requests keep their KV and simply stop; continue_generation() resumes them.
+        Requests submitted while paused wait. Weight updates and memory release while paused retract
+        whatever is still in flight (see WeightsAPI)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._cv:
             self._paused = True
+            if mode == "abort":
+                self._abort_reqs(list(self._reqs.values()), "aborted by pause_generation(mode='abort')")
+            elif mode == "retract":
+                self.scheduler.retract_all()
 
     def continue_generation(self) -> None:
         with self._cv:
@@ -294,9 +348,10 @@ class Engine(WeightsAPI):
             self._cv.notify_all()
 
     def flush_cache(self) -> bool:
+        """Empty the prefix cache. As SGLang: False (nothing flushed) while requests hold KV (running,
+        or paused in place); True otherwise (waiting or retracted requests hold none)."""
         with self._cv:
-            self.scheduler.flush_cache()
-            return True
+            return self.scheduler.flush_cache()
 
     def get_server_info(self) -> dict:
         with self._cv:

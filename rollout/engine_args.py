@@ -1,55 +1,226 @@
-"""EngineArgs: every Engine option with its SGLang name, validated before anything is built."""
+"""EngineArgs: every Engine option with its SGLang name, validated before anything is built.
+
+The options are not declared here: EngineArgs is composed from the fields of RunnerConfig
+(runner/config.py), SchedulerConfig (rollout/scheduler.py) and FrontendConfig (below), in that order,
+so a new runner or scheduler option is an Engine option (and a server flag) with no edit here. A name
+both parts declare (`max_running_requests`) is one option, passed to both, with the first part's
+default. `runner_config()` and `scheduler_config()` split the flat options back into their parts; each
+part validates itself in its own `__post_init__`.
+
+SGLang parity: `SGLANG_OPTIONS` below is the one table of the `sglang.Engine` / ServerArgs names that
+RL frameworks pass (verl's SGLang rollout and server, slime's sglang_engine, SGLang's own RL tests),
+with the values accepted here and what each means. Names that mean nothing in one in-process engine
+are accepted as no-ops only at values that really mean nothing (`dp_size=1`, `quantization=None`); any
+other value is refused naming the option and the supported values. Unknown names are refused.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 
 from rollout.scheduler import SchedulerConfig
-from runner.model_runner import RunnerConfig
+from runner.config import RunnerConfig
 
 
 @dataclass
-class EngineArgs:
-    model_path: str
-    device: str = "cpu"
-    dtype: str = "auto"
-    load_format: str = "auto"
-    mem_fraction_static: float = 0.85
-    max_total_tokens: int | None = None
-    max_running_requests: int = 512
-    context_length: int | None = None
-    kv_cache_dtype: str = "auto"
-    cpu_kv_cache_bytes: int = 1 << 30
-    chunked_prefill_size: int = 2048
-    disable_radix_cache: bool = False
-    enable_memory_saver: bool = False
-    enable_weights_cpu_backup: bool = False
-    attention_backend: str | None = None
-    disable_cuda_graph: bool = False
-    tp_size: int = 1
-    random_seed: int = 0
-    cpu_prepack: bool = True
+class FrontendConfig:
+    """Options of the Engine itself, beside the runner's and the scheduler's."""
+
     skip_tokenizer_init: bool = False
     show_progress: bool = True
     log_level: str = "warning"
 
+    def __post_init__(self) -> None:
+        levels = ("debug", "info", "warning", "error", "critical")
+        if str(self.log_level).lower() not in levels:
+            raise ValueError(f"log_level={self.log_level!r}: choose one of {levels}")
+
+
+# name -> (accepted values, meaning here). Every SGLang name RL code passes to sglang.Engine(...) /
+# ServerArgs(...) that this engine knows; all are Engine options (the ones the HTTP server owns are
+# its flags and no-ops in-process). Checked by SGLangCompatConfig and the parts named.
+SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
+    # ---- implemented --------------------------------------------------------------------------
+    "model_path": ("HF checkpoint dir", "the model"),
+    "dtype": ("'auto', 'float32', 'bfloat16', 'float16' (None = 'auto')", "weights and compute dtype"),
+    "load_format": ("'auto', 'safetensors', 'dummy' (None = 'auto')", "initial load; 'dummy' = random"),
+    "mem_fraction_static": ("(0, 1)", "share of free GPU memory for weights + KV cache"),
+    "max_total_tokens": ("None or >= 1", "KV cache size in tokens"),
+    "max_running_requests": ("None (= 512) or >= 1", "requests decoded together"),
+    "context_length": ("None or <= the model's", "longest prompt + output"),
+    "kv_cache_dtype": ("'auto' or a model dtype", "KV cache dtype"),
+    "chunked_prefill_size": (">= 1", "prefill tokens per step"),
+    "disable_radix_cache": ("bool", "no prefix cache"),
+    "attention_backend": ("None, 'torch_native', 'flashinfer' (SGLang's 'fa3', 'triton' ... are refused)",
+                          "attention kernels, chosen once"),
+    "disable_cuda_graph": ("bool", "no captured decode step"),
+    "cuda_graph_max_bs": ("None or >= 1", "largest captured decode batch"),
+    "cuda_graph_bs": ("None or list of sizes", "exact captured decode batches"),
+    "enable_memory_saver": ("bool", "release/resume_memory_occupation work"),
+    "enable_weights_cpu_backup": ("bool", "released weights kept on the host and restored on resume"),
+    "tp_size": ("1", "tensor parallelism is not supported yet"),
+    "random_seed": ("int (None = 0)", "dummy weights and unseeded sampling"),
+    "skip_tokenizer_init": ("bool", "token ids in, token ids out"),
+    "log_level": ("'debug', 'info', 'warning', 'error', 'critical'", "level of the `rollout` loggers"),
+    "base_gpu_id": ("int >= 0", "device='cuda' runs on cuda:{base_gpu_id}; no-op on the CPU"),
+    "weight_version": ("str", "weight_version before the first update"),
+    "custom_weight_loader": ("None or list of dotted paths", "functions fn(model, named_tensors) that "
+                             "update_weights_from_tensor(load_format=<path>) may call"),
+    "cpu_offload_gb": (">= 0 on the CPU (weights are on the host already); 0 on CUDA (streaming weights in "
+                       "is not supported: use enable_memory_saver + enable_weights_cpu_backup)", "host-resident weights"),
+    # ---- accepted, no-ops here ------------------------------------------------------------------
+    "trust_remote_code": ("bool", "no-op: only built-in architectures load, no checkpoint code ever runs"),
+    "skip_server_warmup": ("bool", "no-op: there is no warmup request"),
+    "disable_piecewise_cuda_graph": ("bool", "no-op: no piecewise (prefill) graphs are captured"),
+    "enable_draft_weights_cpu_backup": ("bool", "no-op: no draft model (no speculative decoding)"),
+    "mm_attention_backend": ("None or str", "no-op: no multimodal models"),
+    "dp_size": ("1", "one Engine is one data-parallel rank; rollout.ray.launch_engines runs several"),
+    "pp_size": ("1", "no pipeline parallelism"),
+    "ep_size": ("1", "all experts of a MoE model on one device"),
+    "nnodes": ("1", "one node"),
+    "node_rank": ("0", "one node"),
+    "gpu_id_step": ("int >= 1", "no-op at tp_size=1"),
+    "dist_init_addr": ("None or str", "no-op at tp_size=1 (weight-update groups have their own address)"),
+    "nccl_port": ("None or int", "no-op at tp_size=1"),
+    "quantization": ("None", "no quantized kernels"),
+    "json_model_override_args": ("None, '', '{}'", "config.json is used as it is"),
+    "enable_metrics": ("bool", "no-op: the HTTP server always serves /metrics"),
+    # The HTTP server's own flags (rollout.launch_server); an in-process Engine drops them.
+    **{name: ("any", "no-op in-process: a flag of rollout.launch_server")
+       for name in ("host", "port", "api_key", "served_model_name", "chat_template")},
+}
+# Names the HTTP server declares itself (rollout/server/args.py): not EngineArgs fields, or its
+# command line would have them twice.
+SERVER_ONLY_OPTIONS = ("host", "port", "api_key", "served_model_name", "chat_template")
+# SGLang's None means "choose for me" for these; here that is the option's default.
+NONE_MEANS_DEFAULT = ("dtype", "load_format", "max_running_requests", "random_seed", "kv_cache_dtype",
+                      "mem_fraction_static", "chunked_prefill_size")
+
+
+def _refuse(name: str, value, supported: str, why: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is not supported here ({why}); supported: {supported}")
+
+
+@dataclass
+class SGLangCompatConfig:
+    """SGLang ServerArgs names that mean nothing (or only one thing) in one in-process engine."""
+
+    trust_remote_code: bool = False
+    skip_server_warmup: bool = False
+    disable_piecewise_cuda_graph: bool = False
+    enable_draft_weights_cpu_backup: bool = False
+    enable_metrics: bool = False
+    mm_attention_backend: str | None = None
+    dp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
+    dist_init_addr: str | None = None
+    nccl_port: int | None = None
+    quantization: str | None = None
+    json_model_override_args: str | None = "{}"
+    weight_version: str = "default"
+
+    def __post_init__(self) -> None:
+        for name in ("trust_remote_code", "skip_server_warmup", "disable_piecewise_cuda_graph",
+                     "enable_draft_weights_cpu_backup", "enable_metrics"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        for name, why in (("dp_size", "one Engine is one data-parallel rank; start several with "
+                                      "rollout.ray.launch_engines"),
+                          ("pp_size", "no pipeline parallelism"), ("ep_size", "no expert parallelism"),
+                          ("nnodes", "one engine runs on one node")):
+            if getattr(self, name) != 1:
+                raise _refuse(name, getattr(self, name), "1", why)
+        if self.node_rank != 0:
+            raise _refuse("node_rank", self.node_rank, "0", "one engine runs on one node")
+        if not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0:
+            raise _refuse("base_gpu_id", self.base_gpu_id, "an int >= 0", "a CUDA device index")
+        if not isinstance(self.gpu_id_step, int) or self.gpu_id_step < 1:
+            raise _refuse("gpu_id_step", self.gpu_id_step, "an int >= 1", "a device index stride")
+        if self.quantization is not None:
+            raise _refuse("quantization", self.quantization, "None", "no quantized kernels; load a bf16/fp16/fp32 "
+                          "checkpoint")
+        if self.json_model_override_args not in (None, "", "{}"):
+            raise _refuse("json_model_override_args", self.json_model_override_args, "None, '' or '{}'",
+                          "config.json is used as it is; edit the checkpoint's config.json instead")
+        if not isinstance(self.weight_version, str):
+            raise ValueError(f"weight_version={self.weight_version!r} must be a str")
+
+
+_PARTS = (RunnerConfig, SchedulerConfig, FrontendConfig, SGLangCompatConfig)
+
+
+class _EngineArgsMethods:
+    def __post_init__(self) -> None:
+        self._parts = {part: self._build(part) for part in _PARTS}  # builds validate: bad options fail here
+
+    def _build(self, part):
+        values = {f.name: getattr(self, f.name) for f in fields(part)}
+        if part is RunnerConfig:
+            values["device"] = self._device()
+        return part(**values)
+
+    def _device(self) -> str:
+        """SGLang's base_gpu_id picks the CUDA device: device='cuda' runs on cuda:{base_gpu_id}."""
+        device, gpu = str(self.device), self.base_gpu_id
+        if not device.startswith("cuda") or not isinstance(gpu, int) or gpu == 0:
+            return device
+        if device == "cuda":
+            return f"cuda:{gpu}"
+        if device != f"cuda:{gpu}":
+            raise ValueError(f"base_gpu_id={gpu} contradicts device={device!r}; pass one of them")
+        return device
+
+    def runner_config(self) -> RunnerConfig:
+        return self._parts[RunnerConfig]
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return self._parts[SchedulerConfig]
+
     @classmethod
-    def from_kwargs(cls, model_path: str | None, **kwargs) -> EngineArgs:
+    def from_kwargs(cls, model_path: str | None, **kwargs):
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(kwargs) - known - set(SERVER_ONLY_OPTIONS))
         if unknown:
-            raise TypeError(f"Engine got unknown argument(s) {unknown}; known: {sorted(known - {'model_path'})}")
+            raise TypeError(f"Engine got unknown argument(s) {unknown}; known: {sorted(known - {'model_path'})} "
+                            f"(SGLang's names and what they mean here: rollout.engine_args.SGLANG_OPTIONS)")
+        for name in SERVER_ONLY_OPTIONS:  # the HTTP server's; they mean nothing to an in-process engine
+            kwargs.pop(name, None)
+        defaults = {f.name: f.default for f in fields(cls)}
+        for name in NONE_MEANS_DEFAULT:
+            if name in kwargs and kwargs[name] is None:
+                kwargs[name] = defaults[name]
         if model_path is None:
             model_path = kwargs.pop("model_path", None)
+        else:
+            kwargs.pop("model_path", None)
         if not model_path:
             raise ValueError("Engine needs model_path (an HF checkpoint directory)")
         return cls(model_path=str(model_path), **kwargs)
 
-    def runner_config(self) -> RunnerConfig:
-        names = {f.name for f in fields(RunnerConfig)}
-        return RunnerConfig(**{k: v for k, v in asdict(self).items() if k in names})
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(chunked_prefill_size=self.chunked_prefill_size,
-                               max_running_requests=self.max_running_requests,
-                               disable_radix_cache=self.disable_radix_cache)
+def _composed_fields() -> list[tuple]:
+    out, seen = [], set()
+    for part in _PARTS:
+        for f in fields(part):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            if f.default is not MISSING:
+                spec = field(default=f.default)
+            elif f.default_factory is not MISSING:
+                spec = field(default_factory=f.default_factory)
+            else:
+                spec = field()
+            out.append((f.name, f.type, spec))
+    return out
+
+
+EngineArgs = make_dataclass("EngineArgs", _composed_fields(), bases=(_EngineArgsMethods,))
+EngineArgs.__module__ = __name__  # string annotations resolve against this module
+EngineArgs.__doc__ = ("Every Engine option: the fields of RunnerConfig, SchedulerConfig, FrontendConfig and "
+                      "SGLangCompatConfig, flat.")

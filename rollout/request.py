@@ -1,7 +1,8 @@
 """Req: one sequence being generated, and the only object the scheduler and engine share about it.
 
 It records the tokens, the sampled logprobs, the finish reason and where its KV lives (its row in
-ReqToTokenPool, how many tokens of `fill_ids` are computed, the radix node it holds a lock on).
+ReqToTokenPool, how many tokens of `fill_ids` are computed, the radix node it holds a lock on). Only
+rollout.kv_manager.KVManager writes the KV fields; the scheduler reads them.
 """
 
 from __future__ import annotations
@@ -16,17 +17,23 @@ from rollout.sampling_params import SamplingParams
 @dataclass
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
-    matched: int | str | None = None
+    matched: int | str | None = None  # the stop token id or string; for "length", the limit reached
     message: str | None = None
 
     def to_dict(self) -> dict:
+        """SGLang's JSON: {"type": "length", "length": N}, {"type": "stop", "matched": token id or string},
+        {"type": "abort", "message": why}."""
+        if self.type == "length":
+            return {"type": "length", "length": self.matched}
+        if self.type == "abort":
+            return {"type": "abort", "message": self.message}
         d = {"type": self.type, "matched": self.matched}
         if self.message:
             d["message"] = self.message
         return d
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: `req in queue` must not compare every field
 class Req:
     rid: str
     prompt_ids: list[int]
@@ -43,6 +50,7 @@ class Req:
     # KV bookkeeping
     req_pool_idx: int | None = None
     num_computed: int = 0  # tokens of fill_ids whose KV is in the cache
+    num_allocated: int = 0  # positions of its row holding KV slots (>= num_computed while a step runs)
     num_cached: int = 0  # tokens reused from the prefix cache at (last) admission
     cached_tokens: int = 0  # reported: prompt tokens served from the cache at first admission
     is_cache_counted: bool = False  # cached_tokens is set (an admission undone before running is not counted)
@@ -53,6 +61,8 @@ class Req:
     sink: Any = None  # where the engine delivers outputs
     text: str = ""
     error: str | None = None
+    created_time: float = 0.0  # time.perf_counter() at submission
+    finished_time: float = 0.0  # ... when the final output was delivered
 
     def snapshot(self) -> Req:
         """A copy of the outputs so far, for a stream chunk (the scheduler goes on mutating self)."""

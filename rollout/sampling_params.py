@@ -1,8 +1,16 @@
-"""SamplingParams: SGLang's sampling keys, validated with errors that name the field."""
+"""SamplingParams: SGLang's sampling keys, validated with errors that name the field.
+
+Validation covers every field the scheduler step reads (types, bools included, and finite ranges), so a
+request that passes here cannot make a step raise; what needs the model (vocabulary) is in `verify`.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
+
+_GREEDY_BELOW = 1e-6  # temperatures under this are greedy
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
 @dataclass
@@ -32,6 +40,10 @@ class SamplingParams:
             raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
         else:
             known = {f.name for f in fields(cls)}
+            if "sampling_seed" in params:  # SGLang's newer name for seed
+                if params.get("seed") is not None:
+                    raise ValueError("sampling params seed and sampling_seed are the same field: pass one")
+                params = {k: v for k, v in params.items() if k != "sampling_seed"} | {"seed": params["sampling_seed"]}
             unknown = sorted(set(params) - known)
             if unknown:
                 raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
@@ -51,12 +63,19 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float):
                 raise ValueError(f"sampling param {name} must be a number, got {v!r}")
+            if not math.isfinite(v):  # nan passes every comparison below; inf breaks the sampler's scaling
+                raise ValueError(f"sampling param {name} must be finite, got {v!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sampling param {name} must be a bool, got {getattr(self, name)!r}")
         if self.max_new_tokens < 0:
             raise ValueError(f"sampling param max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens:
             raise ValueError(f"sampling param min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"sampling param temperature must be >= 0, got {self.temperature}")
+        if self.temperature < _GREEDY_BELOW:  # as SGLang: dividing by ~0 would overflow the logits
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling param top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:

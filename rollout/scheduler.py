@@ -7,8 +7,16 @@ so a long prompt is prefilled in chunks with a decode step between chunks. Reque
 shares a long prefix with one already in the batch wait one step, so the n samples of a prompt
 prefill it once and the rest hit the cache. When a decode step cannot get KV slots, the youngest
 running requests are retracted (their KV handed to the prefix cache, themselves requeued); sampling
-is counter-based per request, so their outputs do not change. Plain Python over Req objects; all
-tensor work happens in the runner.
+is counter-based per request, so their outputs do not change.
+
+A step that raises fails only the requests that caused it: the batch is re-run in halves until the
+failure is pinned on single requests (requests are independent within a batch and sampling is
+counter-based, so the others' tokens do not change), and the per-request host work after the forward
+(appending the token, stop checks) fails its own request alone. A cause that no split can avoid (the
+weights are invalid) fails the batch at once.
+
+The scheduler decides; rollout.kv_manager.KVManager does every write to the pools and the prefix
+cache. Plain Python over Req objects; all tensor work happens in the runner.
 """
 
 from __future__ import annotations
@@ -16,11 +24,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-
-import torch
+from typing import NamedTuple
 
 from rollout.batch import decode_batch, extend_batch, sampling_info
-from rollout.radix_cache import RadixCache
+from rollout.kv_manager import KVManager
 from rollout.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -38,6 +45,18 @@ class SchedulerConfig:
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests={self.max_running_requests} must be >= 1")
+
+
+class _Sampled(NamedTuple):
+    """One row of a step's host-side result."""
+
+    token: int
+    logprob: float
+    top: list[tuple[float, int]] | None  # (logprob, token id) of the top tokens, if asked
+
+
+class _StepFailure(NamedTuple):
+    message: str
 
 
 class _PrefixTrie:
@@ -64,18 +83,28 @@ class Scheduler:
         self.config = config
         self.eos_ids = list(eos_ids)
         self.stop_checker = stop_checker  # (req) -> matched stop string or None
-        self.req_pool = runner.req_to_token_pool
-        self.kv_pool = runner.token_to_kv_pool
-        self.max_running = min(config.max_running_requests or self.req_pool.size, self.req_pool.size)
-        self.tree = None if config.disable_radix_cache else RadixCache(self.kv_pool.free)
+        self.stats = dict(num_prefill_steps=0, num_decode_steps=0, num_prefill_tokens=0, num_cached_tokens=0,
+                          num_prompt_tokens=0, num_generated_tokens=0, num_retractions=0, num_evicted_tokens=0,
+                          num_failed_requests=0)
+        req_pool = runner.req_to_token_pool
+        self.kv = KVManager(req_pool, runner.token_to_kv_pool, runner.device, not config.disable_radix_cache,
+                            self.stats)
+        self.max_running = min(config.max_running_requests or req_pool.size, req_pool.size)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self._admit_counter = 0
         self.last_step_was_chunk = False
         self._failed: list[Req] = []
-        self.stats = dict(num_prefill_steps=0, num_decode_steps=0, num_prefill_tokens=0, num_cached_tokens=0,
-                          num_prompt_tokens=0, num_generated_tokens=0, num_retractions=0, num_evicted_tokens=0)
+
+    # Read-only views for callers that inspect the cache (tests, server info); writes go through self.kv.
+    @property
+    def tree(self):
+        return self.kv.tree
+
+    @property
+    def kv_pool(self):
+        return self.kv.kv_pool
 
     # ---- queue ----------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -88,123 +117,78 @@ class Scheduler:
     def num_in_flight(self) -> int:
         return len(self.waiting) + len(self.running) + (self.chunked_req is not None)
 
-    def abort(self, rid: str) -> Req | None:
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-                req.finished_reason = FinishReason("abort", message="aborted by abort_request")
-                return req
-        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
-            if req.rid == rid:
-                self._finish(req, FinishReason("abort", message="aborted by abort_request"))
-                return req
-        return None
+    def abort(self, req: Req, message: str) -> bool:
+        """Finish `req` as abort with what it generated so far and free its KV. False if it is not in
+        flight here (already finished, or never added)."""
+        if req.finished:
+            return False
+        reason = FinishReason("abort", message=message)
+        if any(r is req for r in self.waiting):
+            self.waiting.remove(req)
+            req.finished_reason = reason
+            self.kv.release(req)  # a no-op unless it was admitted; kept for safety
+            return True
+        if req is self.chunked_req or any(r is req for r in self.running):
+            self._finish(req, reason)
+            return True
+        return False
 
-    # ---- KV bookkeeping ------------------------------------------------------------------
-    def _available_tokens(self) -> int:
-        return self.kv_pool.available_size() + (self.tree.evictable_size if self.tree else 0)
-
-    def _alloc(self, n: int) -> torch.Tensor:
-        short = n - self.kv_pool.available_size()
-        if short > 0 and self.tree is not None:
-            self.stats["num_evicted_tokens"] += self.tree.evict(short)
-        return self.kv_pool.alloc(n)
-
+    # ---- decisions that move requests between queues (the KV work is self.kv's) ------------
     def _admit(self, req: Req) -> None:
-        req.req_pool_idx = self.req_pool.alloc()
-        req.num_computed = 0
-        if self.tree is not None:
-            # Keep at least one token to compute: its logits give the next token.
-            slots, node = self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
-            self.tree.inc_lock_ref(node)
-            req.last_node = node
-            if len(slots):
-                self.req_pool.write(req.req_pool_idx, 0, slots.to(self.runner.device))
-            req.num_computed = len(slots)
-        req.num_cached = req.num_computed
+        self.kv.admit(req)
         self._admit_counter += 1
         req.admitted_order = self._admit_counter
 
-    def _release_kv(self, req: Req) -> None:
-        """Give back everything `req` holds: computed KV goes to the prefix cache (or the pool)."""
-        if req.req_pool_idx is None:
-            return
-        row = self.req_pool.req_to_token[req.req_pool_idx, : req.num_computed].to("cpu")
-        if self.tree is not None:
-            key = req.fill_ids[: req.num_computed]
-            in_tree = req.num_cached
-            already = self.tree.insert(key, row)
-            self.kv_pool.free(row[in_tree:already])  # computed twice: the tree keeps its copy
-            self.tree.dec_lock_ref(req.last_node)
-            req.last_node = None
-        else:
-            self.kv_pool.free(row)
-        self.req_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-
-    def _cache_unfinished(self, req: Req) -> None:
-        """Put req's computed prefix in the tree now, so siblings admitted next step reuse it."""
-        if self.tree is None:
-            return
-        row = self.req_pool.req_to_token[req.req_pool_idx, : req.num_computed].to("cpu")
-        key = req.fill_ids[: req.num_computed]
-        already = self.tree.insert(key, row)
-        self.kv_pool.free(row[req.num_cached : already])
-        slots, node = self.tree.match_prefix(key)
-        self.req_pool.write(req.req_pool_idx, 0, slots.to(self.runner.device))
-        self.tree.inc_lock_ref(node)
-        self.tree.dec_lock_ref(req.last_node)
-        req.last_node = node
-        req.num_cached = len(slots)
-
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
-        self._release_kv(req)
+        self.kv.release(req)
         if req in self.running:
             self.running.remove(req)
         if self.chunked_req is req:
             self.chunked_req = None
 
-    def retract(self, req: Req) -> None:
-        self._release_kv(req)
-        self.running.remove(req)
-        req.num_computed = req.num_cached = 0
-        req.num_retractions += 1
-        self.stats["num_retractions"] += 1
+    def _fail(self, req: Req, message: str) -> None:
+        """This request (alone) made the step raise: finish it as abort with the reason."""
+        logger.warning("request %s failed in a scheduler step: %s", req.rid, message)
+        req.error = message
+        self.stats["num_failed_requests"] += 1
+        self._finish(req, FinishReason("abort", message=f"request failed in the scheduler step: {message}"))
+
+    def _requeue(self, req: Req) -> None:
+        """Take back req's admission (or its progress) and put it first in line."""
+        self.kv.undo(req)
+        if self.chunked_req is req:
+            self.chunked_req = None
         self.waiting.appendleft(req)
 
-    def _requeue_chunked(self) -> None:
-        """Undo the prefill in progress: its KV goes back (to the prefix cache if on), it waits first in line."""
-        req = self.chunked_req
-        self._release_kv(req)
-        req.num_computed = req.num_cached = 0
-        self.waiting.appendleft(req)
-        self.chunked_req = None
+    def retract(self, req: Req) -> None:
+        self.running.remove(req)
+        req.num_retractions += 1
+        self.stats["num_retractions"] += 1
+        self._requeue(req)
 
     def retract_all(self) -> None:
         """Requeue every running request; their KV will be recomputed (e.g. under new weights)."""
         if self.chunked_req is not None:
-            self._requeue_chunked()
+            self._requeue(self.chunked_req)
         for req in sorted(self.running, key=lambda r: r.admitted_order, reverse=True):
             self.retract(req)
 
     def reset(self) -> None:
-        """Forget every request and return every slot (after a failed step; callers own the requests)."""
+        """Forget every request and return every slot (last resort after an unexpected error; the
+        caller owns, and finishes, the requests)."""
         self.waiting.clear()
         self.running.clear()
         self.chunked_req = None
         self._failed.clear()
-        self.req_pool.free_slots = list(range(self.req_pool.size))
-        if self.tree is not None:
-            self.tree.reset()
-        self.kv_pool.clear()
+        self.kv.reset()
 
-    def flush_cache(self) -> None:
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache. False (nothing done) while a request holds KV (running or mid-prefill);
+        waiting requests hold none and do not block it."""
         if self.running or self.chunked_req:
-            raise RuntimeError("flush_cache refused: requests are running (pause and finish or abort them first)")
-        if self.tree is not None:
-            self.tree.reset()
-        self.kv_pool.clear()
+            return False
+        return self.kv.flush()
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Req]:
@@ -214,7 +198,7 @@ class Scheduler:
             if not interleave:
                 items = self._schedule_prefill()
                 if items:
-                    return self._run_prefill(items)
+                    return self._run_prefill(items) + self._drain_failed()
         self.last_step_was_chunk = False
         failed = self._drain_failed()  # too big for the pool: finished here even when nothing runs
         if self.running:
@@ -233,7 +217,7 @@ class Scheduler:
             budget -= items[-1][2]
         deferred: list[Req] = []
         while self.waiting and budget > 0:
-            if len(self.running) + len(items) >= self.max_running or not self.req_pool.available_size():
+            if len(self.running) + len(items) >= self.max_running or not self.kv.num_free_rows():
                 break
             req = self.waiting.popleft()
             self._admit(req)
@@ -241,7 +225,7 @@ class Scheduler:
             threshold = max(1, min(self.config.in_batch_prefix_threshold, req.seq_len - 1))
             if items and shared - req.num_computed >= threshold:
                 # Its prefix is being computed in this batch: next step it is a cache hit instead.
-                self._unadmit(req)
+                self.kv.undo(req)
                 deferred.append(req)
                 continue
             if not self._take_chunk(req, items, budget):
@@ -258,18 +242,15 @@ class Scheduler:
         if take < remaining and items and take < 64:
             # Not worth a sliver of a chunk now; the next step starts it fresh.
             if req is not self.chunked_req:
-                self._unadmit(req)
-                self.waiting.appendleft(req)
+                self._requeue(req)
             return False
-        if self._available_tokens() < take:
+        if self.kv.available_tokens() < take:
             if req is not self.chunked_req:
-                self._unadmit(req)
-                self.waiting.appendleft(req)
+                self._requeue(req)
             if not items and not self.running:
                 self._fail_too_long(req)
             return False
-        loc = self._alloc(take)
-        self.req_pool.write(req.req_pool_idx, req.num_computed, loc.to(self.runner.device))
+        self.kv.alloc_extend(req, take)
         if not req.is_cache_counted:  # report the hit of the first admission that runs, not of one undone
             req.is_cache_counted = True
             req.cached_tokens = min(req.num_cached, len(req.prompt_ids))
@@ -278,97 +259,127 @@ class Scheduler:
         self.chunked_req = req if take < remaining else (None if self.chunked_req is req else self.chunked_req)
         return True
 
-    def _unadmit(self, req: Req) -> None:
-        if self.tree is not None and req.last_node is not None:
-            self.tree.dec_lock_ref(req.last_node)
-            req.last_node = None
-        self.req_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.num_computed = req.num_cached = 0
-
     def _fail_too_long(self, req: Req) -> None:
         if req in self.waiting:
             self.waiting.remove(req)
-        if self.chunked_req is req:
-            self._release_kv(req)
-            self.chunked_req = None
-        req.finished_reason = FinishReason(
-            "abort", message=f"the KV cache ({self.kv_pool.size} tokens) cannot hold this request "
-                             f"({req.seq_len} tokens); raise max_total_tokens")
+        self._finish(req, FinishReason(
+            "abort", message=f"the KV cache ({self.kv.kv_pool.size} tokens) cannot hold this request "
+                             f"({req.seq_len} tokens); raise max_total_tokens"))
         self._failed.append(req)
 
     def _run_prefill(self, items: list[tuple[Req, int, int]]) -> list[Req]:
-        # The slots _take_chunk just wrote, gathered where they live (no device->host read).
-        locs = torch.cat([self.req_pool.req_to_token[r.req_pool_idx, s : s + n] for r, s, n in items])
-        fb = extend_batch(items, locs, self.runner.device)
-        reqs = [r for r, _, _ in items]
-        fb.sampling_info = sampling_info(reqs, self.runner.model_config.vocab_size, self.eos_ids, self.runner.device)
-        out = self.runner.sample(self.runner.forward(fb), fb)
-        ids, logprobs = out.next_token_ids.tolist(), out.logprobs.tolist()  # the one device->host read
         self.stats["num_prefill_steps"] += 1
         self.stats["num_prefill_tokens"] += sum(n for _, _, n in items)
-        updated = []
         self.last_step_was_chunk = False
-        for i, (req, start, n) in enumerate(items):
-            req.num_computed = start + n
-            if req.num_computed < req.seq_len:  # a chunk; more to come
-                self._cache_unfinished(req)
-                self.last_step_was_chunk = True
-                continue
-            if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
-                self._finish(req, FinishReason("length", 0))
+
+        def run(sub: list[tuple[Req, int, int]]) -> list[_Sampled]:
+            fb = extend_batch(sub, self.kv.extend_locs(sub), self.runner.device)
+            return self._forward_sample(fb, [r for r, _, _ in sub])
+
+        updated = []
+        for (req, start, n), res in self._run_attributed(items, run):
+            if isinstance(res, _StepFailure):
+                self._fail(req, res.message)
                 updated.append(req)
                 continue
-            self._cache_unfinished(req)
-            self.running.append(req)
-            self._append_token(req, ids[i], logprobs[i], out, i)
+            try:
+                req.num_computed = start + n
+                if req.num_computed < req.seq_len:  # a chunk; more to come
+                    self.kv.cache_unfinished(req)
+                    self.last_step_was_chunk = True
+                    continue
+                if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
+                    self._finish(req, FinishReason("length", 0))
+                else:
+                    self.kv.cache_unfinished(req)
+                    self.running.append(req)
+                    self._append_token(req, res)
+            except Exception as e:  # this request's own host work: it fails alone
+                self._fail(req, f"{type(e).__name__}: {e}")
             updated.append(req)
-        return updated + self._drain_failed()
+        return updated
 
     def _run_decode(self) -> list[Req]:
         self.running.sort(key=lambda r: r.admitted_order)
-        if self._available_tokens() < len(self.running) and self.chunked_req is not None:
+        if self.kv.available_tokens() < len(self.running) and self.chunked_req is not None:
             # A half-prefilled prompt is the youngest holder of KV: it goes first, or a running request
             # would be aborted as "too long" while the pool is full of someone else's chunks.
             self.chunked_req.num_retractions += 1
             self.stats["num_retractions"] += 1
-            self._requeue_chunked()
-        while self._available_tokens() < len(self.running) and len(self.running) > 1:
+            self._requeue(self.chunked_req)
+        while self.kv.available_tokens() < len(self.running) and len(self.running) > 1:
             self.retract(self.running[-1])
-        if self._available_tokens() < len(self.running):
+        if self.kv.available_tokens() < len(self.running):
             req = self.running[0]
             self._finish(req, FinishReason("abort", message="KV cache exhausted by a single request; "
                                                             "raise max_total_tokens"))
             return [req]
         reqs = list(self.running)
-        fb = decode_batch(reqs, self._alloc(len(reqs)), self.runner.device)
-        # The new token of each request sits at position seq_len - 1 of its row.
-        self.req_pool.req_to_token[fb.req_pool_indices, fb.positions] = fb.out_cache_loc
+        locs = self.kv.alloc_decode(reqs)  # [bs] on the device
+        self.stats["num_decode_steps"] += 1
+
+        def run(sub: list[tuple[Req, int]]) -> list[_Sampled]:
+            # Sub-batches from the bisection are contiguous, so their slots are a slice.
+            batch = [r for r, _ in sub]
+            fb = decode_batch(batch, locs[sub[0][1] : sub[-1][1] + 1], self.runner.device)
+            # The new token of each request sits at position seq_len - 1 of its row.
+            self.kv.write_decode(fb.req_pool_indices, fb.positions, fb.out_cache_loc)
+            return self._forward_sample(fb, batch)
+
+        for (req, _), res in self._run_attributed([(r, i) for i, r in enumerate(reqs)], run):
+            if isinstance(res, _StepFailure):
+                self._fail(req, res.message)
+                continue
+            try:
+                req.num_computed = req.seq_len
+                self._append_token(req, res)
+            except Exception as e:
+                self._fail(req, f"{type(e).__name__}: {e}")
+        return reqs
+
+    # ---- forward with failure attribution ---------------------------------------------------
+    def _forward_sample(self, fb, reqs: list[Req]) -> list[_Sampled]:
         fb.sampling_info = sampling_info(reqs, self.runner.model_config.vocab_size, self.eos_ids, self.runner.device)
         out = self.runner.sample(self.runner.forward(fb), fb)
         ids, logprobs = out.next_token_ids.tolist(), out.logprobs.tolist()  # the one device->host read
-        self.stats["num_decode_steps"] += 1
-        for i, req in enumerate(reqs):
-            req.num_computed = req.seq_len
-            self._append_token(req, ids[i], logprobs[i], out, i)
-        return reqs
+        tops = [None] * len(reqs)
+        if out.top_logprobs is not None and any(r.return_logprob and r.top_logprobs_num for r in reqs):
+            vals, toks = out.top_logprobs.tolist(), out.top_logprob_ids.tolist()
+            tops = [list(zip(v, t))[: r.top_logprobs_num] for r, v, t in zip(reqs, vals, toks)]
+        return [_Sampled(t, lp, top) for t, lp, top in zip(ids, logprobs, tops)]
+
+    def _run_attributed(self, units: list, run) -> list[tuple]:
+        """(unit, result) per unit: `run(units)`'s rows, or, where it raised, a _StepFailure for the
+        units it is pinned on by re-running the halves (each unit's outputs do not depend on its
+        batch-mates, so re-running a half reproduces exactly what the whole batch would have given)."""
+        try:
+            return list(zip(units, run(units), strict=True))
+        except Exception as e:
+            message = f"{type(e).__name__}: {e}"
+            if len(units) == 1 or not self._failure_can_be_attributed():
+                if len(units) > 1:
+                    logger.exception("scheduler step failed for all %d requests of the batch", len(units))
+                return [(u, _StepFailure(message)) for u in units]
+            mid = len(units) // 2
+            return self._run_attributed(units[:mid], run) + self._run_attributed(units[mid:], run)
+
+    def _failure_can_be_attributed(self) -> bool:
+        """False when the runner cannot run any batch (invalid weights): no split would help."""
+        return bool(getattr(self.runner, "weights_valid", True))
 
     def _drain_failed(self) -> list[Req]:
         failed, self._failed = self._failed, []
         return failed
 
     # ---- results -------------------------------------------------------------------------
-    def _append_token(self, req: Req, token: int, logprob: float, out, i: int) -> None:
-        req.output_ids.append(token)
+    def _append_token(self, req: Req, sampled: _Sampled) -> None:
+        req.output_ids.append(sampled.token)
         self.stats["num_generated_tokens"] += 1
         if req.return_logprob:
-            req.output_logprobs.append(logprob)
+            req.output_logprobs.append(sampled.logprob)
             if req.top_logprobs_num:
-                if not hasattr(out, "top_lists"):  # one device->host read per step, not per request
-                    out.top_lists = (out.top_logprobs.tolist(), out.top_logprob_ids.tolist())
-                vals, toks = out.top_lists[0][i], out.top_lists[1][i]
-                req.output_top_logprobs.append(list(zip(vals, toks))[: req.top_logprobs_num])
-        reason = self._check_finished(req, token)
+                req.output_top_logprobs.append(sampled.top)
+        reason = self._check_finished(req, sampled.token)
         if reason is not None:
             self._finish(req, reason)
 

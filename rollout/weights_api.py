@@ -1,17 +1,23 @@
 """The Engine's RL surface: memory release/resume and atomic weight updates (SGLang's names).
 
-Mixed into Engine; every method takes the engine lock, so it runs between scheduler steps. Rules:
-nothing is released or updated under running requests unless generation is paused (paused requests
-are retracted and recompute their KV afterwards, under whatever weights are then loaded); a failed
-update returns (False, reason) and changes nothing; a successful one flushes the prefix cache and
-bumps `weight_version`.
+Mixed into Engine. It handles the requests around a weight update, never the weights themselves:
+the runner owns every route in (tensors, buckets, disk, the distributed groups) and one loader behind
+them. Every call takes the engine lock, so it runs between scheduler steps; a distributed update
+receives its bytes first, without the lock, so a silent trainer never stalls serving. Rules: nothing
+is released or updated under running requests unless generation is paused (paused requests are
+retracted and recompute their KV afterwards, under whatever weights are then loaded); a failed
+update returns (False, reason) and changes nothing (or, if it could not be undone, leaves the
+weights marked invalid so generate refuses); a successful one flushes the prefix cache and bumps
+`weight_version`.
+
+Return shapes are SGLang's: (success, message) from the tensor and distributed routes,
+(success, message, num_paused_requests) from update_weights_from_disk. Releasing a released tag or
+resuming a resident one raises RuntimeError, as SGLang does.
 """
 
 from __future__ import annotations
 
 import logging
-
-import torch
 
 from runner.weight_loader import WeightUpdateError
 
@@ -20,14 +26,16 @@ logger = logging.getLogger(__name__)
 
 class WeightsAPI:
     # ---- guards ------------------------------------------------------------------------------
-    def _require_quiescent(self, what: str) -> None:
-        """Raise unless no request is in flight or generation is paused (then retract them)."""
+    def _require_quiescent(self, what: str) -> int:
+        """Raise unless no request is in flight or generation is paused (then retract them); returns
+        how many paused requests were retracted (SGLang's num_paused_requests)."""
         n = self.scheduler.num_in_flight()
         if n and not self._paused:
             raise RuntimeError(f"{what} refused: {n} request(s) in flight; call pause_generation() first "
                                f"(or wait for them to finish)")
         if n:
             self.scheduler.retract_all()
+        return n
 
     def _bump_version(self, weight_version: str | None) -> None:
         self._num_updates += 1
@@ -35,7 +43,9 @@ class WeightsAPI:
 
     # ---- memory ------------------------------------------------------------------------------
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Release `tags` (None: every tag). RuntimeError if one is already released."""
         with self._cv:
+            tags = self.runner.check_memory_transition(tags, release=True)  # before retracting anything
             self._require_quiescent("release_memory_occupation")
             try:
                 self.runner.release_memory_occupation(tags)
@@ -44,102 +54,101 @@ class WeightsAPI:
                     self.scheduler.flush_cache()
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Resume `tags` (None: every tag). RuntimeError if one is resident (nothing is resumed then)."""
         with self._cv:
-            # Resuming what is resident is a no-op: the prefix cache (and running requests) stay.
             self.runner.resume_memory_occupation(tags)
             self._cv.notify_all()
 
     # ---- weights -----------------------------------------------------------------------------
-    def _update(self, what: str, fn, flush_cache: bool, weight_version: str | None) -> tuple[bool, str]:
+    def _update(self, what: str, fn, flush_cache: bool, weight_version: str | None) -> tuple[bool, str, int]:
+        """-> (success, message, num_paused_requests)."""
         with self._cv:
+            num_paused = 0
             try:
-                self._require_quiescent(what)
+                num_paused = self._require_quiescent(what)
                 n = fn()
             except Exception as e:  # any failure is reported, never raised: the (bool, str) contract
                 logger.warning("%s failed: %s", what, e)
-                return False, f"{what} failed: {e}"
+                if not self.runner.weights_valid:  # not undone: never reuse KV computed from a mix
+                    self.scheduler.flush_cache()
+                return False, f"{what} failed: {e}", num_paused
             # Paused requests were retracted into the prefix cache with KV of the old weights: never
             # keep that cache across an update, whatever flush_cache says.
             if flush_cache or self._paused:
                 self.scheduler.flush_cache()
             self._bump_version(weight_version)
             self._cv.notify_all()
-            return True, f"{what}: loaded {n} tensors; weight_version={self.weight_version}"
+            return True, f"{what}: loaded {n} tensors; weight_version={self.weight_version}", num_paused
 
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
                                    weight_version: str | None = None) -> tuple[bool, str]:
-        """named_tensors: list of (HF name, tensor), or with load_format="flattened_bucket" a bucket dict
-        {"flattened_tensor", "metadata"} (or a list of them) from weight_sync.bucket."""
-        def load():
-            return self.runner.update_weights_from_tensor(_named_tensors(named_tensors, load_format))
+        """named_tensors: list of (HF name, tensor) with load_format None; with "flattened_bucket" a
+        bucket dict {"flattened_tensor", "metadata"} (or a list of them) from weight_sync.bucket; with
+        "direct" (runner parameter name, whole tensor) pairs; with one of the engine's
+        custom_weight_loader paths, whatever that function fn(model, named_tensors) takes."""
         # KV computed from the old weights must not be reused: an update without flush is only
-        # safe when nothing is cached, so force it if requests were retracted.
-        return self._update("update_weights_from_tensor", load, flush_cache, weight_version)
+        # safe when nothing is cached, so it is forced if requests were retracted.
+        return self._update("update_weights_from_tensor",
+                            lambda: self.runner.update_weights_from_tensor(named_tensors, load_format),
+                            flush_cache, weight_version)[:2]
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 weight_version: str | None = None) -> tuple[bool, str]:
+                                 weight_version: str | None = None, flush_cache: bool = True
+                                 ) -> tuple[bool, str, int]:
+        """Load the HF checkpoint at `model_path`. -> (success, message, num_paused_requests), SGLang's
+        shape: the last is how many paused requests were retracted around the update (they go on
+        under the new weights after continue_generation)."""
         if load_format not in (None, "auto", "safetensors"):
-            return False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported"
+            return (False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported; "
+                           f"choose None, 'auto' or 'safetensors'", 0)
         return self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(model_path),
-                            True, weight_version)
+                            flush_cache, weight_version)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str = "gloo", timeout_s: float = 120.0
+                                  group_name: str, backend: str | None = None, timeout_s: float = 120.0
                                   ) -> tuple[bool, str]:
-        """Join the trainer's weight-broadcast group (the trainer is rank 0; this engine is rank_offset)."""
-        from weight_sync.distributed import create_weight_update_group
-
-        with self._cv:
-            groups = self.__dict__.setdefault("_update_groups", {})
-        if group_name in groups:
-            return False, f"init_weights_update_group failed: group {group_name!r} already exists"
+        """Join the trainer's weight-broadcast group (the trainer is rank 0; this engine is rank_offset).
+        backend None: nccl on CUDA, gloo on the CPU. Runs without the engine lock: serving goes on."""
         try:
-            groups[group_name] = create_weight_update_group(master_address, master_port, rank_offset, world_size,
-                                                            group_name, backend, timeout_s)
+            self.runner.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                                  backend, timeout_s)
         except Exception as e:  # store/connect errors come in many types; report, keep serving
             return False, f"init_weights_update_group failed: {type(e).__name__}: {e}"
         return True, f"joined weight update group {group_name!r} as rank {rank_offset} of {world_size}"
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str, flush_cache: bool = True,
-                                        weight_version: str | None = None) -> tuple[bool, str]:
-        """Receive one bucket broadcast by rank 0 of `group_name`, then load it atomically."""
-        from weight_sync.distributed import receive_named_tensors
+                                        weight_version: str | None = None,
+                                        load_format: str | None = None) -> tuple[bool, str]:
+        """Receive one bucket broadcast by rank 0 of `group_name`, then load it atomically.
+        load_format: the wire format (weight_sync.distributed), None = one broadcast per tensor.
 
-        group = self.__dict__.get("_update_groups", {}).get(group_name)
-        if group is None:
-            return False, f"update_weights_from_distributed failed: no group {group_name!r}; call " \
-                          f"init_weights_update_group first"
-        with self._cv:
-            try:
-                # Receive before any other check so both sides' collectives stay matched; nothing is
-                # written until the whole bucket has arrived (a dead trainer -> timeout, old weights).
-                named = receive_named_tensors(group, names, dtypes, shapes, self.runner.device)
-            except Exception as e:
-                return False, f"update_weights_from_distributed failed while receiving: {type(e).__name__}: {e}"
-            return self._update("update_weights_from_distributed",
-                                lambda: self.runner.update_weights_from_tensor(named), flush_cache, weight_version)
+        The receive runs without the engine lock (serving goes on while the trainer is slow or silent);
+        only the load takes it, like any other update."""
+        what = "update_weights_from_distributed"
+        result: list[tuple[bool, str]] = []
+
+        def load(named) -> int:
+            result.append(self._update(what, lambda: self.runner.update_weights_from_tensor(named), flush_cache,
+                                       weight_version)[:2])
+            return 0
+
+        try:
+            self.runner.update_weights_from_distributed(names, dtypes, shapes, group_name, load_format, load=load)
+        except WeightUpdateError as e:  # refused before receiving (no such group)
+            return False, f"{what} failed: {e}"
+        except Exception as e:  # nothing was written: a failed receive never reaches the loader
+            return False, f"{what} failed while receiving: {type(e).__name__}: {e}"
+        return result[0]
+
+    def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        """Leave `group_name` and free the name (SGLang's name); waits for a receive in progress on it."""
+        try:
+            self.runner.destroy_weights_update_group(group_name)
+        except Exception as e:
+            return False, f"destroy_weights_update_group failed: {type(e).__name__}: {e}"
+        return True, f"destroyed weight update group {group_name!r}"
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         with self._cv:
             return self.runner.get_weights_by_name(name, truncate_size)
-
-
-def _named_tensors(named_tensors, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    if load_format in (None, "auto"):
-        if isinstance(named_tensors, dict):
-            named_tensors = list(named_tensors.items())
-        items = list(named_tensors)
-        if not all(isinstance(x, tuple | list) and len(x) == 2 for x in items):
-            raise WeightUpdateError("named_tensors must be a list of (name, tensor) pairs or a dict")
-        return [(n, t) for n, t in items]
-    if load_format == "flattened_bucket":
-        from weight_sync.bucket import FlattenedTensorBucket
-
-        buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
-        out = []
-        for b in buckets:
-            bucket = b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b)
-            out.extend(bucket.named_tensors())
-        return out
-    raise WeightUpdateError(f"load_format={load_format!r}: choose None or 'flattened_bucket'")

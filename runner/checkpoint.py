@@ -1,22 +1,32 @@
 """Reading Hugging Face safetensors checkpoints: single-file or sharded via
-`model.safetensors.index.json`.
+`model.safetensors.index.json`, as one consistent snapshot of the directory.
 
-`CheckpointIndex` parses every shard's header itself (8-byte length + JSON) so names, shapes and
-dtypes can be checked, and truncated or corrupt files rejected, before a byte of tensor data is
-read. Errors name the file and the tensor. It does not read .bin/.pt pickles (unsafe by design).
+`CheckpointIndex(path)` opens the directory once and, relative to that handle, reads the index (and
+`config.json`) and opens and maps every shard, all at construction. Every later read comes from those
+mappings, never from a path again, so a directory replaced meanwhile by an atomic saver
+(weight_sync/disk.py: write a temp dir, rename it into place) is seen either whole as it was when opened
+or not at all (a file already unlinked fails to open: a clean error, nothing read). It parses every
+shard's header itself (8-byte length + JSON) so names, shapes, dtypes and byte ranges are checked, and
+truncated or corrupt files rejected, before a byte of tensor data is read. Shard names from the index
+must stay inside the directory. Errors name the file and the tensor.
+
+It does not read .bin/.pt pickles (unsafe by design) and does not load anything into a model.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import mmap
+import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
-from safetensors import safe_open
 
+# safetensors dtype codes -> torch dtypes.
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -24,6 +34,10 @@ SAFETENSORS_DTYPES = {
 }
 if hasattr(torch, "float8_e4m3fn"):
     SAFETENSORS_DTYPES.update({"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2})
+
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+MAX_HEADER_BYTES = 100 << 20
 
 
 class CheckpointError(ValueError):
@@ -36,27 +50,26 @@ class TensorEntry:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    begin: int = 0  # byte range in the file (header included), [begin, end)
+    end: int = 0
 
 
-def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+def parse_safetensors_header(path: Path, read_at, size: int) -> dict[str, TensorEntry]:
+    """Entries of one safetensors file of `size` bytes; `read_at(n, offset) -> bytes`."""
+    head = read_at(8, 0)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > size - 8 or header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors header "
+                              f"(claims {header_len} bytes, file has {size})")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > size - 8 or header_len > 100 << 20:
-                raise CheckpointError(f"{path}: corrupt or truncated safetensors header "
-                                      f"(claims {header_len} bytes, file has {size})")
-            header = json.loads(f.read(header_len))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read checkpoint file: {e}") from e
+        header = json.loads(read_at(header_len, 8))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header: not a JSON object")
-    data_len = size - 8 - header_len
+    data_start, data_len = 8 + header_len, size - 8 - header_len
     entries = {}
     for name, meta in header.items():
         if name == "__metadata__":
@@ -64,57 +77,150 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         try:
             dtype = SAFETENSORS_DTYPES[meta["dtype"]]
             shape = tuple(int(d) for d in meta["shape"])
-            begin, end = meta["data_offsets"]
+            begin, end = (int(x) for x in meta["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {e}") from e
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {e!r}") from e
         if end > data_len:
             raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {end} of the data "
                                   f"section but the file holds {data_len}")
-        entries[name] = TensorEntry(name, path, dtype, shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != nbytes:
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: data_offsets "
+                                  f"[{begin}, {end}) do not hold shape {list(shape)} of {dtype} ({nbytes} bytes)")
+        entries[name] = TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
     return entries
 
 
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """The entries of one file, read by path (for tools; loads use CheckpointIndex's snapshot)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            return parse_safetensors_header(Path(path), lambda n, off: os.pread(f.fileno(), n, off), size)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint file: {e}") from e
+
+
+def _check_inside(index_file: Path, shard: object) -> str:
+    """A shard name from the index, refused unless it is a relative path inside the directory."""
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{index_file}: shard file name {shard!r} is not a non-empty string")
+    parts = PurePosixPath(shard).parts
+    if shard.startswith(("/", "\\")) or os.path.isabs(shard) or ".." in parts or "\\" in shard:
+        raise CheckpointError(f"{index_file}: shard {shard!r} lies outside the checkpoint directory "
+                              f"(absolute paths and '..' are refused)")
+    return shard
+
+
 class CheckpointIndex:
-    def __init__(self, model_path: str | Path) -> None:
+    """One checkpoint directory, opened once: entries (name -> TensorEntry) and the tensor data.
+
+    Use as a context manager (or call close()) to drop the mappings early; tensors already yielded stay
+    valid either way.
+    """
+
+    def __init__(self, model_path: str | os.PathLike) -> None:
         root = Path(model_path)
-        if not root.is_dir():
-            raise CheckpointError(f"checkpoint directory {root} does not exist")
-        index_file = root / "model.safetensors.index.json"
-        if index_file.is_file():
-            try:
-                weight_map = json.loads(index_file.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index_file}: unreadable index: {e}") from e
-            files = sorted({root / f for f in weight_map.values()})
-            for f in files:
-                if not f.is_file():
-                    missing = [n for n, fn in weight_map.items() if root / fn == f]
-                    raise CheckpointError(f"{f}: shard listed in {index_file.name} is missing "
-                                          f"(holds {len(missing)} tensors, e.g. {missing[0]!r})")
-        else:
-            files = sorted(root.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{root}: no *.safetensors files (only safetensors checkpoints are read)")
+        try:
+            dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointError(f"checkpoint directory {root} does not exist") from None
+        except OSError as e:
+            raise CheckpointError(f"checkpoint directory {root}: cannot open: {e}") from e
         self.root = root
         self.entries: dict[str, TensorEntry] = {}
-        for f in files:
-            for name, entry in read_safetensors_header(f).items():
-                if name in self.entries:
-                    raise CheckpointError(f"tensor {name!r} appears in both {self.entries[name].file} and {f}")
-                self.entries[name] = entry
+        self._maps: dict[Path, mmap.mmap | None] = {}
+        self._closed = False
+        try:
+            listing = set(os.listdir(dir_fd))
+            self.config_text = self._read_text(dir_fd, CONFIG_FILE) if CONFIG_FILE in listing else None
+            if INDEX_FILE in listing:
+                index_file = root / INDEX_FILE
+                try:
+                    weight_map = json.loads(self._read_text(dir_fd, INDEX_FILE))["weight_map"]
+                    if not isinstance(weight_map, dict):
+                        raise TypeError("weight_map is not an object")
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise CheckpointError(f"{index_file}: unreadable index: {e!r}") from e
+                files = sorted({_check_inside(index_file, f) for f in weight_map.values()})
+            else:
+                weight_map = {}
+                files = sorted(n for n in listing if n.endswith(".safetensors"))
+                if not files:
+                    raise CheckpointError(f"{root}: no *.safetensors files (only safetensors checkpoints are read)")
+            for f in files:
+                self._open_shard(dir_fd, f, weight_map)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(dir_fd)
+
+    def _read_text(self, dir_fd: int, name: str) -> str:
+        try:
+            fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+        except OSError as e:
+            raise CheckpointError(f"{self.root / name}: cannot open: {e}") from e
+        try:
+            with os.fdopen(fd, "rb") as f:
+                return f.read().decode()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.root / name}: cannot read: {e}") from e
+
+    def _open_shard(self, dir_fd: int, name: str, weight_map: dict) -> None:
+        path = self.root / name
+        try:
+            fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+        except FileNotFoundError:
+            held = [n for n, fn in weight_map.items() if fn == name]
+            what = f"listed in {INDEX_FILE} is missing (holds {len(held)} tensors, e.g. {held[:1]})" if held else \
+                "vanished while the checkpoint was being opened"
+            raise CheckpointError(f"{path}: shard {what}") from None
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot open checkpoint file: {e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            entries = parse_safetensors_header(path, lambda n, off: os.pread(fd, n, off), size)
+            # A private mapping: pages come from the page cache and stay readable after the file is
+            # unlinked or its directory renamed away; nothing is copied unless written (never).
+            self._maps[path] = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read checkpoint file: {e}") from e
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
+        for tname, entry in entries.items():
+            if tname in self.entries:
+                raise CheckpointError(f"tensor {tname!r} appears in both {self.entries[tname].file} and {path}")
+            self.entries[tname] = entry
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, a view of the mapping (no copy) when its bytes are aligned for its dtype."""
+        entry = self.entries[name]
+        if self._closed:
+            raise CheckpointError(f"{entry.file}: checkpoint was closed before tensor {name!r} was read")
+        numel = math.prod(entry.shape)
+        if numel == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        mapping = self._maps[entry.file]  # not None: a tensor with data lies in a non-empty file
+        if entry.begin % entry.dtype.itemsize:  # unaligned (old writers): copy out
+            flat = torch.frombuffer(bytearray(mapping[entry.begin:entry.end]), dtype=entry.dtype)
+        else:
+            flat = torch.frombuffer(mapping, dtype=entry.dtype, count=numel, offset=entry.begin)
+        return flat.view(entry.shape)
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) file by file; each tensor is read when yielded."""
+        """Yield (name, tensor) file by file, in name order; each tensor is read when yielded."""
         wanted = set(self.entries) if names is None else set(names)
-        by_file: dict[Path, list[str]] = {}
-        for name in wanted:
-            by_file.setdefault(self.entries[name].file, []).append(name)
-        for f, file_names in sorted(by_file.items()):
-            try:
-                with safe_open(str(f), framework="pt") as handle:
-                    for name in sorted(file_names):
-                        yield name, handle.get_tensor(name)
-            except CheckpointError:
-                raise
-            except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(f"{f}: cannot read tensor data: {e}") from e
+        for name in sorted(wanted, key=lambda n: (str(self.entries[n].file), n)):
+            yield name, self.read(name)
+
+    def close(self) -> None:
+        # Dropping our references is enough: a mapping is unmapped once no tensor views it any more.
+        self._maps = {}
+        self._closed = True
+
+    def __enter__(self) -> CheckpointIndex:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,9 +1,16 @@
-"""ModelConfig: the subset of an HF `config.json` the runner needs, validated.
+"""The runner's configuration: ModelConfig (from an HF `config.json`) and RunnerConfig (how to run it).
+
+ModelConfig is the subset of an HF `config.json` the runner needs, validated.
 
 Supported: Llama (incl. rope type `llama3`, explicit `head_dim`), Mistral, Qwen2 (q/k/v bias),
-Qwen3 (q/k RMSNorm, explicit `head_dim`); tied or untied embeddings. Anything else is a clear error,
+Qwen3 (q/k RMSNorm, explicit `head_dim`), and the mixture-of-experts Qwen3-MoE and Mixtral;
+tied or untied embeddings. Anything else is a clear error,
 never a silent fallback to a look-alike architecture. Reads both the transformers-4 layout
 (`rope_theta` + `rope_scaling`) and the transformers-5 layout (`rope_parameters`).
+
+RunnerConfig holds every runner option (device, dtype, memory, load format), validated in
+`__post_init__`; EngineArgs is composed from it rather than repeating it. The one table of dtypes a
+model can run in and the one list of memory tags live here too. Nothing here touches a tensor.
 """
 
 from __future__ import annotations
@@ -12,11 +19,35 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+# The dtypes a model (and its KV cache) can run in, by the names the options take.
+MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                        "float16": torch.float16}
+# Memory regions that release/resume act on (runner.memory_saver).
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def check_memory_tags(tags: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """None -> every tag; a name or a list of names -> that list, each checked against MEMORY_TAGS."""
+    if tags is None:
+        return list(MEMORY_TAGS)
+    if isinstance(tags, str):
+        tags = [tags]
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tags {bad}; valid tags: {list(MEMORY_TAGS)}")
+    return list(tags)
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Mixture-of-experts: the family is the attention's (q/k norm, bias, sliding window); the MoE part of
+    # the config is read by runner/models/moe.py.
+    "Qwen3MoeForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mistral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -155,3 +186,67 @@ def _parse_rope(raw: dict) -> tuple[float, dict | None]:
     if rope_type == "default":
         return theta, None
     return theta, scaling
+
+
+@dataclass
+class RunnerConfig:
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "auto"  # "auto": bf16 on CUDA, fp32 on CPU
+    load_format: str = "auto"  # "auto" | "safetensors" | "dummy"
+    mem_fraction_static: float = 0.85
+    max_total_tokens: int | None = None
+    max_running_requests: int = 512
+    context_length: int | None = None
+    kv_cache_dtype: str = "auto"
+    cpu_kv_cache_bytes: int = 1 << 30
+    attention_backend: str | None = None
+    disable_cuda_graph: bool = False
+    # Captured decode sizes (runner/graph_runner.py): on CUDA [1, 2, 4, 8, 16, 24, ...] up to
+    # cuda_graph_max_bs (None: 256, capped at max_running_requests), or exactly `cuda_graph_bs`. On the CPU the
+    # compiled decode step is opt-in: only the sizes in `cuda_graph_bs`, compiled at init.
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
+    enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
+    tp_size: int = 1
+    random_seed: int = 0
+    cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/cpu_prepack.py)
+    # SGLang's names (see rollout/engine_args.py): dotted paths of fn(model, named_tensors) that
+    # update_weights_from_tensor may name as its load_format; GB of weights kept on the host.
+    custom_weight_loader: list[str] | None = None
+    cpu_offload_gb: float = 0
+
+    def __post_init__(self) -> None:
+        if self.tp_size != 1:
+            raise ValueError(f"tp_size={self.tp_size}: tensor parallelism is not supported yet; use tp_size=1")
+        if self.dtype not in ("auto", *MODEL_DTYPES):
+            raise ValueError(f"dtype={self.dtype!r}: choose 'auto', {', '.join(map(repr, MODEL_DTYPES))}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r}: choose 'auto', 'safetensors' or 'dummy'")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens={self.max_total_tokens} must be >= 1")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests={self.max_running_requests} must be >= 1")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs={self.cuda_graph_max_bs} must be >= 1")
+        if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
+            raise ValueError(f"cuda_graph_bs={self.cuda_graph_bs} must be a non-empty list of sizes >= 1")
+        if self.kv_cache_dtype not in ("auto", *MODEL_DTYPES):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose 'auto' or {', '.join(MODEL_DTYPES)}")
+        if isinstance(self.custom_weight_loader, str):
+            self.custom_weight_loader = [self.custom_weight_loader]
+        if self.custom_weight_loader is not None and not all(
+                isinstance(p, str) and "." in p for p in self.custom_weight_loader):
+            raise ValueError(f"custom_weight_loader={self.custom_weight_loader!r}: give a list of dotted paths "
+                             f"'package.module.function' of functions fn(model, named_tensors)")
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb} must be >= 0")
+        if self.cpu_offload_gb and not str(self.device).startswith("cpu"):
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb}: streaming weights from the host into "
+                             f"{self.device} is not supported; the supported value there is 0. To give the "
+                             f"device back between rollouts use enable_memory_saver=True (with "
+                             f"enable_weights_cpu_backup=True to keep the weights on the host meanwhile), or "
+                             f"lower mem_fraction_static to leave room")

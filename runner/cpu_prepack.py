@@ -5,8 +5,10 @@ oneDNN's blocked-layout linear does (measured here at M=16 on a 896->9728 linear
 decode is bound by reading the weights. So each Linear/LMHead may hold a prepacked shadow of its
 weight. The dense parameters stay the source of truth (loading, updates, release, get_weights): the
 runner drops a module's shadow before anything writes its weights and repacks after, and a module
-without a shadow just uses `F.linear`. bf16 gains nothing from it here, so only fp32 is packed.
-Costs one extra copy of the linear weights in host memory while resident.
+without a shadow just uses `F.linear`. bf16 is packed too: on this AVX512-BF16 CPU (no AMX) the
+packed bf16 linear took 2.7 ms against F.linear's 4.8 ms on 896->9728 at M=16, and 30 ms against
+60 ms on the 151936-row LM head. Costs one extra copy of the linear weights in host memory while
+resident.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from runner.layers.linear import Linear
 
 
 def is_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # a CPU with AVX512-BF16 or AMX
+    return dtype == torch.float32
 
 
 # Below this many weight elements the packed call's fixed cost outweighs its bandwidth gain (a

@@ -1,11 +1,16 @@
 """ForwardMode, ForwardBatch and LogitsOutput: the one seam between the scheduler and the runner.
 
 A ForwardBatch is plain tensors plus the host-side lengths the attention backend plans from (so the
-hot path never reads a device tensor back). It carries no request objects.
+hot path never reads a device tensor back). It carries no request objects, and nothing writes into it
+after the scheduler built it: what the runner adds for one step (attention backend, KV pools) lives in
+a `ForwardContext` it sets around the forward (as nano-vllm's `set_context`), and the model keeps its
+own per-step values (rotary cos/sin) in local variables. A captured decode step can therefore replay
+a padded copy of a batch without the batch ever learning about it.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -51,12 +56,6 @@ class ForwardBatch:
     replace_embeds: torch.Tensor | None = None  # [num_replaced, hidden]
     replace_positions: torch.Tensor | None = None  # [num_replaced] int64
     sampling_info: SamplingBatchInfo | None = None
-    # Set by the runner before forward: the attention backend, its per-step plan, the KV pool.
-    attn_backend: Any = None
-    attn_metadata: Any = None
-    rope_cos_sin: Any = None  # (cos, sin) for `positions`, shared by every layer
-    token_to_kv_pool: Any = None
-    req_to_token_pool: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,3 +71,34 @@ class ForwardBatch:
 class LogitsOutput:
     next_token_logits: torch.Tensor  # [bs, vocab] fp32, at each request's last position
     all_logits: torch.Tensor | None = None  # [num_tokens, vocab] fp32 when return_all_logits
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What the runner lends the model for one forward: read by the attention layers, owned by the
+    runner. The backend keeps its own per-step plan (`attn_backend.forward_metadata`)."""
+
+    attn_backend: Any
+    token_to_kv_pool: Any
+    req_to_token_pool: Any
+
+
+_FORWARD_CONTEXT: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _FORWARD_CONTEXT is None:
+        raise RuntimeError("no forward context: the model runs only inside ModelRunner.forward "
+                           "(or a graph runner's capture/replay)")
+    return _FORWARD_CONTEXT
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext):
+    """Set `ctx` for the duration of one forward (nested uses restore the outer one)."""
+    global _FORWARD_CONTEXT
+    prev, _FORWARD_CONTEXT = _FORWARD_CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _FORWARD_CONTEXT = prev

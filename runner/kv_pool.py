@@ -35,6 +35,10 @@ class ReqToTokenPool:
     def free(self, slot: int) -> None:
         self.free_slots.append(slot)
 
+    def clear(self) -> None:
+        """Every row free again (the caller has dropped every request)."""
+        self.free_slots = list(range(self.size))
+
     def write(self, slot: int, start: int, locs: torch.Tensor) -> None:
         self.req_to_token[slot, start : start + locs.numel()] = locs
 

@@ -1,10 +1,22 @@
-"""The one way weights enter a model: resolve HF names, check everything, then write.
+"""The one way weights enter a model: resolve HF names, check everything, then write all or nothing.
 
-`plan_weight_load` maps each (HF name, tensor) to the exact parameter slice it fills and checks
-name, shape, dtype and finiteness for every tensor before anything is written; `apply_plan` then
-copies. The initial load, `update_weights_from_disk`, `update_weights_from_tensor` and the
-distributed update all go through these two functions, so a bad tensor anywhere in a call leaves the
-model exactly as it was.
+`WeightPlan` maps each (HF name, tensor) to the exact parameter slice it fills and checks name, shape,
+dtype and finiteness (after the cast to the parameter's dtype, which is where a float64 1e300 or an
+fp32 1e5 headed for float16 becomes inf) for every tensor before anything is written. Tensors that a
+plain `copy_` cannot take are normalised first: sparse tensors are densified, DTensors (an FSDP2
+trainer's state_dict) are gathered with `full_tensor()`; meta tensors are refused. `WeightWriter` then
+copies, snapshotting each slice just before it writes it; if anything fails inside its block (a copy,
+or a checkpoint read between two writes) it puts every written slice back, and if even that fails it
+raises `WeightsCorruptedError` so the caller can refuse to serve. The initial load, updates from
+tensors, buckets, disk and a distributed broadcast all go through these two classes.
+
+A tied LM head (`lm_head.weight` sharing the embedding's storage) reads as the embedding; a write to it
+is accepted only when it equals the embedding it is tied to, and is then a no-op.
+
+SGLang's `load_format="direct"` names runner parameters (fused `qkv_proj`, `gate_up_proj`) and copies
+whole tensors: `plan_direct_load` checks those the same way. `load_weights_direct(model, named_tensors)`
+is that copy as a plain function, the built-in for `custom_weight_loader` (SGLang's
+`_model_load_weights_direct`); `WeightWriter.protect` snapshots what such a foreign function may write.
 """
 
 from __future__ import annotations
@@ -19,10 +31,19 @@ from runner.layers.linear import default_weight_loader, shard_view
 
 # Present in some older checkpoints; derived, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+TIED_LM_HEAD = "lm_head.weight"
 
 
 class WeightUpdateError(ValueError):
     pass
+
+
+class WeightsCorruptedError(WeightUpdateError):
+    """A write failed and the old values of `names` could not be put back: the model holds a mix."""
+
+    def __init__(self, message: str, names: set[str]) -> None:
+        super().__init__(message)
+        self.names = names
 
 
 @dataclass
@@ -43,7 +64,15 @@ class WeightNameMap:
         self.params = dict(model.named_parameters())
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.targets: dict[str, LoadTarget] = {}
+        # A model may declare (HF name, param, shard) targets itself (MoE: per-expert tensors into
+        # stacked params); the params it names are then reachable only through those HF names.
+        declared = list(getattr(model, "extra_weight_targets", lambda: [])())
+        for hf_name, pname, shard in declared:
+            self.targets[hf_name] = LoadTarget(hf_name, pname, shard, self.params[pname])
+        declared_params = {pname for _, pname, _ in declared}
         for pname, param in self.params.items():
+            if pname in declared_params:
+                continue
             fused = [(hf, shard) for p, hf, shard in model.stacked_params_mapping if f".{p}." in f".{pname}"]
             if fused:
                 for hf_piece, shard in fused:
@@ -52,62 +81,252 @@ class WeightNameMap:
                     self.targets[hf_name] = LoadTarget(hf_name, pname, shard, param)
             else:
                 self.targets[pname] = LoadTarget(pname, pname, None, param)
+        # Tied HF names -> the name whose storage they share (named_parameters lists a shared one once).
+        self.aliases: dict[str, str] = {}
+        lm_head = getattr(model, "lm_head", None)
+        if self.tied and lm_head is not None and TIED_LM_HEAD not in self.targets:
+            self.aliases[TIED_LM_HEAD] = next(n for n, p in self.params.items() if p is lm_head.weight)
 
     def is_ignored(self, hf_name: str) -> bool:
-        # A tied model's checkpoint may still carry lm_head.weight; it equals the embedding.
-        return hf_name.endswith(IGNORED_SUFFIXES) or (self.tied and hf_name == "lm_head.weight")
+        return hf_name.endswith(IGNORED_SUFFIXES)
 
     def resolve(self, hf_name: str) -> LoadTarget:
+        """The slice `hf_name` lives in; a tied alias resolves to the tensor it shares (for reads)."""
         try:
-            return self.targets[hf_name]
+            return self.targets[self.aliases.get(hf_name, hf_name)]
         except KeyError:
             raise WeightUpdateError(f"unknown weight name {hf_name!r}: not a parameter of this model "
                                     f"(expected Hugging Face names like 'model.layers.0.self_attn.q_proj.weight')"
                                     ) from None
 
     def hf_names(self) -> list[str]:
+        """Every name a full checkpoint must hold (tied aliases excluded)."""
         return list(self.targets)
 
+    def covering_hf_names(self, names) -> set[str]:
+        """HF names whose values `names` (HF or runner parameter names, as writes record them) cover:
+        a runner name like `...qkv_proj.weight` covers its q, k and v; unknown names cover nothing."""
+        out: set[str] = set()
+        for name in names:
+            if name in self.targets:
+                out.add(name)
+            elif name in self.params:
+                out.update(t.hf_name for t in self.targets.values() if t.param_name == name)
+        return out
 
-def check_tensor(target: LoadTarget, tensor: torch.Tensor, source: str = "", check_finite: bool = True) -> None:
+    def param_target(self, param_name: str) -> LoadTarget:
+        """A whole runner parameter by its runner name (SGLang's load_format="direct" names)."""
+        if param_name not in self.params:
+            some = [n for n in self.params if "layers.0." in n][:4]
+            raise WeightUpdateError(f"unknown parameter name {param_name!r}: load_format='direct' takes this "
+                                    f"model's own parameter names (e.g. {some}); Hugging Face names go with "
+                                    f"load_format=None")
+        return LoadTarget(param_name, param_name, None, self.params[param_name])
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def prepare_tensor(target: LoadTarget, tensor, source: str = "", check_finite: bool = True) -> torch.Tensor:
+    """Check one tensor against its slice; return it in a form `copy_` takes (dense, local).
+
+    Sparse tensors are densified and DTensors gathered (`full_tensor()`, a collective: every rank of the
+    trainer's mesh must make the same call, as FSDP2's full state dict does) before any check, so the
+    checks see exactly what will be written.
+    """
     where = f" (from {source})" if source else ""
+    name = target.hf_name
     if not isinstance(tensor, torch.Tensor):
-        raise WeightUpdateError(f"weight {target.hf_name!r}{where}: expected a torch.Tensor, got {type(tensor).__name__}")
+        raise WeightUpdateError(f"weight {name!r}{where}: expected a torch.Tensor, got {type(tensor).__name__}")
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        try:
+            tensor = tensor.full_tensor()
+        except Exception as e:
+            raise WeightUpdateError(f"weight {name!r}{where}: DTensor.full_tensor() failed ({type(e).__name__}: "
+                                    f"{e}); send plain tensors") from e
+    if tensor.device.type == "meta":
+        raise WeightUpdateError(f"weight {name!r}{where}: is a meta tensor (no data)")
+    if tensor.layout != torch.strided:
+        tensor = tensor.to_dense()
     expected = tuple(target.view().shape)
     if tuple(tensor.shape) != expected:
-        raise WeightUpdateError(f"weight {target.hf_name!r}{where}: shape {tuple(tensor.shape)} does not match "
+        raise WeightUpdateError(f"weight {name!r}{where}: shape {tuple(tensor.shape)} does not match "
                                 f"the model's {expected}")
     if not tensor.is_floating_point():
-        raise WeightUpdateError(f"weight {target.hf_name!r}{where}: dtype {tensor.dtype} is not a floating-point "
+        raise WeightUpdateError(f"weight {name!r}{where}: dtype {tensor.dtype} is not a floating-point "
                                 f"dtype (the model holds {target.param.dtype})")
-    # A float32 sum is finite iff every element is (barring overflow, which the exact check catches);
-    # it runs ~10x faster than isfinite().all() on the CPU.
-    if check_finite and not (bool(tensor.sum(dtype=torch.float32).isfinite()) or bool(torch.isfinite(tensor).all())):
-        raise WeightUpdateError(f"weight {target.hf_name!r}{where}: contains NaN or inf")
+    if check_finite:
+        # Check what will be stored: the value after the cast to the parameter's dtype.
+        cast = tensor if tensor.dtype == target.param.dtype else tensor.to(target.param.dtype)
+        # A float32 sum is finite iff every element is (barring overflow, which the exact check
+        # catches); it runs ~10x faster than isfinite().all() on the CPU.
+        if not (bool(cast.sum(dtype=torch.float32).isfinite()) or bool(torch.isfinite(cast).all())):
+            cast_note = "" if cast is tensor else f" after the cast from {tensor.dtype} to {cast.dtype}"
+            raise WeightUpdateError(f"weight {name!r}{where}: contains NaN or inf{cast_note}")
+    return tensor
 
 
-def plan_weight_load(
-    name_map: WeightNameMap, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str = "",
-    check_finite: bool = True,
-) -> list[tuple[LoadTarget, torch.Tensor]]:
+class WeightPlan:
+    """Checks (name, tensor) pairs one by one; `finish()` runs the whole-update checks.
+
+    With `keep=False` (a disk pass that re-reads from the same mapping to write) the checked tensors
+    are not held, so checking a checkpoint costs one tensor of memory at a time.
+    """
+
+    def __init__(self, name_map: WeightNameMap, keep: bool = True, check_finite: bool = True,
+                 check_tied: bool = True) -> None:
+        self.name_map = name_map
+        self.keep, self.check_finite, self.check_tied = keep, check_finite, check_tied
+        self.items: list[tuple[LoadTarget, torch.Tensor]] = []
+        self.seen: set[str] = set()
+        self._tied: dict[str, tuple[torch.Tensor, str]] = {}  # alias or tied-to name -> (tensor, source)
+
+    def add(self, name, tensor, source: str = "") -> None:
+        if not isinstance(name, str):
+            raise WeightUpdateError(f"weight names must be strings, got {name!r}")
+        if self.name_map.is_ignored(name):
+            return
+        if name in self.seen:
+            raise WeightUpdateError(f"weight {name!r} appears twice in one update")
+        self.seen.add(name)
+        target = self.name_map.resolve(name)
+        if name in self.name_map.aliases:  # never written: checked against what it is tied to
+            alias_target = LoadTarget(name, target.param_name, target.shard_id, target.param)
+            tensor = prepare_tensor(alias_target, tensor, source, self.check_finite)
+            self._tied[name] = (tensor, source)
+            return
+        tensor = prepare_tensor(target, tensor, source, self.check_finite)
+        if name in self.name_map.aliases.values():
+            self._tied[name] = (tensor, source)
+        if self.keep:
+            self.items.append((target, tensor))
+
+    def finish(self) -> list[tuple[LoadTarget, torch.Tensor]]:
+        if not self.check_tied:
+            return self.items
+        for alias, tied_to in self.name_map.aliases.items():
+            if alias not in self._tied:
+                continue
+            tensor, source = self._tied[alias]
+            target = self.name_map.resolve(tied_to)
+            if tied_to in self._tied:
+                other, what = self._tied[tied_to][0].to(target.param.dtype), "the one in this update"
+            else:
+                other, what = target.view(), "the current one"
+            new = tensor.to(device=other.device, dtype=target.param.dtype)
+            if not torch.equal(new, other):
+                diff = (new.float() - other.float()).abs().max().item()
+                where = f" (from {source})" if source else ""
+                raise WeightUpdateError(
+                    f"weight {alias!r}{where}: this model ties it to {tied_to!r}, and it differs from {what} "
+                    f"(max abs diff {diff:.3g}); update {tied_to!r} (and send an equal {alias!r}, or none)")
+        return self.items
+
+
+def plan_weight_load(name_map: WeightNameMap, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str = "",
+                     check_finite: bool = True) -> list[tuple[LoadTarget, torch.Tensor]]:
+    """Every (target, tensor) to write, all checked; raises WeightUpdateError naming the first bad one."""
+    plan = WeightPlan(name_map, check_finite=check_finite)
+    for name, tensor in named_tensors:
+        plan.add(name, tensor, source)
+    return plan.finish()
+
+
+def plan_direct_load(name_map: WeightNameMap, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     check_finite: bool = True) -> list[tuple[LoadTarget, torch.Tensor]]:
+    """load_format="direct": (runner parameter name, whole tensor) pairs, every one checked first."""
     plan, seen = [], set()
     for name, tensor in named_tensors:
         if not isinstance(name, str):
             raise WeightUpdateError(f"weight names must be strings, got {name!r}")
-        if name_map.is_ignored(name):
-            continue
         if name in seen:
             raise WeightUpdateError(f"weight {name!r} appears twice in one update")
         seen.add(name)
-        target = name_map.resolve(name)
-        check_tensor(target, tensor, source, check_finite)
-        plan.append((target, tensor))
+        target = name_map.param_target(name)
+        plan.append((target, prepare_tensor(target, tensor, "load_format='direct'", check_finite)))
     return plan
 
 
-@torch.no_grad()
-def apply_plan(plan: list[tuple[LoadTarget, torch.Tensor]]) -> set[str]:
-    for target, tensor in plan:
+def load_weights_direct(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy whole tensors into `model`'s parameters by their own names, unchecked (SGLang's
+    `_model_load_weights_direct`). Name it in `custom_weight_loader` as
+    "runner.weight_loader.load_weights_direct"; the runner makes the call all-or-nothing."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"{name!r} is not a parameter of {type(model).__name__}")
+            default_weight_loader(params[name], tensor)
+
+
+class WeightWriter:
+    """All-or-nothing writes: `with WeightWriter() as w: w.write(target, tensor) ...`.
+
+    Each slice is snapshotted (on the host, so a device near full can still take an update) right
+    before it is written, so the extra memory is what this update touched, never the whole model
+    unless it touches all of it. If the block raises, every written slice gets its old value back and
+    the error is re-raised (as WeightUpdateError saying so); if putting them back fails too,
+    WeightsCorruptedError names what may be mixed. `snapshot=False` (the initial load: there is
+    nothing to go back to) skips both.
+    """
+
+    def __init__(self, snapshot: bool = True) -> None:
+        self.snapshot = snapshot
+        self.written: set[str] = set()
+        self._undo: list[tuple[LoadTarget, torch.Tensor]] = []
+
+    def __enter__(self) -> WeightWriter:
+        return self
+
+    @torch.no_grad()
+    def protect(self, target: LoadTarget) -> None:
+        """Snapshot a slice that code outside this writer (a custom loader) may write."""
+        if self.snapshot:
+            self._undo.append((target, target.view().to("cpu", copy=True)))
+
+    @torch.no_grad()
+    def write(self, target: LoadTarget, tensor: torch.Tensor) -> None:
+        if self.snapshot:
+            self._undo.append((target, target.view().to("cpu", copy=True)))
         loader = getattr(target.param, "weight_loader", default_weight_loader)
-        loader(target.param, tensor.to(target.param.device), target.shard_id)
-    return {t.hf_name for t, _ in plan}
+        self.written.add(target.hf_name)  # before the call: a failing copy may have written part of it
+        try:
+            loader(target.param, tensor.to(target.param.device), target.shard_id)
+        except Exception as e:
+            raise WeightUpdateError(f"weight {target.hf_name!r}: writing it failed ({type(e).__name__}: {e})") from e
+
+    @torch.no_grad()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        undo, self._undo = self._undo, []  # dropped on every exit: the snapshot lives only this long
+        if exc is None or not self.snapshot:
+            return
+        try:
+            for target, old in reversed(undo):
+                restore(target, old)
+        except Exception as e:
+            mixed = set(self.written) | {t.hf_name for t, _ in undo}
+            raise WeightsCorruptedError(
+                f"{exc}; restoring the old values failed too ({type(e).__name__}: {e}): {len(mixed)} "
+                f"tensors may hold a mix of old and new weights", mixed) from exc
+        if isinstance(exc, Exception):
+            restored = f"the {len(undo)} tensors written so far were restored" if undo else "nothing was written"
+            raise WeightUpdateError(f"{exc}; {restored}, the weights are unchanged") from exc
+
+
+def restore(target: LoadTarget, old: torch.Tensor) -> None:
+    """Put a snapshotted slice back (a module function so a test can make it fail)."""
+    target.view().copy_(old)
+
+
+def write_all(plan: list[tuple[LoadTarget, torch.Tensor]], snapshot: bool = True) -> set[str]:
+    """Write a checked plan all or nothing; returns the HF names written."""
+    with WeightWriter(snapshot) as writer:
+        for target, tensor in plan:
+            writer.write(target, tensor)
+    return writer.written

@@ -27,6 +27,9 @@ class RLConfig:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
     device: str = field(default="cpu", metadata={"help": "cpu | cuda"})
     engine_mem_fraction: float = field(default=0.3, metadata={"help": "engine mem_fraction_static (GPU)"})
+    num_engines: int = field(default=1, metadata={"help": "rollout engines; > 1 runs them as Ray actors "
+                                                          "(a local Ray cluster is started if none is)"})
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel size of each engine"})
     bucket_mb: int = field(default=512, metadata={"help": "weight-sync bucket size in MB"})
     offload_trainer: bool = field(default=False, metadata={"help": "offload optimizer state and trainer params "
                                                                    "to host while the engine generates"})
@@ -37,6 +40,8 @@ class RLConfig:
     wandb_project: str = field(default="rollout-engine", metadata={"help": "wandb project (offline unless "
                                                                            "WANDB_API_KEY/WANDB_MODE say otherwise)"})
     save_final: bool = field(default=False, metadata={"help": "save the trained model to output_dir/final"})
+    routing_replay: bool = field(default=False, metadata={"help": "MoE policies: the trainer's forward uses the "
+                                                                  "experts the rollout routed each token to (R3)"})
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,6 +57,8 @@ class RLConfig:
             (self.temperature > 0, f"--temperature must be > 0 for RL rollouts, got {self.temperature}"),
             (self.device in ("cpu", "cuda"), f"--device must be cpu or cuda, got {self.device!r}"),
             (0 < self.engine_mem_fraction < 1, f"--engine-mem-fraction must be in (0, 1), got {self.engine_mem_fraction}"),
+            (self.num_engines >= 1, f"--num-engines must be >= 1, got {self.num_engines}"),
+            (self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}"),
             (self.bucket_mb >= 1, f"--bucket-mb must be >= 1, got {self.bucket_mb}"),
         ]
         for ok, msg in checks:

@@ -24,6 +24,9 @@ class Experience:
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference-policy logprobs, for the KL term
     values: torch.Tensor | None = None  # [B, T] critic values (PPO)
     returns: torch.Tensor | None = None  # [B, T] value targets (PPO)
+    # [B, T, num_layers, top_k] int32: the experts the rollout routed token t to, -1 where it did not
+    # (MoE policies with routing replay; trainers/routing_replay.py)
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.input_ids.dim() != 2:
@@ -47,6 +50,9 @@ class Experience:
                 raise ValueError(
                     f"{name} must have the shape of input_ids {shape}, got {tuple(tensor.shape)}"
                 )
+        if self.routed_experts is not None and tuple(self.routed_experts.shape[:2]) != shape:
+            raise ValueError(f"routed_experts must be [B, T, num_layers, top_k] with [B, T] = {shape}, got "
+                             f"{tuple(self.routed_experts.shape)}")
         if tuple(self.rewards.shape) != (num_seqs,):
             raise ValueError(f"rewards must have shape ({num_seqs},), got {tuple(self.rewards.shape)}")
         if tuple(self.advantages.shape) not in ((num_seqs,), shape):

@@ -6,7 +6,9 @@ One iteration, top to bottom (`GRPOTrainer.step`):
   KV cache.
 The rollout/trainer logprob mismatch is logged every step and corrected by truncated importance
 sampling. Run `python -m trainers.grpo --help`; the defaults train the shipped demo model on the toy
-task on the CPU. Does not do multi-GPU training or tensor-parallel engines.
+task on the CPU; `--num-engines N` spreads rollouts over N engines on Ray; `--routing-replay` (MoE
+policies, e.g. `--model assets/moe-demo-model`) trains on the experts the rollout routed each token
+to. Does not do multi-GPU training.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from dataclasses import asdict
 
 import torch
 
-from rollout import Engine
 from trainers.config import RLConfig
+from trainers.engines import engine_bytes, make_engine
 from trainers.losses import kl_k3, logprob_mismatch, masked_mean, policy_loss
 from trainers.metrics import MetricsLogger
 from trainers.policy import TrainerMemory, load_policy, policy_logprobs
 from trainers.rollouts import collect_experience, eval_prompts, greedy_accuracy
+from trainers.routing_replay import find_routers, num_decoder_layers
 from trainers.tasks import get_task
 from weight_sync import sync_weights
 
@@ -41,11 +44,9 @@ class GRPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
-        # On the CPU a small KV pool is plenty for these rollouts and keeps release/resume cheap.
-        kv = {"cpu_kv_cache_bytes": 256 << 20} if cfg.device == "cpu" else {}
-        self.engine = Engine(cfg.model, device=cfg.device, enable_memory_saver=True, random_seed=cfg.seed,
-                             mem_fraction_static=cfg.engine_mem_fraction, show_progress=False, **kv)
+        self.engine = make_engine(cfg)
         self.policy = self.build_policy()
+        self.routed_experts_shape = self.replay_shape() if cfg.routing_replay else None
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -63,11 +64,19 @@ class GRPOTrainer:
     def trainable_parameters(self):
         return self.policy.parameters()
 
+    def replay_shape(self) -> tuple[int, int]:
+        """(num_layers, top_k) of the routed experts the engine returns for this MoE policy."""
+        routers = find_routers(self.policy)
+        if not routers:
+            raise ValueError(f"--routing-replay needs a mixture-of-experts model; {self.cfg.model} "
+                             f"({type(self.policy).__name__}) has no expert routers")
+        return num_decoder_layers(self.policy), int(next(iter(routers.values())).top_k)
+
     def sync_source(self):
         return self.policy
 
     def engine_bytes(self) -> int:
-        return sum(self.engine.get_server_info()["memory_bytes"].values())
+        return engine_bytes(self.engine)
 
     def step(self, step: int) -> dict:
         cfg, m = self.cfg, {"step": step}
@@ -76,7 +85,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         prompts = self.task.make_prompts(cfg.prompts_per_step, self.rng)
         exp, stats = collect_experience(self.engine, self.tokenizer, self.task, prompts, cfg.group_size,
-                                        cfg.temperature, cfg.max_new_tokens, self.pad_id)
+                                        cfg.temperature, cfg.max_new_tokens, self.pad_id, self.routed_experts_shape)
         m.update(stats, time_rollout=time.perf_counter() - t0)
         m["mem_engine_rollout"], m["mem_trainer_rollout"] = self.engine_bytes(), self.memory.bytes_held()
 
@@ -86,15 +95,20 @@ class GRPOTrainer:
         m["time_release"] = time.perf_counter() - t0
         m["mem_engine_train"] = self.engine_bytes()
 
-        # 4. Train: recompute logprobs (pi_old), then clipped-surrogate steps with TIS correction.
+        # 4. Train: recompute logprobs (pi_old), then clipped-surrogate steps with TIS correction. With
+        # routing replay every trainer forward routes tokens through the rollout's experts.
         t0 = time.perf_counter()
         self.memory.to_train_phase()
         exp = exp.to(cfg.device)
         mask = exp.completion_mask
+        replay = cfg.routing_replay
         with torch.no_grad():
-            exp.old_logprobs = policy_logprobs(self.policy, exp, cfg.temperature)
+            exp.old_logprobs = policy_logprobs(self.policy, exp, cfg.temperature, replay)
             if self.ref is not None:
-                exp.ref_logprobs = policy_logprobs(self.ref, exp, cfg.temperature)
+                exp.ref_logprobs = policy_logprobs(self.ref, exp, cfg.temperature, replay)
+            if replay:  # what the mismatch would be without it (one more forward, logged only)
+                own = policy_logprobs(self.policy, exp, cfg.temperature)
+                m["logprob_mismatch_no_replay"] = float(logprob_mismatch(exp.rollout_logprobs, own, mask))
         m["logprob_mismatch"] = float(logprob_mismatch(exp.rollout_logprobs, exp.old_logprobs, mask))
         m.update(self.train_on(exp))
         m["mem_trainer_train"] = self.memory.bytes_held()
@@ -123,7 +137,7 @@ class GRPOTrainer:
 
     def policy_loss_terms(self, exp) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
-        logp = policy_logprobs(self.policy, exp, cfg.temperature)
+        logp = policy_logprobs(self.policy, exp, cfg.temperature, cfg.routing_replay)
         loss, metrics = policy_loss(logp, exp.old_logprobs, exp.advantages, exp.completion_mask,
                                     clip_eps_low=cfg.clip_eps, rollout_logp=exp.rollout_logprobs,
                                     tis_cap=cfg.tis_cap or None)

@@ -3,7 +3,8 @@
 The policy is a plain transformers model (an implementation independent of the engine's, which is
 what makes the rollout/trainer logprob mismatch meaningful). Between updates the trainer frees its
 gradients and, with `offload`, moves optimizer state and parameters to host memory so the engine
-can have the device. It never reaches into the engine: weights leave through weight_sync.
+can have the device. It never reaches into the engine: weights leave through weight_sync. A MoE
+policy's forward can replay the rollout's expert routing (`policy_logprobs(..., replay=True)`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from trainers.experience import Experience
 from trainers.losses import sequence_logprobs
+from trainers.routing_replay import routing_replay
 
 
 def load_policy(model_path: str, device: str, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -22,9 +24,16 @@ def load_policy(model_path: str, device: str, dtype: torch.dtype = torch.float32
     return model.to(device).train()
 
 
-def policy_logprobs(model: nn.Module, exp: Experience, temperature: float) -> torch.Tensor:
-    """[B, T] logprob of token t at index t under `model` at the rollout temperature (0 at t=0)."""
-    logits = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask).logits  # [B, T, V]
+def policy_logprobs(model: nn.Module, exp: Experience, temperature: float, replay: bool = False) -> torch.Tensor:
+    """[B, T] logprob of token t at index t under `model` at the rollout temperature (0 at t=0).
+
+    replay=True routes every token through the experts the rollout used (exp.routed_experts; see
+    trainers/routing_replay.py): a MoE policy then computes the logprobs of the rollout's own routing."""
+    if replay and exp.routed_experts is None:
+        raise ValueError("routing replay asked for, but the experience has no routed_experts (collect it with "
+                         "return_routed_experts=True)")
+    with routing_replay(model, exp.routed_experts if replay else None):
+        logits = model(input_ids=exp.input_ids, attention_mask=exp.attention_mask).logits  # [B, T, V]
     return sequence_logprobs(logits, exp.input_ids, temperature)
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from trainers.grpo import GRPOTrainer, run_cli
 from trainers.losses import gae, masked_whiten, policy_loss, sequence_logprobs, value_loss
+from trainers.routing_replay import routing_replay
 
 VF_COEF = 0.5
 GAE_LAMBDA = 0.95
@@ -31,7 +32,8 @@ class PPOTrainer(GRPOTrainer):
         return list(self.policy.parameters()) + list(self.value_head.parameters())
 
     def logprobs_and_values(self, exp) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.policy(input_ids=exp.input_ids, attention_mask=exp.attention_mask, output_hidden_states=True)
+        with routing_replay(self.policy, exp.routed_experts if self.cfg.routing_replay else None):
+            out = self.policy(input_ids=exp.input_ids, attention_mask=exp.attention_mask, output_hidden_states=True)
         logp = sequence_logprobs(out.logits, exp.input_ids, self.cfg.temperature)  # [B, T]
         v = self.value_head(out.hidden_states[-1].float()).squeeze(-1)  # [B, T]: value after token t
         # Align like the logprobs: index t holds V(state before token t) = head(hidden[t - 1]).

@@ -1,5 +1,6 @@
 """Rollout phase helpers shared by GRPO and PPO: sample G completions per prompt through the Engine
-API, score them with the task's reward, and pack an Experience. Uses only public Engine methods."""
+API, score them with the task's reward, and pack an Experience (with the routed experts of every
+sample, for routing replay, when asked). Uses only public Engine methods."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from trainers.experience import Experience
 from trainers.losses import group_advantages
+from trainers.routing_replay import decode_routed_experts, pack_routed_experts
 from trainers.tasks import Task, all_toy_prompts
 
 
@@ -17,12 +19,17 @@ def tokenize_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
 
 
 def collect_experience(engine, tokenizer, task: Task, prompts: list[dict], group_size: int, temperature: float,
-                       max_new_tokens: int, pad_token_id: int) -> tuple[Experience, dict]:
+                       max_new_tokens: int, pad_token_id: int,
+                       routed_experts_shape: tuple[int, int] | None = None) -> tuple[Experience, dict]:
+    """Sample, score and pack one step's experience. With `routed_experts_shape` = (num_layers, top_k) of
+    a MoE policy, the engine also returns each sample's routed experts, packed into exp.routed_experts."""
     prompt_ids = tokenize_prompts(tokenizer, prompts)
+    extra = {"return_routed_experts": True} if routed_experts_shape is not None else {}
     outs = engine.generate(
         input_ids=prompt_ids,
         sampling_params={"n": group_size, "temperature": temperature, "max_new_tokens": max_new_tokens},
         return_logprob=True,
+        **extra,
     )  # n-expanded, prompt-major: outs[i * G + j] is sample j of prompt i
     expanded = [(prompts[i // group_size], prompt_ids[i // group_size]) for i in range(len(outs))]
     rewards = [task.reward(p["prompt"], tokenizer.decode(o["output_ids"], skip_special_tokens=True), p["answer"])
@@ -35,6 +42,9 @@ def collect_experience(engine, tokenizer, task: Task, prompts: list[dict], group
         pad_token_id=pad_token_id,
     )
     exp.advantages = group_advantages(exp.rewards, group_size)
+    if routed_experts_shape is not None:
+        routed = [decode_routed_experts(o["meta_info"]["routed_experts"], *routed_experts_shape) for o in outs]
+        exp.routed_experts = pack_routed_experts(routed, exp.input_ids.shape[1])
     stats = {
         "reward_mean": float(exp.rewards.mean()),
         "reward_std": float(exp.rewards.std()) if len(rewards) > 1 else 0.0,

@@ -2,16 +2,19 @@
 
 A leaf package: both ends import it, it imports neither `runner`, `rollout` nor `trainers`.
 
-- `bucket`: the flattened-bucket wire format (`FlattenedTensorBucket`, `iter_buckets`).
+- `bucket`: the flattened-bucket wire format (`FlattenedTensorBucket`, `iter_buckets`); also reads
+  SGLang's buckets (its getters, metadata objects, uint8 mixed-dtype layout).
 - `disk`: atomic Hugging Face checkpoints (`save_hf_checkpoint`) for `update_weights_from_disk`.
 - `sync`: `sync_weights(source, target)`, one call for every transport.
-- `cross_process`: `RemoteEngine`, an engine in a child process fed through shared memory.
-- `distributed`: a standalone broadcast group, trainer rank 0 -> engine ranks.
+- `cross_process`: `RemoteEngine(factory, ...)`, an engine in a child process fed through shared memory.
+- `distributed`: a standalone broadcast group, trainer rank 0 -> engine ranks, in SGLang's two wire
+  formats (per tensor, flattened bucket) and a checked one of ours; `destroy_weight_update_group`.
 """
 
 from weight_sync.bucket import (
     FlattenedTensorBucket,
     TensorMeta,
+    as_dtype,
     dtype_to_str,
     iter_buckets,
     iter_named_tensors,
@@ -26,6 +29,7 @@ __all__ = [
     "sync_weights",
     "FlattenedTensorBucket",
     "TensorMeta",
+    "as_dtype",
     "dtype_to_str",
     "iter_buckets",
     "iter_named_tensors",

@@ -1,13 +1,26 @@
 """Flattened tensor buckets: the wire format for moving many weights as one tensor.
 
-A bucket packs tensors that share one dtype and one device into a single 1-D tensor plus a list of
-`TensorMeta` (name, shape, dtype, element offsets). Sending one big tensor instead of hundreds of small
-ones is what makes CUDA IPC handles, shared memory and `broadcast` cheap. The design is ours, in the
-spirit of SGLang's `FlattenedTensorBucket`.
+A bucket packs tensors that share one device into a single 1-D tensor plus a list of `TensorMeta`
+(name, shape, dtype, offsets). Sending one big tensor instead of hundreds of small ones is what makes
+CUDA IPC handles, shared memory and `broadcast` cheap. Two layouts, both SGLang's:
 
-What this module does: pack (one `torch.cat`), unpack (views, no copies), convert to and from a dict of
-plain Python types plus the flat tensor (for transport), validate a received dict, and split a model's
-weights lazily into size-bounded single-dtype buckets (`iter_buckets`).
+- one dtype: the flat tensor has that dtype and offsets count its elements (SGLang's original
+  `FlattenedTensorBucket`);
+- mixed dtypes: the flat tensor is uint8, offsets count bytes, and each entry's bytes are viewed as
+  its own dtype (SGLang's `supports_multi_dtypes` bucket, which is uint8 even for one dtype).
+
+Either way the bytes are the tensors' bytes concatenated in order, without padding, which is also the
+layout of SGLang's bucketed `update_weights_from_distributed` broadcast.
+
+SGLang's interface is mirrored (`get_flattened_tensor()`, `get_metadata()`, `reconstruct_tensors()`,
+metadata fields `start_idx` / `end_idx` / `numel`), and `from_dict` accepts our plain dict, SGLang's
+metadata objects (torch.Size / torch.dtype fields) and any object with SGLang's two getters.
+
+What this module does: pack (one `torch.cat`), unpack (views, no copies, except an entry whose byte
+offset is not aligned to its dtype, which is copied), convert to and from a dict of plain Python types
+plus the flat tensor (for transport), validate received metadata (names, dtypes, sizes, bounds, no two
+entries overlapping) before any tensor is built, and split a model's weights lazily into size-bounded
+single-dtype buckets (`iter_buckets`).
 
 What it does not do: move bytes between processes or devices, or load weights into a model; those are
 the transports' and the runner's jobs.
@@ -52,9 +65,18 @@ def str_to_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; supported: {sorted(_STR_TO_DTYPE)}") from None
 
 
+def as_dtype(value) -> torch.dtype:
+    """A whitelisted `torch.dtype` from a dtype name or a `torch.dtype`; ValueError otherwise."""
+    if isinstance(value, torch.dtype):
+        dtype_to_str(value)  # whitelist check
+        return value
+    return str_to_dtype(value)
+
+
 @dataclass(frozen=True)
 class TensorMeta:
-    """Where one tensor lives in a bucket: `flat[start:end].view(shape)` (element offsets)."""
+    """Where one tensor lives in a bucket: `flat[start:end]`, in units of the flat tensor's elements
+    (elements of `dtype` in a one-dtype bucket, bytes in a uint8 one), viewed as `dtype` and `shape`."""
 
     name: str
     shape: tuple[int, ...]
@@ -62,20 +84,36 @@ class TensorMeta:
     start: int
     end: int
 
+    # SGLang's FlattenedTensorMetadata field names, so code written against it reads ours.
+    @property
+    def start_idx(self) -> int:
+        return self.start
+
+    @property
+    def end_idx(self) -> int:
+        return self.end
+
+    @property
+    def numel(self) -> int:
+        """Length of the entry in the flat tensor (SGLang's meaning: bytes in a uint8 bucket)."""
+        return self.end - self.start
+
 
 class FlattenedTensorBucket:
-    """Many same-dtype, same-device tensors packed into one 1-D tensor.
+    """Many same-device tensors packed into one 1-D tensor (one dtype, or uint8 bytes for mixed dtypes).
 
     Build it from `(name, tensor)` pairs, or from an existing `flattened_tensor` plus `metadata`
-    (validated). `named_tensors()` returns views into the flat tensor, never copies.
+    (validated). `named_tensors()` returns views into the flat tensor, not copies.
     """
+
+    supports_multi_dtypes = True  # SGLang's flag: senders may put several dtypes in one bucket
 
     def __init__(
         self,
         named_tensors: NamedTensors | None = None,
         *,
         flattened_tensor: Tensor | None = None,
-        metadata: list[TensorMeta] | None = None,
+        metadata: list | None = None,
     ):
         if named_tensors is not None:
             if flattened_tensor is not None or metadata is not None:
@@ -84,11 +122,15 @@ class FlattenedTensorBucket:
         else:
             if flattened_tensor is None or metadata is None:
                 raise ValueError("pass named_tensors, or both flattened_tensor and metadata")
+            if not isinstance(metadata, (list, tuple)):
+                raise ValueError(f"bucket metadata must be a list, got {type(metadata).__name__}")  # noqa: TRY004
+            metadata = [_meta_from_any(i, e) for i, e in enumerate(metadata)]
             _validate(flattened_tensor, metadata)
-            self.flattened_tensor, self.metadata = flattened_tensor, list(metadata)
+            self.flattened_tensor, self.metadata = flattened_tensor, metadata
 
     @property
     def dtype(self) -> torch.dtype:
+        """The flat tensor's dtype: the tensors' dtype, or uint8 for a mixed-dtype bucket."""
         return self.flattened_tensor.dtype
 
     @property
@@ -106,9 +148,28 @@ class FlattenedTensorBucket:
         return f"FlattenedTensorBucket({len(self)} tensors, {self.dtype}, {self.device}, {self.nbytes} bytes)"
 
     def named_tensors(self) -> list[tuple[str, Tensor]]:
-        """`(name, view)` pairs; each view shares storage with `flattened_tensor`."""
+        """`(name, tensor)` pairs; each shares storage with `flattened_tensor`, except an entry of a
+        mixed bucket whose byte offset is not a multiple of its dtype's size (torch cannot view it)."""
         flat = self.flattened_tensor
-        return [(m.name, flat[m.start : m.end].view(m.shape)) for m in self.metadata]
+        out = []
+        for m in self.metadata:
+            region = flat[m.start : m.end]
+            if m.dtype != flat.dtype:  # uint8 bytes -> the entry's dtype
+                if (flat.storage_offset() + m.start) % m.dtype.itemsize:
+                    region = region.clone()
+                region = region.view(m.dtype)
+            out.append((m.name, region.view(m.shape)))
+        return out
+
+    # SGLang's names for the same things.
+    def get_flattened_tensor(self) -> Tensor:
+        return self.flattened_tensor
+
+    def get_metadata(self) -> list[TensorMeta]:
+        return self.metadata
+
+    def reconstruct_tensors(self) -> list[tuple[str, Tensor]]:
+        return self.named_tensors()
 
     def to_dict(self) -> dict:
         """The flat tensor plus metadata as plain types (lists, str, int) for pickling or RPC."""
@@ -122,70 +183,93 @@ class FlattenedTensorBucket:
         }  # fmt: skip
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> FlattenedTensorBucket:
-        """Inverse of `to_dict`; every entry is checked, ValueError names the first bad one.
+    def from_dict(cls, d) -> FlattenedTensorBucket:
+        """A validated bucket from a received payload; ValueError names the first bad entry.
 
-        A received payload gets ValueError for every defect, wrong types included, so a receiver
-        needs one `except ValueError` to turn any malformed bucket into `(False, reason)`.
+        Accepts `to_dict()`'s form, SGLang's (`{"flattened_tensor", "metadata"}` with
+        `FlattenedTensorMetadata`-like entries: attributes or keys name, shape, dtype, start_idx,
+        end_idx, numel; torch.Size / torch.dtype or plain values), and any object with SGLang's
+        `get_flattened_tensor()` / `get_metadata()`. Every defect, wrong types included, is a
+        ValueError, so a receiver needs one `except ValueError` to turn any malformed bucket into
+        `(False, reason)`; nothing is viewed before the whole metadata list has passed.
         """
-        if not isinstance(d, Mapping) or "flattened_tensor" not in d or "metadata" not in d:
-            raise ValueError("bucket dict needs keys 'flattened_tensor' and 'metadata'")
-        entries = d["metadata"]
-        if not isinstance(entries, (list, tuple)):
-            raise ValueError(f"bucket metadata must be a list, got {type(entries).__name__}")  # noqa: TRY004
-        metadata = [_meta_from_dict(i, e) for i, e in enumerate(entries)]
-        return cls(flattened_tensor=d["flattened_tensor"], metadata=metadata)
+        if hasattr(d, "get_flattened_tensor") and hasattr(d, "get_metadata"):
+            flat, entries = d.get_flattened_tensor(), d.get_metadata()
+        elif isinstance(d, Mapping) and "flattened_tensor" in d and "metadata" in d:
+            flat, entries = d["flattened_tensor"], d["metadata"]
+        else:
+            raise ValueError("a bucket is a dict with keys 'flattened_tensor' and 'metadata', or an object with "
+                             "get_flattened_tensor() and get_metadata()")
+        return cls(flattened_tensor=flat, metadata=entries)
 
 
 def _flatten(named_tensors: NamedTensors) -> tuple[Tensor, list[TensorMeta]]:
-    """One `torch.cat` of detached 1-D views; checks one dtype, one device, unique names."""
-    names, flats, metadata = set(), [], []
-    dtype = device = None
-    offset = 0
+    """One `torch.cat`: of the tensors (one dtype) or of their bytes (mixed); one device, unique names."""
+    pairs = []
+    names: set[str] = set()
     for name, tensor in named_tensors:
         if not isinstance(tensor, Tensor):
             raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         if name in names:
             raise ValueError(f"duplicate tensor name {name!r} in bucket")
-        if dtype is None:
-            dtype, device = tensor.dtype, tensor.device
-            dtype_to_str(dtype)  # refuse unsupported dtypes up front
-        elif tensor.dtype != dtype or tensor.device != device:
-            raise ValueError(
-                f"tensor {name!r} is {tensor.dtype} on {tensor.device}, but this bucket holds "
-                f"{dtype} on {device}; a bucket takes one dtype and one device"
-            )
+        dtype_to_str(tensor.dtype)  # refuse unsupported dtypes up front
+        if pairs and tensor.device != pairs[0][1].device:
+            raise ValueError(f"tensor {name!r} is on {tensor.device}, but this bucket holds tensors on "
+                             f"{pairs[0][1].device}; a bucket takes one device")
         names.add(name)
-        flats.append(tensor.detach().reshape(-1))  # [numel]
-        metadata.append(TensorMeta(name, tuple(tensor.shape), dtype, offset, offset + tensor.numel()))
-        offset += tensor.numel()
-    if not flats:
+        pairs.append((name, tensor.detach()))
+    if not pairs:
         raise ValueError("cannot build a bucket from zero tensors")
-    return torch.cat(flats), metadata  # [total_numel]
+    mixed = len({t.dtype for _, t in pairs}) > 1
+    flats, metadata, offset = [], [], 0
+    for name, tensor in pairs:
+        flat = tensor.reshape(-1)  # [numel]
+        if mixed:
+            flat = flat.contiguous().view(torch.uint8)  # [numel * itemsize]
+        metadata.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype, offset, offset + flat.numel()))
+        flats.append(flat)
+        offset += flat.numel()
+    return torch.cat(flats), metadata  # [total elements] or [total bytes] (uint8)
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _meta_from_dict(index: int, e) -> TensorMeta:
-    if not isinstance(e, Mapping):
-        raise ValueError(f"metadata entry {index} is a {type(e).__name__}, not a dict")  # noqa: TRY004
-    missing = {"name", "shape", "dtype", "start", "end"} - set(e)
+def _field(e, key: str, default=None):
+    return e.get(key, default) if isinstance(e, Mapping) else getattr(e, key, default)
+
+
+def _meta_from_any(index: int, e) -> TensorMeta:
+    """Our dict entry, SGLang's metadata (dict or object), or a TensorMeta -> TensorMeta (types
+    checked later, in `_validate`, except the dtype, which must resolve here)."""
+    if isinstance(e, TensorMeta):
+        return e
+    if not isinstance(e, Mapping) and not hasattr(e, "start_idx"):
+        raise ValueError(f"metadata entry {index} is a {type(e).__name__}, not a dict or tensor metadata")
+    name = _field(e, "name")
+    sglang = _field(e, "start_idx") is not None or _field(e, "end_idx") is not None
+    keys = ("name", "shape", "dtype", "start_idx", "end_idx") if sglang else ("name", "shape", "dtype", "start", "end")
+    missing = [k for k in keys if _field(e, k) is None]
     if missing:
-        raise ValueError(f"metadata entry {index} ({e.get('name')!r}) lacks keys {sorted(missing)}")
-    name, shape = e["name"], e["shape"]
-    if not isinstance(shape, (list, tuple)):
+        raise ValueError(f"metadata entry {index} ({name!r}) lacks keys {missing}")
+    shape = _field(e, "shape")
+    if not isinstance(shape, (list, tuple)):  # torch.Size is a tuple
         raise ValueError(f"metadata entry {name!r}: shape {shape!r} is not a list")  # noqa: TRY004
     try:
-        dtype = str_to_dtype(e["dtype"])
+        dtype = as_dtype(_field(e, "dtype"))
     except ValueError as err:
         raise ValueError(f"metadata entry {name!r}: {err}") from None
-    return TensorMeta(name, tuple(shape), dtype, e["start"], e["end"])
+    start, end = (_field(e, "start_idx"), _field(e, "end_idx")) if sglang else (_field(e, "start"), _field(e, "end"))
+    numel = _field(e, "numel")
+    if numel is not None and _is_int(start) and _is_int(end) and numel != end - start:
+        raise ValueError(f"metadata entry {name!r}: numel {numel!r} != end_idx - start_idx = {end - start}")
+    return TensorMeta(name, tuple(shape), dtype, start, end)
 
 
 def _validate(flat: Tensor, metadata: list[TensorMeta]) -> None:
-    """Checks every entry against the flat tensor; raises ValueError naming the entry."""
+    """Checks every entry against the flat tensor, then that no two entries overlap; raises
+    ValueError naming the entry (both, for an overlap)."""
     if not isinstance(flat, Tensor) or flat.dim() != 1:
         raise ValueError("flattened_tensor must be a 1-D torch.Tensor")
     dtype_to_str(flat.dtype)
@@ -201,17 +285,31 @@ def _validate(flat: Tensor, metadata: list[TensorMeta]) -> None:
         seen.add(m.name)
         if not isinstance(m.shape, tuple) or not all(_is_int(s) and s >= 0 for s in m.shape):
             raise ValueError(f"metadata entry {m.name!r}: shape {m.shape!r} is not non-negative ints")
-        if m.dtype != flat.dtype:
-            raise ValueError(f"metadata entry {m.name!r}: dtype {m.dtype} != flattened tensor's {flat.dtype}")
+        dtype_to_str(m.dtype)
+        if m.dtype != flat.dtype and flat.dtype != torch.uint8:
+            raise ValueError(f"metadata entry {m.name!r}: dtype {m.dtype} != flattened tensor's {flat.dtype} "
+                             f"(a mixed-dtype bucket carries uint8 bytes)")
         if not (_is_int(m.start) and _is_int(m.end) and 0 <= m.start <= m.end <= numel):
             raise ValueError(
                 f"metadata entry {m.name!r}: offsets [{m.start}, {m.end}) out of bounds for {numel} elements"
             )
-        if m.end - m.start != math.prod(m.shape):
+        if m.dtype == flat.dtype:
+            if m.end - m.start != math.prod(m.shape):
+                raise ValueError(
+                    f"metadata entry {m.name!r}: {m.end - m.start} elements in [{m.start}, {m.end}) "
+                    f"but shape {list(m.shape)} needs {math.prod(m.shape)}"
+                )
+        elif m.end - m.start != math.prod(m.shape) * m.dtype.itemsize:
             raise ValueError(
-                f"metadata entry {m.name!r}: {m.end - m.start} elements in [{m.start}, {m.end}) "
-                f"but shape {list(m.shape)} needs {math.prod(m.shape)}"
+                f"metadata entry {m.name!r}: {m.end - m.start} bytes in [{m.start}, {m.end}) but shape "
+                f"{list(m.shape)} of {m.dtype} needs {math.prod(m.shape) * m.dtype.itemsize} bytes"
             )
+    # Overlaps: sorted by start, each non-empty entry must begin at or after the previous one's end.
+    spans = sorted((m for m in metadata if m.end > m.start), key=lambda m: (m.start, m.end))
+    for prev, cur in zip(spans, spans[1:]):
+        if cur.start < prev.end:
+            raise ValueError(f"metadata entries {prev.name!r} [{prev.start}, {prev.end}) and {cur.name!r} "
+                             f"[{cur.start}, {cur.end}) overlap")
 
 
 def iter_named_tensors(

@@ -1,22 +1,39 @@
 """Cross-process weight sync: the engine in another process on the same machine.
 
-`RemoteEngine` starts the engine in a child process (spawn) and proxies Engine methods over a pipe.
-Messages are JSON, never pickles: the child only ever rebuilds tensors from a descriptor (shared
-memory segment name, dtype, byte length, and bucket metadata) after validating every field, so a
-malformed or hostile message can fail an update but cannot run code. Bucket bytes travel through
-POSIX shared memory on the CPU; the trainer's segment is reused between buckets of similar size.
+`RemoteEngine(factory, **kwargs)` starts the engine in a child process (spawn) with the factory the
+caller names ("module:callable", or an importable callable, e.g. "rollout:Engine": this leaf package
+never imports rollout itself) and proxies Engine methods over a pipe.
 
-CUDA tensors (CUDA IPC handles) are not handled here yet: they belong with the GPU path and are
-refused with a clear error rather than silently copied through host memory.
+- Messages are JSON, never pickles: the child only ever rebuilds tensors from a descriptor (shared
+  memory segment name, dtype, byte length, and bucket metadata) after validating every field, so a
+  malformed or hostile message can fail an update but cannot run code. A result that JSON cannot
+  carry (a stream, say) comes back as an error; the child keeps serving.
+- Start-up: a factory that raises sends its reason back, and a child that dies without one is
+  noticed by its exit (the parent holds no copy of the child's pipe end), both within seconds.
+- Threads: one call is in flight at a time; calls from several threads queue on a lock.
+- Shared memory: bucket bytes travel through POSIX shared memory, one segment reused between buckets
+  of similar size. Segment names carry a prefix with a random token made at start and handed to the
+  child, which attaches only to segments with that prefix (those this handle created), and attaches
+  without registering them with its resource tracker (Python < 3.13 registers every attach, and the
+  tracker then unlinks the creator's segment when the attaching process exits).
+
+`generate(stream=True)` is refused in the parent with a clear error: a stream cannot cross the pipe.
+CUDA tensors (CUDA IPC handles) are not handled here: they are refused with a clear error rather
+than silently copied through host memory (see `cuda_ipc`).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import mmap
 import multiprocessing as mp
 import os
+import re
+import secrets
 import threading
+import time
+from collections.abc import Callable, Mapping
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -27,22 +44,71 @@ from weight_sync.bucket import FlattenedTensorBucket, dtype_to_str, str_to_dtype
 ALLOWED_METHODS = frozenset({
     "generate", "update_weights_from_tensor", "update_weights_from_disk", "release_memory_occupation",
     "resume_memory_occupation", "flush_cache", "get_server_info", "pause_generation", "continue_generation",
-    "init_weights_update_group", "update_weights_from_distributed", "get_weights_by_name",
+    "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
+    "get_weights_by_name",
 })
+DEFAULT_START_TIMEOUT_S = 600.0
+_POLL_S = 0.2  # how often a waiting parent checks that the child still lives
 
 
-def bucket_to_shm(bucket: FlattenedTensorBucket, shm: shared_memory.SharedMemory | None):
-    """Copy a CPU bucket into shared memory (reusing `shm` when big enough). Returns (descriptor, shm)."""
+def new_segment_prefix() -> str:
+    """`rlw_<12 hex>_`: the random, per-handle prefix of every segment a RemoteEngine creates."""
+    return f"rlw_{secrets.token_hex(6)}_"
+
+
+def _check_segment_name(name: Any, prefix: str) -> str:
+    if not isinstance(name, str) or not re.fullmatch(re.escape(prefix) + r"[0-9a-f]{1,16}", name):
+        raise ValueError(f"shared memory segment {name!r} was not created by this engine's sender (expected "
+                         f"a name {prefix}<hex>); refused")
+    return name
+
+
+class _Segment:
+    """A POSIX shared memory segment attached read-write, never registered with a resource tracker."""
+
+    def __init__(self, name: str) -> None:
+        try:
+            import _posixshmem  # CPython's own binding, what SharedMemory uses on POSIX
+        except ImportError:  # Windows: no resource tracker to avoid
+            self._shm = shared_memory.SharedMemory(name=name)
+            self.buf, self.size, self._mmap = self._shm.buf, self._shm.size, None
+            return
+        self._shm = None
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size) if self.size else None
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
+
+    def close(self) -> None:
+        self.buf.release()
+        if self._mmap is not None:
+            self._mmap.close()
+        if self._shm is not None:
+            self._shm.close()
+
+
+def bucket_to_shm(bucket: FlattenedTensorBucket, shm: shared_memory.SharedMemory | None,
+                  name_prefix: str | None = None, counter: list[int] | None = None):
+    """Copy a CPU bucket into shared memory (reusing `shm` when big enough). Returns (descriptor, shm).
+    A new segment is named `name_prefix` + a hex counter (random name without a prefix)."""
     flat = bucket.flattened_tensor
     if flat.device.type != "cpu":
-        raise NotImplementedError(f"cross-process sync of {flat.device.type} tensors (CUDA IPC) is not "
-                                  f"implemented yet; move the bucket to the CPU or sync in-process")
+        raise NotImplementedError(f"cross-process sync of {flat.device.type} tensors through shared memory is not "
+                                  f"supported; use weight_sync.cuda_ipc, move the bucket to the CPU, or sync in-process")
     nbytes = flat.numel() * flat.element_size()
     if shm is None or shm.size < nbytes:
         if shm is not None:
             shm.close()
             shm.unlink()
-        shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+        name = None
+        if name_prefix is not None:
+            counter = counter if counter is not None else [0]
+            counter[0] += 1
+            name = f"{name_prefix}{counter[0]:x}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
     dst = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
     dst.copy_(flat.contiguous().view(torch.uint8))
     d = bucket.to_dict()
@@ -51,27 +117,32 @@ def bucket_to_shm(bucket: FlattenedTensorBucket, shm: shared_memory.SharedMemory
     return descriptor, shm
 
 
-def bucket_from_shm(descriptor: Any) -> tuple[FlattenedTensorBucket, shared_memory.SharedMemory]:
-    """Rebuild a bucket from a descriptor: validated field by field, tensors only, nothing executed."""
+def bucket_from_shm(descriptor: Any, name_prefix: str) -> tuple[FlattenedTensorBucket, _Segment]:
+    """Rebuild a bucket from a descriptor: validated field by field (the segment name must carry
+    `name_prefix`), then the metadata as a whole, before any tensor is built; nothing executed."""
     if not isinstance(descriptor, dict) or set(descriptor) != {"shm_name", "nbytes", "dtype", "metadata"}:
         raise ValueError(f"malformed bucket descriptor: expected keys shm_name, nbytes, dtype, metadata; "
                          f"got {sorted(descriptor) if isinstance(descriptor, dict) else type(descriptor).__name__}")
     name, nbytes = descriptor["shm_name"], descriptor["nbytes"]
-    if not isinstance(name, str) or not isinstance(nbytes, int) or nbytes < 0:
+    if not isinstance(name, str) or not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError("malformed bucket descriptor: shm_name must be a string and nbytes an int >= 0")
+    _check_segment_name(name, name_prefix)
     dtype = str_to_dtype(descriptor["dtype"])
-    shm = shared_memory.SharedMemory(name=name)
-    if shm.size < nbytes or nbytes % dtype.itemsize:
-        shm.close()
-        raise ValueError(f"bucket descriptor claims {nbytes} bytes of {dtype}; segment {name} has {shm.size}")
-    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes).view(dtype)
+    if nbytes % dtype.itemsize:
+        raise ValueError(f"bucket descriptor claims {nbytes} bytes, not a whole number of {dtype} elements")
+    seg = _Segment(name)
+    if seg.size < nbytes:
+        seg.close()
+        raise ValueError(f"bucket descriptor claims {nbytes} bytes of {dtype}; segment {name} has {seg.size}")
     try:
+        flat = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes).view(dtype) if nbytes else \
+            torch.empty(0, dtype=dtype)
         bucket = FlattenedTensorBucket.from_dict({"flattened_tensor": flat, "metadata": descriptor["metadata"]})
     except Exception:
-        del flat
-        shm.close()
+        flat = None
+        seg.close()
         raise
-    return bucket, shm
+    return bucket, seg
 
 
 def _jsonable(x):
@@ -84,10 +155,43 @@ def _jsonable(x):
     return x
 
 
-def _serve(conn, factory: str, kwargs: dict) -> None:
-    """Child process: build the engine, answer JSON requests until shutdown."""
-    module, _, attr = factory.partition(":")
-    engine = getattr(importlib.import_module(module), attr)(**kwargs)
+def _encode(reply: dict) -> bytes:
+    """JSON bytes of a reply; a result JSON cannot carry becomes an error reply (the child lives on)."""
+    try:
+        return json.dumps(reply).encode()
+    except (TypeError, ValueError, RecursionError) as e:
+        result = reply.get("result")
+        if hasattr(result, "close"):  # a generator: stop it (and the requests behind it)
+            try:
+                result.close()
+            except Exception:  # noqa: BLE001 - closing is best effort; the error reply still goes back
+                pass
+        return json.dumps({"ok": False, "error": f"result of type {type(result).__name__} cannot be sent back "
+                                                 f"as JSON ({type(e).__name__}); a stream cannot cross the "
+                                                 f"process boundary: call without stream=True"}).encode()
+
+
+def _resolve_factory(factory: str) -> Callable:
+    module, sep, attr = factory.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"factory {factory!r} is not 'module:callable'")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"factory {factory!r} is not callable")
+    return obj
+
+
+def _serve(conn, factory: str, kwargs: dict, segment_prefix: str) -> None:
+    """Child process: build the engine (or report why not), answer JSON requests until shutdown."""
+    try:
+        engine = _resolve_factory(factory)(**kwargs)
+    except BaseException as e:  # the reason goes to the parent, which is waiting for "ready"
+        conn.send_bytes(json.dumps({"ok": False, "error": f"engine construction failed: {type(e).__name__}: "
+                                                          f"{e}"}).encode())
+        conn.close()
+        return
     conn.send_bytes(json.dumps({"ok": True, "result": "ready"}).encode())
     try:
         while True:
@@ -98,81 +202,158 @@ def _serve(conn, factory: str, kwargs: dict) -> None:
             try:
                 msg = json.loads(raw)
             except (ValueError, RecursionError) as e:  # not JSON (a pickle, say): refuse it, keep serving
-                reply = {"ok": False, "error": f"message is not JSON: {type(e).__name__}"}
-                conn.send_bytes(json.dumps(reply).encode())
+                conn.send_bytes(_encode({"ok": False, "error": f"message is not JSON: {type(e).__name__}"}))
                 continue
             if not isinstance(msg, dict):
                 msg = {"method": None}
             method, args, pos = msg.get("method"), msg.get("kwargs", {}), msg.get("args", [])
             if method == "shutdown":
-                conn.send_bytes(json.dumps({"ok": True, "result": None}).encode())
+                conn.send_bytes(_encode({"ok": True, "result": None}))
                 return
             try:
                 if method not in ALLOWED_METHODS or not isinstance(args, dict) or not isinstance(pos, list):
                     raise ValueError(f"method {method!r} is not allowed")
+                if method == "generate" and args.get("stream"):
+                    raise ValueError("generate(stream=True) is not supported across processes; use stream=False")
                 if method == "update_weights_from_tensor" and args.get("load_format") == "shm_bucket":
-                    result = _update_from_shm(engine, args)
+                    result = _update_from_shm(engine, args, segment_prefix)
                 else:
                     result = getattr(engine, method)(*pos, **args)
                 reply = {"ok": True, "result": _jsonable(result)}
             except Exception as e:  # the reason goes back to the caller; the engine keeps serving
                 reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            conn.send_bytes(json.dumps(reply).encode())
+            conn.send_bytes(_encode(reply))
     finally:
         engine.shutdown()
 
 
-def _update_from_shm(engine, args: dict):
+def _update_from_shm(engine, args: dict, segment_prefix: str):
     args = dict(args)
     try:
-        bucket, shm = bucket_from_shm(args.pop("named_tensors"))
-    except (ValueError, FileNotFoundError, TypeError) as e:
+        bucket, seg = bucket_from_shm(args.pop("named_tensors"), segment_prefix)
+    except (ValueError, FileNotFoundError, PermissionError, TypeError) as e:
         return [False, f"update_weights_from_tensor failed: bad bucket: {e}"]
     args["load_format"] = "flattened_bucket"
     try:
         return engine.update_weights_from_tensor(bucket, **args)
     finally:
         del bucket
-        shm.close()
+        try:
+            seg.close()
+        except BufferError:  # a view is still referenced somewhere; the mapping goes with it
+            pass
+
+
+def _factory_name(factory: str | Callable) -> str:
+    """A callable becomes 'module:qualname', checked to import back to the same object."""
+    if isinstance(factory, str):
+        module, sep, attr = factory.partition(":")
+        if not (sep and module and attr):
+            raise ValueError(f"factory {factory!r} is not 'module:callable' (e.g. 'rollout:Engine')")
+        return factory  # imported in the child only: this leaf package never imports the engine itself
+    if not callable(factory):
+        raise TypeError(f"factory must be a 'module:callable' string or a callable, got {type(factory).__name__}")
+    name = f"{getattr(factory, '__module__', '')}:{getattr(factory, '__qualname__', '')}"
+    try:
+        same = _resolve_factory(name) is factory
+    except (ImportError, AttributeError, ValueError, TypeError):
+        same = False
+    if not same:
+        raise ValueError(f"factory {factory!r} cannot be re-imported as {name!r} in the child process; pass a "
+                         f"module-level callable or a 'module:callable' string")
+    return name
 
 
 class RemoteEngine:
-    """A handle on an engine living in a child process; Engine's methods, proxied as JSON calls."""
+    """A handle on an engine living in a child process; Engine's methods, proxied as JSON calls.
 
-    def __init__(self, factory: str = "rollout:Engine", **engine_kwargs) -> None:
+    `factory` builds the engine in the child: "module:callable" (e.g. "rollout:Engine") or an importable
+    module-level callable; `engine_kwargs` go to it. Raises RuntimeError carrying the child's reason
+    if construction fails, TimeoutError after `start_timeout_s` if it neither succeeds nor fails.
+    """
+
+    def __init__(self, factory: str | Callable, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                 **engine_kwargs) -> None:
+        factory = _factory_name(factory)
+        self.segment_prefix = new_segment_prefix()
+        self._segment_counter = [0]
+        self._shm: shared_memory.SharedMemory | None = None
+        self._call_lock = threading.Lock()  # held from a call's send to its reply: one call in flight
+        self._owner: int | None = None  # thread holding _call_lock between call_async and result
+        self._closed = False
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child_conn, factory, engine_kwargs), daemon=True)
+        self._proc = ctx.Process(target=_serve, args=(child_conn, factory, engine_kwargs, self.segment_prefix),
+                                 daemon=True)
         self._proc.start()
-        self._lock = threading.Lock()
-        self._shm: shared_memory.SharedMemory | None = None
-        self._pending = False
-        self._recv()  # "ready", or the child's construction error
+        child_conn.close()  # ours closed, the child's exit is an EOF here: a dead child is seen at once
+        try:
+            self._recv(start_timeout_s, what="engine start-up")
+        except BaseException:
+            self._closed = True
+            self._stop_process()
+            raise
 
-    def _recv(self):
-        if not self._conn.poll(600):
-            raise TimeoutError("engine process did not answer within 600 s")
+    def _recv(self, timeout_s: float | None = None, what: str = "call"):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._conn.poll(_POLL_S):
+            if not self._proc.is_alive() and not self._conn.poll(0):
+                raise RuntimeError(f"remote engine: {what}: engine process exited (exit code {self._proc.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                self._closed = True
+                self._stop_process()
+                raise TimeoutError(f"remote engine: {what}: no answer within {timeout_s} s; the process was stopped")
         try:
             reply = json.loads(self._conn.recv_bytes())
-        except EOFError:
-            raise RuntimeError(f"engine process exited (exit code {self._proc.exitcode})") from None
+        except (EOFError, OSError):
+            self._proc.join(timeout=5)
+            raise RuntimeError(f"remote engine: {what}: engine process exited (exit code {self._proc.exitcode})"
+                               ) from None
         if not reply["ok"]:
             raise RuntimeError(f"remote engine: {reply['error']}")
         return reply["result"]
 
-    def call_async(self, method: str, *args, **kwargs) -> None:
-        """Send a call without waiting; collect its result with `result()` (one call in flight)."""
-        with self._lock:
-            if self._pending:
-                raise RuntimeError("a remote call is already in flight; call result() first")
-            msg = {"method": method, "args": _jsonable(list(args)), "kwargs": _jsonable(kwargs)}
+    def _acquire(self) -> None:
+        """Take the call lock (waiting for other threads' calls), refusing a thread that holds it."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError("a remote call from this thread is already in flight; call result() first")
+        self._call_lock.acquire()
+        self._owner = threading.get_ident()
+
+    def _release(self) -> None:
+        self._owner = None
+        self._call_lock.release()
+
+    def _send(self, method: str, args: tuple, kwargs: dict) -> None:
+        """Send one call; the caller holds the call lock."""
+        if self._closed:
+            raise RuntimeError("remote engine is shut down")
+        if not self._proc.is_alive():
+            raise RuntimeError(f"remote engine: engine process exited (exit code {self._proc.exitcode})")
+        msg = {"method": method, "args": _jsonable(list(args)), "kwargs": _jsonable(kwargs)}
+        try:
             self._conn.send_bytes(json.dumps(msg).encode())
-            self._pending = True
+        except OSError as e:
+            raise RuntimeError(f"remote engine: cannot send ({e}); exit code {self._proc.exitcode}") from None
+
+    def call_async(self, method: str, *args, **kwargs) -> None:
+        """Send a call without waiting; collect its result with `result()` from the same thread. Other
+        threads' calls wait until then."""
+        self._acquire()
+        try:
+            self._send(method, args, kwargs)
+        except BaseException:
+            self._release()
+            raise
 
     def result(self):
-        with self._lock:
-            self._pending = False
+        """The reply to this thread's `call_async` (the engine's result, or RuntimeError with its reason)."""
+        if self._owner != threading.get_ident():
+            raise RuntimeError("no remote call from this thread is in flight")
+        try:
             return self._recv()
+        finally:
+            self._release()
 
     def call(self, method: str, *args, **kwargs):
         self.call_async(method, *args, **kwargs)
@@ -183,33 +364,77 @@ class RemoteEngine:
             raise AttributeError(method)
         return lambda *args, **kwargs: self.call(method, *args, **kwargs)
 
+    def generate(self, *args, stream: bool = False, **kwargs):
+        if stream:
+            raise ValueError("RemoteEngine.generate(stream=True) is not supported: a stream cannot cross the "
+                             "process boundary; call with stream=False")
+        return self.call("generate", *args, **kwargs)
+
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
                                    weight_version: str | None = None) -> tuple[bool, str]:
-        if load_format != "flattened_bucket":
-            bucket = FlattenedTensorBucket(list(named_tensors.items()) if isinstance(named_tensors, dict)
-                                           else list(named_tensors))
-        elif isinstance(named_tensors, FlattenedTensorBucket):
-            bucket = named_tensors
-        else:
-            bucket = FlattenedTensorBucket.from_dict(named_tensors)
-        descriptor, self._shm = bucket_to_shm(bucket, self._shm)
-        ok, msg = self.call("update_weights_from_tensor", named_tensors=descriptor, load_format="shm_bucket",
-                            flush_cache=flush_cache, weight_version=weight_version)
+        """Engine's signature: (name, tensor) pairs or a dict, or with load_format="flattened_bucket" a
+        bucket (ours, its dict, SGLang's) or a list of them; shipped as one bucket, one atomic update."""
+        if load_format not in (None, "auto", "flattened_bucket"):
+            return False, f"update_weights_from_tensor failed: load_format={load_format!r} is not supported"
+        try:
+            if load_format != "flattened_bucket":
+                pairs = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+                bucket = FlattenedTensorBucket(pairs)
+            else:
+                parts = named_tensors if isinstance(named_tensors, list) else [named_tensors]
+                buckets = [b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b)
+                           for b in parts]
+                bucket = buckets[0] if len(buckets) == 1 else \
+                    FlattenedTensorBucket([p for b in buckets for p in b.named_tensors()])
+        except (ValueError, TypeError) as e:
+            return False, f"update_weights_from_tensor failed: {e}"
+        self._acquire()  # the one segment is rewritten per call: hold the lock from the copy to the reply
+        try:
+            descriptor, self._shm = bucket_to_shm(bucket, self._shm, self.segment_prefix, self._segment_counter)
+            self._send("update_weights_from_tensor", (), dict(named_tensors=descriptor, load_format="shm_bucket",
+                                                              flush_cache=flush_cache, weight_version=weight_version))
+            ok, msg = self._recv()
+        finally:
+            self._release()
         return bool(ok), msg
 
-    def shutdown(self) -> None:
-        if self._proc.is_alive():
-            try:
-                self.call("shutdown")
-            except (RuntimeError, OSError, TimeoutError):
-                pass
-            self._proc.join(timeout=30)
+    def _stop_process(self) -> None:
+        self._proc.join(timeout=0.5)
         if self._proc.is_alive():
             self._proc.kill()
-        if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
+            self._proc.join(timeout=10)
+        self._conn.close()
+
+    def shutdown(self) -> None:
+        """Stop the child (politely, then by force) and free the shared memory segment. Idempotent."""
+        if self._closed:
+            return
+        mine = self._owner == threading.get_ident()  # our own call_async never collected: we hold the lock
+        got = mine or self._call_lock.acquire(timeout=30)  # let a call in flight on another thread finish
+        if mine:  # drop that call's reply, if it comes soon, so it is not read as shutdown's
+            try:
+                if self._conn.poll(5):
+                    self._conn.recv_bytes()
+            except (EOFError, OSError):
+                pass
+        try:
+            self._closed = True
+            if got and self._proc.is_alive():
+                try:
+                    self._conn.send_bytes(json.dumps({"method": "shutdown"}).encode())
+                    self._recv(30, what="shutdown")
+                except (RuntimeError, OSError, TimeoutError):
+                    pass
+                self._proc.join(timeout=30)
+            self._stop_process()
+            if self._shm is not None:
+                self._shm.close()
+                self._shm.unlink()
+                self._shm = None
+        finally:
+            if got:
+                self._owner = None
+                self._call_lock.release()
 
     def __enter__(self) -> RemoteEngine:
         return self

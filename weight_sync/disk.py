@@ -180,5 +180,6 @@ class DiskTarget:
 
     def sync_from(self, source, bucket_bytes: int = 0, name_map=None, weight_version: str | None = None):
         save_hf_checkpoint(source, self.out_dir, config=self.config, name_map=name_map)
-        ok, msg = self.engine.update_weights_from_disk(model_path=str(self.out_dir), weight_version=weight_version)
-        return bool(ok), msg
+        # (success, message[, num_paused_requests]): an Engine answers SGLang's three, a group two.
+        res = self.engine.update_weights_from_disk(model_path=str(self.out_dir), weight_version=weight_version)
+        return bool(res[0]), res[1]

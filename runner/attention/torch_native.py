@@ -1,11 +1,19 @@
 """torch-native attention over the paged KV cache (SDPA on gathered pages). Runs everywhere.
 
-Each step is planned once in `init_forward_metadata`: the KV slots of every request gathered into a
-padded [bs, max_kv_len] index, a boolean mask that is causal over the cached prefix plus the new
-tokens, and the scatter index from flattened new tokens into the padded query layout. Every layer
-then does one gather and one batched SDPA. Decode is the extend case with one new token per request.
-This is the reference backend, not the fast one: it gathers K/V each layer instead of reading pages
-in place (flashinfer does that on CUDA).
+Each step is planned once in `init_forward_metadata` and kept on the backend (`forward_metadata`,
+never on the batch): the KV slots of every request gathered into a padded [bs, max_kv_len] index, a
+boolean mask that is causal over the cached prefix plus the new tokens, and the scatter index from
+flattened new tokens into the padded query layout. Every layer then does one gather and one batched
+SDPA. Decode is the extend case with one new token per request.
+
+For a captured decode step (runner/graph_runner.py) the plan is written into static buffers sized
+once for the largest captured batch (`init_cuda_graph_state`), so every tensor the step reads has
+the same shape at each replay of one padded batch size: [bs] request rows and lengths, and a
+[bs, graph_kv_len] index and mask. `graph_kv_len` is the whole context when a device graph needs
+fixed addresses (CUDA), or the step's longest sequence rounded up to KV_LEN_ALIGN when the consumer
+is an opaque op that only needs fixed shapes per replay (the CPU captured step). This is the
+reference backend, not the fast one: it gathers K/V each layer instead of reading pages in place
+(flashinfer does that on CUDA).
 """
 
 from __future__ import annotations
@@ -15,7 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runner.forward_batch import ForwardBatch
+from runner.forward_batch import ForwardBatch, get_forward_context
+
+# Captured steps on the CPU round the attended length up to this, so SDPA sees few distinct shapes.
+KV_LEN_ALIGN = 64
 
 
 @dataclass
@@ -29,7 +40,13 @@ class TorchNativeMetadata:
 class TorchNativeAttnBackend:
     def __init__(self, runner) -> None:
         self.device = runner.device
+        self.req_to_token = runner.req_to_token_pool.req_to_token  # [max_reqs, max_context]
+        self.forward_metadata: TorchNativeMetadata | None = None
+        self.graph_max_bs = 0  # static graph buffers, see init_cuda_graph_state
+        # Whole-context attended length at replay (True: fixed addresses for device graphs).
+        self.graph_full_kv = self.device.type == "cuda"
 
+    # ---- eager steps ---------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         bs = fb.batch_size
         seq_lens = fb.seq_lens_cpu
@@ -42,24 +59,61 @@ class TorchNativeAttnBackend:
         dev = self.device
         seq_t = fb.seq_lens.view(bs, 1)
         kv_pos = torch.arange(max_kv, device=dev).view(1, max_kv)
-        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_kv]
+        rows = self.req_to_token[fb.req_pool_indices, :max_kv]
         kv_indices = torch.where(kv_pos < seq_t, rows, torch.zeros_like(rows))
-        prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=dev).view(bs, 1, 1)
-        q_pos = torch.arange(max_q, device=dev).view(1, max_q, 1) + prefix_t  # absolute query positions
-        mask = (kv_pos.view(1, 1, max_kv) <= q_pos) & (kv_pos.view(1, 1, max_kv) < seq_t.view(bs, 1, 1))
-        # Padded query rows would attend to nothing and give NaN; let them see key 0 (output dropped).
-        mask[:, :, 0] = True
+        if max_q == 1 and fb.forward_mode.is_decode():
+            mask = (kv_pos < seq_t).view(bs, 1, 1, max_kv)
+        else:
+            prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=dev).view(bs, 1, 1)
+            q_pos = torch.arange(max_q, device=dev).view(1, max_q, 1) + prefix_t  # absolute query positions
+            mask = (kv_pos.view(1, 1, max_kv) <= q_pos) & (kv_pos.view(1, 1, max_kv) < seq_t.view(bs, 1, 1))
+            # Padded query rows would attend to nothing and give NaN; let them see key 0 (output dropped).
+            mask[:, :, 0] = True
+            mask = mask.unsqueeze(1)
         q_index = None
         if max_q > 1:
             q_index = torch.cat([
                 torch.arange(n, dtype=torch.int64) + i * max_q for i, n in enumerate(q_lens)
             ]).to(dev)
-        fb.attn_metadata = TorchNativeMetadata(kv_indices, mask.unsqueeze(1), q_index, max_q)
+        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, q_index, max_q)
 
-    def _attend(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
-        md: TorchNativeMetadata = fb.attn_metadata
-        bs, hq, d = fb.batch_size, layer.num_heads, layer.head_dim
-        pool = fb.token_to_kv_pool
+    # ---- captured decode steps (the graph-runner protocol, runner/graph_runner.py) ------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        max_kv = self.req_to_token.shape[1]
+        self.graph_max_bs = max_bs
+        self.graph_kv_indices = torch.zeros(max_bs, max_kv, dtype=torch.int64, device=self.device)
+        self.graph_mask = torch.zeros(max_bs, 1, 1, max_kv, dtype=torch.bool, device=self.device)
+        self.graph_kv_pos = torch.arange(max_kv, device=self.device).view(1, max_kv)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        self._plan_graph(bs, req_pool_indices, seq_lens, int(seq_lens.max()) if bs else 1)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> None:
+        self._plan_graph(bs, req_pool_indices, seq_lens, max(seq_lens_cpu))
+
+    def _plan_graph(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> None:
+        if bs > self.graph_max_bs:
+            raise ValueError(f"padded batch size {bs} exceeds the graph state's max_bs={self.graph_max_bs}")
+        full = self.graph_kv_indices.shape[1]
+        kv_len = full if self.graph_full_kv else min(full, -(-max_len // KV_LEN_ALIGN) * KV_LEN_ALIGN)
+        kv_pos = self.graph_kv_pos[:, :kv_len]
+        seq_t = seq_lens[:bs].view(bs, 1)
+        valid = kv_pos < seq_t  # [bs, kv_len]
+        rows = self.req_to_token[req_pool_indices[:bs], :kv_len]
+        kv_indices = self.graph_kv_indices[:bs, :kv_len]
+        torch.where(valid, rows, torch.zeros_like(rows), out=kv_indices)
+        mask = self.graph_mask[:bs, :, :, :kv_len]
+        mask.copy_(valid.view(bs, 1, 1, kv_len))
+        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, None, 1)
+
+    # ---- attention -------------------------------------------------------------------------
+    def _attend(self, q: torch.Tensor, layer, fb: ForwardBatch | None) -> torch.Tensor:
+        md = self.forward_metadata
+        bs = md.kv_indices.shape[0]
+        hq, d = layer.num_heads, layer.head_dim
+        pool = get_forward_context().token_to_kv_pool
         k = pool.k_buffer[layer.layer_id][md.kv_indices]  # [bs, max_kv, kv_heads, d]
         v = pool.v_buffer[layer.layer_id][md.kv_indices]
         if md.q_index is None:
@@ -80,5 +134,5 @@ class TorchNativeAttnBackend:
     def forward_extend(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
         return self._attend(q, layer, fb)
 
-    def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch | None) -> torch.Tensor:
         return self._attend(q, layer, fb)

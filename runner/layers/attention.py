@@ -1,7 +1,8 @@
 """The attention layer: writes this step's K/V into the paged pool, then defers to the backend.
 
-It holds no state but its layer id and head geometry; the backend and the per-step plan arrive on
-the ForwardBatch, so `model.forward(input_ids, positions, forward_batch)` stays free of plumbing.
+It holds no state but its layer id and head geometry; the backend and the KV pool come from the
+runner's per-step ForwardContext and the plan lives on the backend, so `model.forward(input_ids,
+positions, forward_batch)` stays free of plumbing and never writes into the batch.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runner.forward_batch import ForwardBatch
+from runner.forward_batch import ForwardBatch, get_forward_context
 
 
 class PagedAttention(nn.Module):
@@ -23,9 +24,16 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        fb.token_to_kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
+        if torch.compiler.is_compiling():
+            # The paged cache and the step's plan change every step: keep them out of the captured
+            # graph behind one opaque op that writes K/V and attends (runner/cpu_graph_runner.py).
+            from runner.cpu_graph_runner import opaque_attention
+
+            return opaque_attention(self, q, k, v, fb.out_cache_loc).reshape(q.shape[0], self.num_heads * self.head_dim)
+        ctx = get_forward_context()
+        ctx.token_to_kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         if fb.forward_mode.is_decode():
-            out = fb.attn_backend.forward_decode(q, self, fb)
+            out = ctx.attn_backend.forward_decode(q, self, fb)
         else:
-            out = fb.attn_backend.forward_extend(q, self, fb)
+            out = ctx.attn_backend.forward_extend(q, self, fb)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]

@@ -24,6 +24,9 @@ def shard_view(param: torch.Tensor, shard_id: str | int | None) -> torch.Tensor:
     """The slice of `param` that HF shard `shard_id` fills (the whole param for None)."""
     if shard_id is None:
         return param.data
+    view_shard = getattr(param, "view_shard", None)
+    if view_shard is not None:  # a param with its own layout, e.g. stacked experts: (expert_id, "gate")
+        return view_shard(param.data, shard_id)
     start, size = param.shard_offsets[shard_id]
     return param.data.narrow(0, start, size)
 
@@ -47,6 +50,12 @@ class Linear(nn.Module):
             self.bias.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Inside a captured step the prepacked copy is read at run time through an opaque op,
+            # so a repack after a weight update needs no recapture (runner/cpu_graph_runner.py).
+            from runner.cpu_graph_runner import opaque_linear
+
+            return opaque_linear(self, x)
         if self.packed is not None and x.dim() == 2:
             return packed_linear(x, self.packed)
         return F.linear(x, self.weight, self.bias)

@@ -40,7 +40,8 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
@@ -48,7 +49,7 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0].apply(q, k, *fb.rope_cos_sin)
+        q, k = self.rotary[0].apply(q, k, *cos_sin)
         return self.o_proj(self.attn(q, k, v, fb))
 
 
@@ -71,12 +72,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, fb):
+    def forward(self, cos_sin, hidden, residual, fb):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, fb)
+        hidden = self.self_attn(cos_sin, hidden, fb)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -99,10 +100,11 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
             if fb.replace_embeds is not None:
                 hidden = hidden.index_copy(0, fb.replace_positions, fb.replace_embeds.to(hidden.dtype))
-        fb.rope_cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        # Looked up once per forward and handed to every layer; never stored on the batch.
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # 2 x [num_tokens, 1, head_dim]
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, fb)
+            hidden, residual = layer(cos_sin, hidden, residual, fb)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

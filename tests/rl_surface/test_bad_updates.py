@@ -63,7 +63,7 @@ TENSOR_CASES = {
 
 def _check_refused(setup, ok_msg, expected):
     engine, _, _, before, outputs = setup
-    ok, msg = ok_msg
+    ok, msg = ok_msg[:2]  # update_weights_from_disk adds num_paused_requests
     assert not ok, msg
     for part in expected:
         assert part in msg, (part, msg)
@@ -336,6 +336,6 @@ def test_bad_checkpoint_changes_nothing(setup, tmp_path, ckpt_factory, make_bad)
 def test_valid_update_still_works_after_refusals(setup, reference_outputs):
     """After every refusal above, a valid update loads and equals a fresh engine on B (runs last)."""
     engine, b, _, _, _ = setup
-    ok, msg = engine.update_weights_from_disk(str(b))
+    ok, msg, _ = engine.update_weights_from_disk(str(b))
     assert ok, msg
     assert run(engine) == reference_outputs(b)

@@ -76,24 +76,33 @@ def test_without_backup_generate_is_refused_until_an_update(ckpt_pair, reference
         assert run(engine) == reference_outputs(b)
 
 
-def test_release_twice_and_resume_resident_are_no_ops(ckpt_pair):
-    """A second release, or a resume of what is resident, changes nothing (the prefix cache included)."""
+def test_release_twice_and_resume_resident_are_refused_and_change_nothing(ckpt_pair):
+    """As SGLang: a second release, or a resume of what is resident, raises RuntimeError naming the tag,
+    and leaves every tag's state, the weights and the prefix cache as they were."""
     a, _ = ckpt_pair("llama")
     prompt = list(range(5, 45))
     sp = dict(temperature=0, max_new_tokens=4)
     with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
+        saver = engine.runner.memory_saver
         before, outputs = snapshot(engine), run(engine)
-        held = {t: engine.runner.memory_saver.bytes_held(t) for t in TAGS}
+        held = {t: saver.bytes_held(t) for t in TAGS}
         assert held["weights"] > 0 and held["kv_cache"] > 0
-        engine.release_memory_occupation()
-        engine.release_memory_occupation()
-        engine.release_memory_occupation(["weights"])
+        with pytest.raises(RuntimeError, match=r"\['weights', 'kv_cache', 'cuda_graph'\] not released"):
+            engine.resume_memory_occupation()
+        engine.release_memory_occupation(["kv_cache"])
+        with pytest.raises(RuntimeError, match=r"\['kv_cache'\] already released"):
+            engine.release_memory_occupation()  # weights and cuda_graph are resident: still refused whole
+        assert [saver.is_resident(t) for t in TAGS] == [True, False, True]
+        assert saver.bytes_held("weights") == held["weights"]
+        engine.release_memory_occupation(["weights", "cuda_graph"])
+        with pytest.raises(RuntimeError, match=r"\['weights'\] already released"):
+            engine.release_memory_occupation(["weights"])
         engine.resume_memory_occupation()
-        assert {t: engine.runner.memory_saver.bytes_held(t) for t in TAGS} == held
+        assert {t: saver.bytes_held(t) for t in TAGS} == held
         assert_same_tensors(before, engine)
         engine.generate(input_ids=prompt, sampling_params=sp)
-        engine.resume_memory_occupation()
-        engine.resume_memory_occupation(["kv_cache"])
+        with pytest.raises(RuntimeError, match=r"\['kv_cache'\] not released"):
+            engine.resume_memory_occupation(["kv_cache"])
         assert engine.generate(input_ids=prompt, sampling_params=sp)["meta_info"]["cached_tokens"] > 0
         assert_same_tensors(before, engine)
         assert run(engine) == outputs
@@ -104,11 +113,11 @@ def test_staged_resume_weights_update_then_kv_cache(ckpt_pair, reference_outputs
     a, b = ckpt_pair("qwen2", tie_word_embeddings=True)
     with make_engine(a, enable_memory_saver=True) as engine:
         engine.release_memory_occupation()
-        ok, msg = engine.update_weights_from_disk(str(b))
+        ok, msg, _ = engine.update_weights_from_disk(str(b))
         assert not ok and "resume_memory_occupation" in msg  # nowhere to write while released
         engine.resume_memory_occupation(["weights"])
         assert engine.runner.memory_saver.bytes_held("kv_cache") == 0
-        ok, msg = engine.update_weights_from_disk(str(b), weight_version="step-1")
+        ok, msg, _ = engine.update_weights_from_disk(str(b), weight_version="step-1")
         assert ok, msg
         with pytest.raises(RuntimeError, match="resume_memory_occupation"):
             run(engine)  # the KV cache is still released
@@ -195,7 +204,7 @@ def _pause_at(engine, steps: int) -> dict:
     """Pause right after `steps` scheduler steps from now; the result is each in-flight request's token count."""
 
     def pause():
-        engine.pause_generation()
+        engine.pause_generation(mode="in_place")  # requests stay in flight (the default, "abort", ends them)
         return [len(r.output_ids) for r in engine._reqs.values()]
 
     return at_step(engine, steps, pause)

@@ -51,7 +51,7 @@ def test_update_from_disk_equals_fresh_engine(ckpt_pair, reference_outputs, arch
     """update_weights_from_disk(B) -> outputs == a fresh engine on B, and back to A again."""
     a, b = ckpt_pair(arch, tie_word_embeddings=tied)
     with make_engine(a) as engine:
-        ok, msg = engine.update_weights_from_disk(str(b))
+        ok, msg, _ = engine.update_weights_from_disk(str(b))
         assert ok, msg
         assert run(engine) == reference_outputs(b)
         assert versions(engine) == {"1"}
@@ -216,7 +216,8 @@ def test_update_refused_while_requests_run_unless_paused(ckpt_pair):
         reference = engine.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"]
         state = at_step(engine, 5, lambda: engine.update_weights_from_disk(str(b)))  # mid-request
         final = engine.generate(input_ids=[5, 6, 7], sampling_params=sp)
-        ok, msg = state["result"]
+        ok, msg, num_paused = state["result"]
+        assert num_paused == 0  # refused: nothing was paused
         assert not ok and "in flight" in msg and "pause_generation" in msg, msg
         assert final["output_ids"] == reference
         assert final["meta_info"]["weight_version"] == engine.weight_version == "default"

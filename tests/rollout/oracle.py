@@ -56,8 +56,9 @@ def random_prompts(lengths: list[int], seed: int = 0, low: int = 3, high: int = 
     return [torch.randint(low, high, (n,), generator=g).tolist() for n in lengths]
 
 
-def pause_mid_stream(engine: Engine, num_chunks: int = 2, attempts: int = 10, **generate_kwargs):
-    """Start a streaming request, read `num_chunks` chunks, pause the engine with it still in flight.
+def pause_mid_stream(engine: Engine, num_chunks: int = 2, attempts: int = 10, mode: str = "in_place",
+                     **generate_kwargs):
+    """Start a streaming request, read `num_chunks` chunks, pause the engine (`mode`) with it still in flight.
 
     Returns (stream, chunks read). The engine does not wait for readers, so a starved reader can see its
     chunks only after the request ended; then this tries again. Needs an otherwise idle engine.
@@ -65,7 +66,7 @@ def pause_mid_stream(engine: Engine, num_chunks: int = 2, attempts: int = 10, **
     for _ in range(attempts):
         stream = engine.generate(stream=True, **generate_kwargs)
         chunks = [next(stream) for _ in range(num_chunks)]
-        engine.pause_generation()
+        engine.pause_generation(mode=mode)
         if engine.get_server_info()["num_in_flight"] == 1:
             return stream, chunks
         engine.continue_generation()

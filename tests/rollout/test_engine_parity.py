@@ -39,7 +39,7 @@ def test_greedy_tokens_and_logprobs_match_hf_generate(arch_env):
         torch.testing.assert_close(torch.tensor([lp for lp, _, _ in lps]), torch.tensor(ref_lps), atol=1e-4, rtol=0)
         meta = out["meta_info"]
         assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), MAX_NEW)
-        assert meta["finish_reason"] == {"type": "length", "matched": MAX_NEW}
+        assert meta["finish_reason"] == {"type": "length", "length": MAX_NEW}
 
 
 def test_text_prompts_go_through_the_tokenizer(arch_env):
@@ -71,7 +71,8 @@ def test_output_dict_shape(tiny_llama, module_engines):
     assert isinstance(out["text"], str) and isinstance(meta["id"], str) and meta["id"]
     assert isinstance(meta["weight_version"], str)
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (3, 4, 0)
-    assert set(meta["finish_reason"]) == {"type", "matched"}
+    assert meta["finish_reason"] == {"type": "length", "length": 4}  # SGLang's FINISH_LENGTH
+    assert meta["e2e_latency"] > 0
     assert len(out["output_ids"]) == 4 and all(isinstance(t, int) for t in out["output_ids"])
     for (lp, t, s), tid in zip(meta["output_token_logprobs"], out["output_ids"]):
         assert isinstance(lp, float) and lp <= 0 and t == tid and isinstance(s, str)
@@ -124,7 +125,7 @@ def test_eos_stops_unless_ignore_eos(ckpt_factory, make_engine, hf_models):
     assert out["meta_info"]["completion_tokens"] == k + 1
     out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
     assert out["output_ids"] == ref_ids
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "matched": MAX_NEW}
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
 
 
 def test_min_new_tokens_bans_eos_like_hf(ckpt_factory, make_engine, hf_models):

@@ -11,8 +11,9 @@ import pathlib
 
 import torch
 
+from runner.config import RunnerConfig
 from runner.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
-from runner.model_runner import ModelRunner, RunnerConfig
+from runner.model_runner import ModelRunner
 
 
 def make_runner(path: str | pathlib.Path, **kwargs) -> ModelRunner:

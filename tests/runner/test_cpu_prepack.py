@@ -62,3 +62,24 @@ def test_updates_and_release_never_leave_stale_packs(ckpt_factory):
         assert all(_packed(packed))
         assert _run(packed)[0] == _run(plain)[0]
         assert torch.allclose(_run(packed)[1], _run(plain)[1], atol=1e-5)
+
+
+def test_bf16_prepacked_matches_plain_bf16(ckpt_factory):
+    """bf16 is prepacked too (AVX512-BF16/AMX CPUs): its logits stay within bf16 rounding of F.linear's."""
+    from tests.runner.driver import RunnerDriver, make_runner
+
+    if not cpu_prepack.is_supported(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this CPU has no oneDNN bf16 support")
+    path = ckpt_factory("qwen2")
+    logits = []
+    for prepack in (True, False):
+        runner = make_runner(path, dtype="bfloat16", cpu_prepack=prepack)
+        assert all(_packed_runner(runner)) == prepack
+        drv = RunnerDriver(runner)
+        logits.append(drv.extend([drv.new_request()], [PROMPTS[2]], return_all_logits=True).all_logits)
+    assert (logits[0] - logits[1]).abs().max() < 0.1  # logits have std ~2.4; bf16 has 8 mantissa bits
+    assert logits[0].abs().max() > 1.0  # not trivially equal
+
+
+def _packed_runner(runner) -> list[bool]:
+    return [m.packed is not None for m in cpu_prepack.packable_modules(runner.model)]

@@ -139,13 +139,14 @@ def test_idle_is_a_no_op(case):
     before = (kv.k_buffer.clone(), kv.v_buffer.clone(), kv.free_slots.clone(),
               runner.req_to_token_pool.req_to_token.clone(), list(runner.req_to_token_pool.free_slots))
     fb = ForwardBatch.idle()
+    planned = runner.attn_backend.forward_metadata
     assert runner.forward(fb) is None
     after = (kv.k_buffer, kv.v_buffer, kv.free_slots, runner.req_to_token_pool.req_to_token,
              runner.req_to_token_pool.free_slots)
     for b, a in zip(before[:4], after[:4]):
         assert torch.equal(b, a)
     assert before[4] == after[4]
-    assert fb.attn_metadata is None
+    assert runner.attn_backend.forward_metadata is planned  # IDLE plans nothing
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

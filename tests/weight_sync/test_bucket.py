@@ -61,10 +61,18 @@ def test_flattening_detaches():
     assert not bucket.flattened_tensor.requires_grad and bucket.flattened_tensor.grad_fn is None
 
 
-def test_mixed_dtype_raises_naming_tensor():
-    """One bucket holds one dtype; the first tensor of another dtype is named in the error."""
-    with pytest.raises(ValueError, match="'y'"):
-        FlattenedTensorBucket([("x", torch.zeros(2)), ("y", torch.zeros(2, dtype=torch.bfloat16))])
+def test_mixed_dtypes_pack_as_bytes_and_round_trip():
+    """Mixed dtypes make a uint8 bucket of the tensors' bytes back to back (SGLang's layout); each
+    unpacks bit-exact in its own dtype; mixed devices are refused, naming the tensor."""
+    src = [("x", torch.randn(3)), ("y", torch.randn(2, 3).to(torch.bfloat16)), ("z", torch.arange(5))]
+    bucket = FlattenedTensorBucket(src)
+    want_bytes = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in src])
+    assert bucket.dtype == torch.uint8 and torch.equal(bucket.flattened_tensor, want_bytes)
+    assert [(m.start, m.end) for m in bucket.metadata] == [(0, 12), (12, 24), (24, 64)]
+    for (name, want), (got_name, got) in zip(src, FlattenedTensorBucket.from_dict(bucket.to_dict()).named_tensors()):
+        assert got_name == name and got.dtype == want.dtype and torch.equal(got, want)
+    with pytest.raises(ValueError, match="'m'.*one device"):
+        FlattenedTensorBucket([("x", torch.zeros(2)), ("m", torch.zeros(2, device="meta"))])
 
 
 def test_duplicate_and_empty_inputs_raise():

@@ -27,7 +27,7 @@ from tests.checkpoints import load_hf_model
 from tests.rollout.oracle import random_prompts
 from weight_sync import DiskTarget, sync_weights
 from weight_sync.cross_process import RemoteEngine
-from weight_sync.distributed import DistributedTarget, create_weight_update_group
+from weight_sync.distributed import DistributedTarget, create_weight_update_group, destroy_weight_update_group
 
 ENGINE_KW = dict(show_progress=False, max_total_tokens=1024, max_running_requests=16, disable_radix_cache=True)
 PROMPTS = random_prompts([5, 9, 3], seed=7)
@@ -178,7 +178,7 @@ def groups():
 
 @pytest.fixture(scope="module")
 def remote(ckpt, groups):
-    with RemoteEngine(model_path=str(ckpt), **ENGINE_KW) as r:
+    with RemoteEngine("rollout:Engine", model_path=str(ckpt), **ENGINE_KW) as r:
         yield r
 
 
@@ -200,7 +200,7 @@ def test_malformed_descriptor_is_refused_and_old_weights_kept(remote, trainer):
     model, want = trainer(11)
     ok, msg = sync_weights(model, remote)
     assert ok, msg
-    seg = shared_memory.SharedMemory(create=True, size=64)
+    seg = shared_memory.SharedMemory(name=f"{remote.segment_prefix}ff00", create=True, size=64)
     try:
         meta = {"name": "model.norm.weight", "shape": [64], "dtype": "float32", "start": 0, "end": 64}
         good = {"shm_name": seg.name, "nbytes": 64, "dtype": "float32", "metadata": []}
@@ -208,13 +208,18 @@ def test_malformed_descriptor_is_refused_and_old_weights_kept(remote, trainer):
             "not a dict": ["model.norm.weight"],
             "missing key": {"shm_name": seg.name, "nbytes": 64, "dtype": "float32"},
             "extra key": {**good, "__reduce__": "os.system"},
-            "no such segment": {**good, "shm_name": "rollout-test-no-such-segment"},
+            "no such segment": {**good, "shm_name": f"{remote.segment_prefix}ff01"},
+            "another sender's segment": {**good, "shm_name": "psm_0123abcd"},
+            "path in the name": {**good, "shm_name": f"{remote.segment_prefix}ff00/../x"},
             "nbytes past the segment": {**good, "nbytes": 1 << 20},
             "negative nbytes": {**good, "nbytes": -4},
             "unknown dtype": {**good, "dtype": "object"},
             "offsets past the data": {**good, "metadata": [meta]},  # 64 elements need 256 bytes
             "shape/offset mismatch": {**good, "metadata": [{**meta, "shape": [3], "end": 16}]},
             "metadata not a list": {**good, "metadata": "model.norm.weight"},
+            "overlapping entries": {**good, "metadata": [{**meta, "shape": [8], "end": 8},
+                                                         {**meta, "name": "model.embed_tokens.weight", "shape": [4],
+                                                          "start": 4, "end": 8}]},
         }
         for what, descriptor in bad_descriptors.items():
             ok, msg = remote.call("update_weights_from_tensor", named_tensors=descriptor, load_format="shm_bucket")
@@ -251,11 +256,14 @@ def test_protocol_never_unpickles(remote, tmp_path):
     and the engine keeps serving."""
     marker = tmp_path / "unpickled"
     payloads = [pickle.dumps(_Unpickled(marker)), b"[1, 2, 3]", b"\xff\xfe not json"]
-    with remote._lock:  # raw bytes on the pipe, below RemoteEngine's JSON encoder
+    remote._acquire()  # raw bytes on the pipe, below RemoteEngine's JSON encoder
+    try:
         for payload in payloads:
             remote._conn.send_bytes(payload)
             with pytest.raises(RuntimeError, match="not JSON|not allowed"):
                 remote._recv()
+    finally:
+        remote._release()
     assert not marker.exists()
     assert len(outputs(remote)) == len(PROMPTS)
 
@@ -282,11 +290,14 @@ def join_group(remote, name: str, timeout_s: float):
     return group
 
 
-def test_distributed_sync_equals_fresh_engine(remote, trainer, groups):
-    """Broadcasting bucket by bucket over a gloo group gives the fresh engine's outputs."""
-    group = join_group(remote, "test-broadcast", timeout_s=30)
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket", "checked_bucket"])
+def test_distributed_sync_equals_fresh_engine(remote, trainer, groups, load_format):
+    """Broadcasting bucket by bucket over a gloo group gives the fresh engine's outputs, in each wire
+    format (SGLang's per-tensor and flattened-bucket ones, and our checked one)."""
+    name = f"test-broadcast-{load_format}"
+    group = join_group(remote, name, timeout_s=30)
     groups.append(group)
-    target = DistributedTarget(remote, group, "test-broadcast")
+    target = DistributedTarget(remote, group, name, load_format=load_format)
     for seed in (21, 22):
         model, want = trainer(seed)
         assert differ(outputs(remote), want)
@@ -326,3 +337,23 @@ def test_trainer_dying_mid_update_times_out_and_keeps_old_weights(remote, traine
     assert "timed out" in msg.lower() or "timeout" in msg.lower(), msg
     assert 2 < elapsed < 30
     assert_same(outputs(remote), want)
+
+
+def test_group_name_and_port_are_reusable_after_destroy(remote, trainer):
+    """After both ends destroy a group (the engine through destroy_weights_update_group), the same name
+    and port join again and carry a sync that gives the fresh engine's outputs."""
+    port = free_port()
+    for seed in (23, 24):
+        remote.call_async("init_weights_update_group", master_address="127.0.0.1", master_port=port, rank_offset=1,
+                          world_size=2, group_name="reused", backend="gloo", timeout_s=30)
+        group = create_weight_update_group("127.0.0.1", port, rank=0, world_size=2, group_name="reused",
+                                           backend="gloo", timeout_s=30)
+        ok, msg = remote.result()
+        assert ok, msg
+        model, want = trainer(seed)
+        ok, msg = sync_weights(model, DistributedTarget(remote, group, "reused"), bucket_bytes=SMALL_BUCKET)
+        assert ok, msg
+        assert_same(outputs(remote), want)
+        ok, msg = remote.destroy_weights_update_group("reused")
+        assert ok, msg
+        destroy_weight_update_group(group)

@@ -1,0 +1,148 @@
+"""Load test of the HTTP server, with the same workload through the in-process Engine as the peer.
+
+    python bench/serve.py [--model assets/demo-model] [--num-requests 1000] [--concurrency 64]
+
+Starts `python -m rollout.launch_server` in a subprocess (so client and server do not share a GIL),
+sends `--num-requests` streaming /generate requests with at most `--concurrency` in flight (httpx,
+asyncio), and reports output tok/s, p50/p99 end-to-end latency and time to first token, and whether
+every request finished. Then it runs the identical workload through `Engine.async_generate(stream=True)`
+in this process and prints the HTTP overhead as the ratio of the two throughputs. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rollout.launch_server import free_port  # noqa: E402
+
+
+def workload(args) -> list[dict]:
+    rng = random.Random(0)
+    return [dict(input_ids=[rng.randrange(4, 60) for _ in range(args.prompt_len)],
+                 sampling_params=dict(max_new_tokens=args.output_len, temperature=1.0, seed=i, ignore_eos=True))
+            for i in range(args.num_requests)]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summary(name: str, wall: float, results: list[tuple[float, float, int, str]], n: int) -> dict:
+    lat = [r[0] for r in results]
+    ttft = [r[1] for r in results]
+    tokens = sum(r[2] for r in results)
+    done = sum(r[3] == "length" for r in results)
+    out = dict(name=name, requests=n, finished=done, tokens=tokens, seconds=round(wall, 3),
+               tok_per_s=round(tokens / wall, 1), p50_latency_ms=round(1e3 * statistics.median(lat), 1),
+               p99_latency_ms=round(1e3 * pct(lat, 0.99), 1), p50_ttft_ms=round(1e3 * statistics.median(ttft), 1),
+               p99_ttft_ms=round(1e3 * pct(ttft, 0.99), 1))
+    print(json.dumps(out), flush=True)
+    return out
+
+
+async def run_http(url: str, reqs: list[dict], concurrency: int, timeout_s: float):
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        async def one(body):
+            async with sem:
+                t0 = time.perf_counter()
+                ttft, last = None, None
+                async with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                    r.raise_for_status()
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        ttft = ttft or time.perf_counter() - t0
+                        last = json.loads(line[6:])
+                return time.perf_counter() - t0, ttft, len(last["output_ids"]), \
+                    last["meta_info"]["finish_reason"]["type"]
+
+        t0 = time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*(one(b) for b in reqs)), timeout_s)
+        return time.perf_counter() - t0, results
+
+
+async def run_engine(engine, reqs: list[dict], concurrency: int, timeout_s: float):
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(body):
+        async with sem:
+            t0 = time.perf_counter()
+            ttft, last = None, None
+            async for chunk in await engine.async_generate(**body, stream=True):
+                ttft = ttft or time.perf_counter() - t0
+                last = chunk
+            return time.perf_counter() - t0, ttft, len(last["output_ids"]), last["meta_info"]["finish_reason"]["type"]
+
+    t0 = time.perf_counter()
+    results = await asyncio.wait_for(asyncio.gather(*(one(b) for b in reqs)), timeout_s)
+    return time.perf_counter() - t0, results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="assets/demo-model")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=600.0, help="bound on each phase, seconds")
+    p.add_argument("--engine-args", default="--max-total-tokens 16384 --max-running-requests 64",
+                   help="extra launch_server flags, also applied to the in-process Engine")
+    args = p.parse_args()
+    reqs = workload(args)
+    port = free_port()
+    extra = args.engine_args.split()
+    cmd = [sys.executable, "-m", "rollout.launch_server", "--model-path", args.model, "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if "ready at" in line:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start in 120 s")
+        else:
+            raise RuntimeError(f"server exited with {proc.wait()}")
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(run_http(url, reqs[: args.concurrency], args.concurrency, args.timeout))  # warm-up
+        httpx.post(url + "/flush_cache", timeout=30)
+        wall, results = asyncio.run(run_http(url, reqs, args.concurrency, args.timeout))
+        http = summary("http", wall, results, len(reqs))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    from rollout import Engine
+    from rollout.server.args import parse_args
+
+    _, kw = parse_args(["--model-path", args.model, *extra])
+    with Engine(**kw) as engine:
+        asyncio.run(run_engine(engine, reqs[: args.concurrency], args.concurrency, args.timeout))
+        engine.flush_cache()
+        wall, results = asyncio.run(run_engine(engine, reqs, args.concurrency, args.timeout))
+        inproc = summary("engine", wall, results, len(reqs))
+    print(json.dumps({"http_over_engine_throughput": round(http["tok_per_s"] / inproc["tok_per_s"], 3),
+                      "all_finished": http["finished"] == inproc["finished"] == len(reqs)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

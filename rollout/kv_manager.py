@@ -1,0 +1,146 @@
+"""KVManager: every write to the KV pools and the prefix cache, on behalf of the scheduler.
+
+The scheduler decides (who is admitted, who runs, who is retracted or fails); this class does the
+bookkeeping: a request's row in ReqToTokenPool, its token slots in TokenToKVPool, its lock in the radix
+cache (SGLang's cache_finished_req / cache_unfinished_req, nano-vllm's BlockManager). It is the only
+code that touches those three. It knows nothing of batches, sampling or finish reasons.
+
+A request's KV goes admit -> alloc_extend / alloc_decode -> cache_unfinished ... and ends in exactly one
+of two ways: `release` (it finished: its computed KV goes to the prefix cache) or `undo` (retraction,
+chunk requeue, an admission taken back, a failed step: the same release, then it starts from scratch).
+
+Its row holds, by position (page size 1):
+    [0, num_cached)               slots owned by the radix tree; the request locks `last_node`
+    [num_cached, num_computed)    slots owned by the request, KV computed
+    [num_computed, num_allocated) slots owned by the request for a step not run yet (or one that failed)
+Without the radix cache num_cached is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.radix_cache import RadixCache
+from rollout.request import Req
+from runner.kv_pool import ReqToTokenPool, TokenToKVPool
+
+
+class KVManager:
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, device, enable_radix_cache: bool,
+                 stats: dict) -> None:
+        self.req_pool = req_pool
+        self.kv_pool = kv_pool
+        self.device = device
+        self.tree = RadixCache(kv_pool.free) if enable_radix_cache else None
+        self.stats = stats  # the scheduler's counters; this class adds num_evicted_tokens
+
+    # ---- capacity ----------------------------------------------------------------------------
+    def available_tokens(self) -> int:
+        """Token slots an allocation can get: free ones plus unlocked cache entries it may evict."""
+        return self.kv_pool.available_size() + (self.tree.evictable_size if self.tree else 0)
+
+    def num_free_rows(self) -> int:
+        return self.req_pool.available_size()
+
+    def is_idle(self) -> bool:
+        """No request holds a row (so none holds KV or a cache lock)."""
+        return self.req_pool.available_size() == self.req_pool.size
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        short = n - self.kv_pool.available_size()
+        if short > 0 and self.tree is not None:
+            self.stats["num_evicted_tokens"] += self.tree.evict(short)
+        return self.kv_pool.alloc(n)
+
+    # ---- a request's life ----------------------------------------------------------------------
+    def admit(self, req: Req) -> None:
+        """Give req a row and its longest cached prefix (locked so it cannot be evicted under it)."""
+        req.req_pool_idx = self.req_pool.alloc()
+        req.num_computed = 0
+        if self.tree is not None:
+            # Keep at least one token to compute: its logits give the next token.
+            slots, node = self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
+            self.tree.inc_lock_ref(node)
+            req.last_node = node
+            if len(slots):
+                self.req_pool.write(req.req_pool_idx, 0, slots.to(self.device))
+            req.num_computed = len(slots)
+        req.num_cached = req.num_allocated = req.num_computed
+
+    def alloc_extend(self, req: Req, n: int) -> None:
+        """Slots for fill_ids[num_computed : num_computed + n], written into req's row."""
+        loc = self._alloc(n)
+        self.req_pool.write(req.req_pool_idx, req.num_computed, loc.to(self.device))
+        req.num_allocated = req.num_computed + n
+
+    def extend_locs(self, items: list[tuple[Req, int, int]]) -> torch.Tensor:
+        """The slots alloc_extend wrote for each (req, start, n), gathered on the device (no host read)."""
+        rows = self.req_pool.req_to_token
+        return torch.cat([rows[r.req_pool_idx, s : s + n] for r, s, n in items])  # [sum n]
+
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
+        """One slot per request for the token at position seq_len - 1. Returns them ([bs], on the device);
+        `write_decode` puts them into the rows once the batch's index tensors exist."""
+        locs = self._alloc(len(reqs)).to(self.device)
+        for req in reqs:
+            req.num_allocated = req.seq_len
+        return locs
+
+    def write_decode(self, req_pool_indices: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> None:
+        self.req_pool.req_to_token[req_pool_indices, positions] = locs
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Put req's computed prefix in the tree now, so requests admitted next step reuse it."""
+        if self.tree is None:
+            return
+        row = self.req_pool.req_to_token[req.req_pool_idx, : req.num_computed].to("cpu")
+        key = req.fill_ids[: req.num_computed]
+        already = self.tree.insert(key, row)
+        self.kv_pool.free(row[req.num_cached : already])  # computed twice: the tree keeps its copy
+        slots, node = self.tree.match_prefix(key)
+        self.req_pool.write(req.req_pool_idx, 0, slots.to(self.device))
+        self.tree.inc_lock_ref(node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = node
+        req.num_cached = len(slots)
+
+    def release(self, req: Req) -> None:
+        """Give back everything req holds (cache_finished_req): computed KV to the prefix cache (or the
+        pool), slots of a step that never ran to the pool, the cache lock, the row. Idempotent."""
+        if req.req_pool_idx is None:
+            return
+        row = self.req_pool.req_to_token[req.req_pool_idx, : req.num_allocated].to("cpu")
+        computed = row[: req.num_computed]
+        if self.tree is not None:
+            already = self.tree.insert(req.fill_ids[: req.num_computed], computed)
+            self.kv_pool.free(computed[req.num_cached : already])
+            if req.last_node is not None:
+                self.tree.dec_lock_ref(req.last_node)
+            req.last_node = None
+        else:
+            self.kv_pool.free(computed)
+        self.kv_pool.free(row[req.num_computed :])
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.num_allocated = req.num_computed
+
+    def undo(self, req: Req) -> None:
+        """The one undo path (retraction, chunk requeue, an admission taken back, a failed step): release
+        what req holds and reset it to "never admitted"; its next admission starts from the cache."""
+        self.release(req)
+        req.num_computed = req.num_cached = req.num_allocated = 0
+
+    # ---- whole-pool operations ------------------------------------------------------------------
+    def flush(self) -> bool:
+        """Empty the prefix cache and the pool. Refused (False) while any request holds a row."""
+        if not self.is_idle():
+            return False
+        self.reset()
+        return True
+
+    def reset(self) -> None:
+        """Return every row and slot (the callers own, and have finished, every request)."""
+        self.req_pool.clear()
+        if self.tree is not None:
+            self.tree.reset()
+        self.kv_pool.clear()

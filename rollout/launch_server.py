@@ -1,0 +1,95 @@
+"""`python -m rollout.launch_server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY] ...`
+
+Builds the Engine from SGLang-named flags (every EngineArgs field is one; `--help` lists them), serves it
+with uvicorn, logs the URL once the socket listens, and shuts down cleanly on SIGINT/SIGTERM: uvicorn
+stops accepting, finishes open responses, then the engine is shut down (in-flight requests end with
+finish_reason abort).
+
+`ServerThread` runs the same server in a background thread of this process (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from rollout.server.app import create_app
+from rollout.server.args import ServerArgs, parse_args
+
+logger = logging.getLogger("rollout.server")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _uvicorn_config(app, server_args: ServerArgs, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=log_level,
+                          access_log=log_level == "debug", timeout_keep_alive=30, lifespan="on")
+
+
+class ServerThread:
+    """An app on uvicorn in a daemon thread; `start()` returns once it accepts connections."""
+
+    def __init__(self, app, server_args: ServerArgs, log_level: str = "warning") -> None:
+        self.server = uvicorn.Server(_uvicorn_config(app, server_args, log_level))
+        self.server.install_signal_handlers = lambda: None  # only the main thread may own signals
+        self.url = f"http://{server_args.host}:{server_args.port}"
+        self.thread = threading.Thread(target=self.server.run, name="rollout-http-server", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP server at {self.url} did not start within {timeout_s}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    server_args, engine_kwargs = parse_args(argv)
+    log_level = engine_kwargs.get("log_level", "warning")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rollout import Engine
+
+    engine = Engine(**engine_kwargs)
+    try:
+        app = create_app(engine, server_args)
+        server = uvicorn.Server(_uvicorn_config(app, server_args, log_level))
+
+        def announce():  # uvicorn binds after lifespan startup: wait for the socket, then say where
+            while not server.started and not server.should_exit:
+                time.sleep(0.05)
+            if server.started:
+                logger.info("rollout server ready at http://%s:%d (model %s)", server_args.host, server_args.port,
+                            app.state.model_name)
+                print(f"rollout server ready at http://{server_args.host}:{server_args.port}", flush=True)
+
+        threading.Thread(target=announce, daemon=True).start()
+        # uvicorn turns SIGINT/SIGTERM into a graceful exit, then re-raises the signal into the handler
+        # that was installed before it: make that one a no-op, so the engine is shut down below and the
+        # process exits 0 instead of dying by the signal.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda num, frame: logger.info("signal %d: shutting down", num))
+        server.run()
+    finally:
+        engine.shutdown()
+    logger.info("rollout server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Many engines as Ray actors, driven as one: `launch_engines(n, ...)` -> `EngineGroup`.
+
+Each actor holds one `rollout.Engine` (same method names); the group spreads `generate` over them and
+sends every weight update, release/resume, flush and shutdown to all of them. What it adds over a list
+of engines:
+
+- placement: least-loaded routing that keeps all n samples of one prompt on one engine (one prefill,
+  then prefix-cache hits), outputs returned in input order;
+- one version on all engines or on none: before a weight update the group snapshots the tensors the
+  update touches (from one engine: in a group every engine holds the same committed weights), applies
+  the update everywhere, and if any engine refuses it restores the snapshot on the engines that took
+  it, then reports which engine failed and why;
+- failure detection: a dead actor (killed, OOM) surfaces as `EngineGroupError` naming the engine,
+  within `call_timeout_s`, never as a hang.
+
+It does not run the trainer or place trainer workers: pass a placement group (`placement_group=`,
+bundle i -> engine i) to co-locate engines with trainer workers on the same devices, as verl and
+OpenRLHF do, or let Ray place them. Ray is an optional extra (`pip install -e ".[ray]"`) and is
+imported only when this module is used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Engine methods the actor forwards by name; anything else is refused (the actor is not a shell).
+FORWARDED = frozenset({
+    "generate", "update_weights_from_tensor", "update_weights_from_disk", "release_memory_occupation",
+    "resume_memory_occupation", "flush_cache", "get_server_info", "pause_generation", "continue_generation",
+    "abort_request", "init_weights_update_group", "update_weights_from_distributed",
+    "destroy_weights_update_group", "get_weights_by_name",
+})
+
+
+class EngineGroupError(RuntimeError):
+    """An operation failed on one or more engines of a group; the message names them."""
+
+
+class EngineActor:
+    """The body of one Ray actor: an Engine and a few group-only helpers. Created by `launch_engines`."""
+
+    def __init__(self, model_path: str, engine_kwargs: dict) -> None:
+        from rollout.engine import Engine
+
+        self.engine = Engine(model_path, **engine_kwargs)
+
+    def call(self, method: str, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if method not in FORWARDED:
+            raise AttributeError(f"EngineActor does not forward {method!r}; allowed: {sorted(FORWARDED)}")
+        return getattr(self.engine, method)(*args, **(kwargs or {}))
+
+    def ping(self) -> bool:
+        return True
+
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    def num_in_flight(self) -> int:
+        return self.engine.scheduler.num_in_flight()
+
+    def hf_weight_names(self) -> list[str]:
+        return self.engine.runner.name_map.hf_names()
+
+    def snapshot_weights(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """Copies of the current values of `names` (HF names), taken between scheduler steps."""
+        with self.engine._cv:
+            return [(n, self.engine.runner.name_map.resolve(n).view().detach().to("cpu", copy=True))
+                    for n in names]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as e:  # the extra is optional; say how to get it
+        raise ImportError("rollout.ray needs Ray: pip install -e '.[ray]' (or pip install ray)") from e
+    return ray
+
+
+def launch_engines(num_engines: int, model_path: str, *, num_cpus_per_engine: float = 1,
+                   num_gpus_per_engine: float = 0, placement_group=None, call_timeout_s: float = 600.0,
+                   **engine_kwargs) -> EngineGroup:
+    """Start `num_engines` Engine actors (Ray must be initialised) and wait until each serves.
+
+    `placement_group`: a Ray placement group with at least `num_engines` bundles; engine i goes to
+    bundle i (share bundles with trainer workers to co-locate, fractional GPUs included).
+    """
+    if not isinstance(num_engines, int) or num_engines < 1:
+        raise ValueError(f"num_engines={num_engines!r} must be an int >= 1")
+    ray = _ray()
+    if not ray.is_initialized():
+        raise RuntimeError("call ray.init(...) before launch_engines (e.g. ray.init(num_cpus=2))")
+    actor_cls = ray.remote(EngineActor)
+    handles = []
+    for i in range(num_engines):
+        options: dict = dict(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine, max_concurrency=64,
+                             name=None)
+        if placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            if i >= placement_group.bundle_count:
+                raise ValueError(f"placement group has {placement_group.bundle_count} bundles for "
+                                 f"{num_engines} engines")
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=i)
+        handles.append(actor_cls.options(**options).remote(str(model_path), dict(engine_kwargs)))
+    group = EngineGroup(handles, call_timeout_s=call_timeout_s)
+    group._all("ping")  # surfaces a constructor error (bad path, bad option) with the engine's name
+    return group
+
+
+class EngineGroup:
+    """Engines as one: the Engine API over several Ray actors. See the module docstring."""
+
+    def __init__(self, handles: Sequence, call_timeout_s: float = 600.0) -> None:
+        if not handles:
+            raise ValueError("an EngineGroup needs at least one engine")
+        self.handles = list(handles)
+        self.call_timeout_s = call_timeout_s
+        self._outstanding = [0] * len(self.handles)  # prompts this group has in flight per engine
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _get(self, refs: list, what: str) -> list:
+        """Wait for one ref per engine; any failure is reported with the engine's index and cause."""
+        ray = _ray()
+        results, errors = [None] * len(refs), []
+        for i, ref in enumerate(refs):
+            if ref is None:
+                continue
+            try:
+                results[i] = ray.get(ref, timeout=self.call_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                errors.append(f"engine {i}: {what} did not answer within {self.call_timeout_s:.0f} s")
+            except ray.exceptions.RayActorError as e:
+                errors.append(f"engine {i}: actor died ({type(e).__name__}: {_last_line(e)})")
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                errors.append(f"engine {i}: {what} raised {type(cause).__name__}: {cause}")
+        if errors:
+            raise EngineGroupError(f"{what} failed on {len(errors)} of {len(refs)} engine(s): "
+                                   + "; ".join(errors))
+        return results
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        if method in FORWARDED:
+            refs = [h.call.remote(method, args, kwargs) for h in self.handles]
+        else:
+            refs = [getattr(h, method).remote(*args, **kwargs) for h in self.handles]
+        return self._get(refs, method)
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, **kwargs):
+        """Like Engine.generate. Each prompt (with all its n samples) goes to the least-loaded engine;
+        outputs come back in input order (one dict for a single prompt with n=1, else a list)."""
+        if kwargs.get("stream"):
+            raise ValueError("EngineGroup.generate does not stream; call an engine's generate for that")
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            items = [prompt] if single else list(prompt)
+            key = "prompt"
+        else:
+            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+            items = [input_ids] if single else list(input_ids)
+            key = "input_ids"
+        if not items:
+            raise ValueError("empty batch: no prompts given")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(items):
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(items)} prompts")
+            sps = sampling_params
+        else:
+            sps = [sampling_params] * len(items)
+        rid = kwargs.pop("rid", None)
+        if rid is not None and not (isinstance(rid, list) and len(rid) == len(items)):
+            raise ValueError("rid on an EngineGroup must be a list with one id per prompt")
+
+        # Least-loaded by samples: a prompt with n=8 weighs 8.
+        loads = list(self._outstanding)
+        assignment: list[list[int]] = [[] for _ in self.handles]
+        for i, sp in enumerate(sps):
+            n = int((sp or {}).get("n", 1))
+            e = min(range(len(loads)), key=lambda j: loads[j])
+            assignment[e].append(i)
+            loads[e] += n
+        refs: list = [None] * len(self.handles)
+        for e, idx in enumerate(assignment):
+            if not idx:
+                continue
+            call_kwargs = dict(kwargs, **{key: [items[i] for i in idx],
+                                          "sampling_params": [sps[i] for i in idx]})
+            if rid is not None:
+                call_kwargs["rid"] = [rid[i] for i in idx]
+            self._outstanding[e] += len(idx)
+            refs[e] = self.handles[e].call.remote("generate", (), call_kwargs)
+        try:
+            per_engine = self._get(refs, "generate")
+        finally:
+            for e, idx in enumerate(assignment):
+                self._outstanding[e] -= len(idx)
+        # Reassemble in input order; each engine returns n dicts per prompt, prompts in order.
+        by_prompt: list[list[dict]] = [[] for _ in items]
+        for e, idx in enumerate(assignment):
+            if not idx:
+                continue
+            outs = per_engine[e]
+            outs = outs if isinstance(outs, list) else [outs]
+            pos = 0
+            for i in idx:
+                n = int((sps[i] or {}).get("n", 1))
+                by_prompt[i] = outs[pos: pos + n]
+                pos += n
+        flat = [o for group in by_prompt for o in group]
+        return flat[0] if single and len(flat) == 1 else flat
+
+    # ---- weights: one version everywhere or nowhere -------------------------------------------
+    def _atomic_update(self, what: str, names: list[str] | None, args: tuple, kwargs: dict) -> tuple[bool, str]:
+        try:  # a dead engine fails the update before anything is written anywhere
+            old_versions = self._all("weight_version")
+            if len(set(old_versions)) != 1:
+                return False, (f"{what} refused: engines disagree on the current weight version "
+                               f"{old_versions}; update them all from one source first")
+            if names is None:
+                names = self._get([self.handles[0].hf_weight_names.remote()], "hf_weight_names")[0]
+            snapshot = None
+            if len(self.handles) > 1:
+                snapshot = self._get([self.handles[0].snapshot_weights.remote(names)], "snapshot_weights")[0]
+        except EngineGroupError as e:
+            return False, f"{what} refused: {e}"
+        refs = [h.call.remote(what, args, kwargs) for h in self.handles]
+        ray = _ray()
+        results: list = []
+        for ref in refs:
+            try:
+                res = ray.get(ref, timeout=self.call_timeout_s)
+                results.append((bool(res[0]), str(res[1])))
+            except Exception as e:  # dead actor, timeout, raised: the engine did not commit (or is gone)
+                results.append((False, f"{type(e).__name__}: {_last_line(e)}"))
+        failed = [(i, msg) for i, (ok, msg) in enumerate(results) if not ok]
+        if not failed:
+            return True, f"{what}: committed on all {len(self.handles)} engines ({results[0][1]})"
+        took = [i for i, (ok, _) in enumerate(results) if ok]
+        restore_errors = []
+        for i in took:
+            try:
+                ok, msg = ray.get(self.handles[i].call.remote(
+                    "update_weights_from_tensor", (snapshot,), {"flush_cache": True,
+                                                                "weight_version": old_versions[0]}),
+                    timeout=self.call_timeout_s)
+            except Exception as e:
+                ok, msg = False, f"{type(e).__name__}: {e}"
+            if not ok:
+                restore_errors.append(f"engine {i}: {msg}")
+        reason = "; ".join(f"engine {i}: {msg}" for i, msg in failed)
+        if restore_errors:
+            return False, (f"{what} failed ({reason}) and rolling back failed ({'; '.join(restore_errors)}): "
+                           f"the group is inconsistent; reload all engines from one checkpoint")
+        rolled = f"; engines {took} rolled back to version {old_versions[0]!r}" if took else ""
+        return False, f"{what} failed on {len(failed)} engine(s): {reason}{rolled}"
+
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
+                                   weight_version: str | None = None) -> tuple[bool, str]:
+        names = _update_names(named_tensors, load_format)
+        return self._atomic_update("update_weights_from_tensor", names, (named_tensors,),
+                                   dict(load_format=load_format, flush_cache=flush_cache,
+                                        weight_version=weight_version))
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 weight_version: str | None = None) -> tuple[bool, str]:
+        return self._atomic_update("update_weights_from_disk", None, (str(model_path),),
+                                   dict(load_format=load_format, weight_version=weight_version))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo", **kwargs) -> tuple[bool, str]:
+        """Engine i joins as rank `rank_offset + i` (SGLang's convention, tp_size 1 per engine);
+        `world_size` counts the trainer's ranks plus every engine. The joins run concurrently because
+        the rendezvous needs every rank."""
+        refs = [h.call.remote("init_weights_update_group",
+                              (master_address, master_port, rank_offset + i, world_size, group_name),
+                              dict(backend=backend, **kwargs)) for i, h in enumerate(self.handles)]
+        results = self._get(refs, "init_weights_update_group")
+        bad = [f"engine {i}: {msg}" for i, (ok, msg) in enumerate(results) if not ok]
+        return (not bad), ("; ".join(bad) if bad else f"{len(self.handles)} engines joined {group_name!r}")
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, flush_cache: bool = True,
+                                        weight_version: str | None = None, **kwargs) -> tuple[bool, str]:
+        return self._atomic_update("update_weights_from_distributed", list(names),
+                                   (names, dtypes, shapes, group_name),
+                                   dict(flush_cache=flush_cache, weight_version=weight_version, **kwargs))
+
+    def destroy_weights_update_group(self, group_name: str):
+        return self._all("destroy_weights_update_group", group_name)
+
+    # ---- everything else reaches every engine ------------------------------------------------
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._all("release_memory_occupation", tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._all("resume_memory_occupation", tags)
+
+    def flush_cache(self) -> bool:
+        return all(bool(r) for r in self._all("flush_cache"))
+
+    def pause_generation(self, *args, **kwargs) -> None:
+        self._all("pause_generation", *args, **kwargs)
+
+    def continue_generation(self) -> None:
+        self._all("continue_generation")
+
+    def get_server_info(self) -> list[dict]:
+        return self._all("get_server_info")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        return self._get([self.handles[0].call.remote("get_weights_by_name", (name, truncate_size), {})],
+                         "get_weights_by_name")[0]
+
+    @property
+    def weight_version(self) -> str:
+        versions = self._all("weight_version")
+        if len(set(versions)) != 1:
+            raise EngineGroupError(f"engines disagree on the weight version: {versions}")
+        return versions[0]
+
+    def shutdown(self) -> None:
+        """Shut every engine down and kill the actors (also the dead ones' handles are dropped)."""
+        ray = _ray()
+        for h in self.handles:
+            try:
+                ray.get(h.shutdown.remote(), timeout=30)
+            except Exception as e:  # already dead: nothing to release
+                logger.info("engine shutdown: %s", e)
+            try:
+                ray.kill(h)
+            except Exception:  # noqa: BLE001 - a handle to a gone actor
+                pass
+
+    def __enter__(self) -> EngineGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _last_line(e: BaseException) -> str:
+    """The informative line of a Ray error (its text is a whole remote traceback)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+def _update_names(named_tensors, load_format: str | None) -> list[str] | None:
+    """The HF names an update touches, read from the argument without unpacking any tensor."""
+    if load_format == "flattened_bucket":
+        buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
+        names = []
+        for b in buckets:
+            meta = b.get("metadata") if isinstance(b, dict) else b.get_metadata()
+            names.extend(m["name"] if isinstance(m, dict) else m.name for m in meta)
+        return names
+    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    return [n for n, _ in items]

@@ -1,0 +1,46 @@
+"""The scheduler thread's body: wait for work, run one step under the engine lock, deliver its results.
+
+Nothing a caller does can end this thread. Results leave through `Engine._deliver`, which never raises
+(a sink whose consumer is gone drops its requests). A step attributes its own failures to the requests
+that caused them (see rollout.scheduler). Anything else that raises in an iteration (a bug) is caught
+here: every request in flight is finished as abort with the reason, the KV bookkeeping starts from
+clean pools, and the loop goes on serving. The thread ends only at `Engine.shutdown()`.
+
+It holds no state of its own; the engine owns the lock, the flags and the requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def run_scheduler_loop(engine) -> None:
+    while True:
+        try:
+            if not _one_iteration(engine):
+                return
+        except Exception as e:  # never let the thread die: fail what is in flight, keep serving
+            logger.exception("scheduler loop iteration failed; aborting every request in flight")
+            try:
+                with engine._cv:
+                    engine._fail_all(f"internal error in the scheduler loop: {type(e).__name__}: {e}")
+            except Exception:  # even recovery failed: do not spin on it
+                logger.exception("recovery after a scheduler loop failure failed")
+                time.sleep(0.1)
+
+
+def _one_iteration(engine) -> bool:
+    """Wait for something to do and do one step of it. False once the engine is shut down."""
+    with engine._cv:
+        while not engine._shutdown and not engine._can_step():
+            engine._cv.wait()
+        if engine._shutdown:
+            return False
+        # Looked up each time, not bound once: tests wrap scheduler.step to act between steps.
+        updated = engine.scheduler.step()
+        for req in updated:
+            engine._deliver(req)
+    return True

@@ -1,0 +1,66 @@
+"""Helpers shared by the route modules: JSON out, errors in one shape, blocking engine calls off the loop.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}` (the OpenAI shape; SGLang's native
+routes send `{"error": {"message"}}`, a subset), with `param` naming the offending field when known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import math
+
+from fastapi import Request
+from fastapi.responses import Response
+
+
+def _finite(x):
+    """Replace NaN/inf (e.g. a -inf top logprob) with None: strict JSON has no such numbers."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def dumps(obj) -> str:
+    try:
+        return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False, separators=(",", ":"))
+
+
+class JSONResponse(Response):
+    """Floats as repr (exact round trip, so logprobs over HTTP equal the engine's bit for bit)."""
+
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+def error_response(message: str, status_code: int = 400, param: str | None = None,
+                   type_: str | None = None) -> JSONResponse:
+    kind = type_ or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                     413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status_code, "ServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status_code}},
+                        status_code=status_code)
+
+
+def engine_error(e: Exception) -> JSONResponse:
+    """Engine exceptions -> status: bad input is the caller's (400); a refused state is 503."""
+    if isinstance(e, ValueError | TypeError | KeyError):
+        return error_response(str(e), 400)
+    if isinstance(e, RuntimeError):
+        return error_response(str(e), 503)
+    return error_response(f"{type(e).__name__}: {e}", 500)
+
+
+async def run_blocking(request: Request, fn, *args, **kwargs):
+    """Run a blocking engine call in the server's control thread pool, never on the event loop."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app.state.executor, functools.partial(fn, *args, **kwargs))
+

@@ -1,0 +1,467 @@
+"""SGLang's native HTTP endpoints over an in-process Engine: same paths, methods, bodies and status codes.
+
+Generation goes through `Engine.async_generate` (the event loop awaits its own sink); every other engine
+call blocks on the engine lock, so it runs in the server's thread pool. Request bodies are pydantic
+models with `extra="forbid"` and strict types: an unknown or mistyped field is a 400 naming it.
+SGLang generate fields the Engine does not implement (e.g. `logprob_start_len`) are accepted here and
+passed through, so the Engine's TypeError/ValueError becomes the 400 message.
+
+What is not here: the OpenAI routes (openai_api.py), /metrics (metrics.py), auth and error plumbing
+(app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import time
+from typing import Any, Literal
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from rollout.server.common import JSONResponse, dumps, engine_error, error_response, run_blocking
+from rollout.server.tensor_codec import decode_buckets, decode_named_tensors
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+HEALTH_CHECK_TIMEOUT_S = 20.0
+DISCONNECT_POLL_S = 0.5
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class GenerateReqInput(Body):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    log_metrics: bool = True
+    # SGLang fields the Engine may not implement: passed through when set, so it names what it refuses.
+    logprob_start_len: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    input_embeds: list | None = None
+    image_data: Any = None
+    lora_path: str | list[str | None] | None = None
+    custom_logit_processor: str | list[str | None] | None = None
+    return_hidden_states: bool | None = None
+    session_params: dict | None = None
+    priority: int | None = None
+    return_bytes: bool | None = None
+    return_entropy: bool | None = None
+    # sglang-router re-serialises every /generate body with these: accepted, no effect here.
+    model: str | None = None
+    background: bool | None = None
+    no_logs: bool | None = None
+
+    def passthrough(self) -> dict:
+        names = ("logprob_start_len", "token_ids_logprob", "input_embeds", "image_data", "lora_path",
+                 "custom_logit_processor", "return_hidden_states", "session_params", "priority", "return_bytes",
+                 "return_entropy")
+        return {n: getattr(self, n) for n in names if getattr(self, n) not in (None, False)}
+
+
+def num_sequences(prompts: int, sampling_params) -> int:
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * prompts
+    return sum(sp.get("n", 1) if isinstance(sp.get("n", 1), int) else 1 for sp in sps)
+
+
+def check_n(request: Request, total: int) -> JSONResponse | None:
+    limit = request.app.state.server_args.max_n
+    if total > limit:
+        return error_response(f"request asks for {total} sequences (prompts x n); this server's limit is "
+                              f"--max-n {limit}", 400, param="n")
+    return None
+
+
+def _strip_logprob_text(out: dict) -> dict:
+    """SGLang puts token text in logprob entries only when return_text_in_logprobs is set."""
+    meta = out["meta_info"]
+    if "output_token_logprobs" in meta:
+        meta["output_token_logprobs"] = [(lp, t, None) for lp, t, _ in meta["output_token_logprobs"]]
+    if "output_top_logprobs" in meta:
+        meta["output_top_logprobs"] = [[(lp, t, None) for lp, t, _ in step] for step in meta["output_top_logprobs"]]
+    return out
+
+
+async def await_unless_disconnected(request: Request, coro):
+    """Await `coro`; if the client goes away first, cancel it (the engine aborts its requests)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def sse(chunks, post=lambda c: c):
+    """Server-sent events: one `data: <json>` per chunk, then `data: [DONE]`. Closing this generator (the
+    client went away mid-stream) closes `chunks`, which aborts the engine request and frees its KV."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {dumps(post(chunk))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await chunks.aclose()
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(obj: GenerateReqInput, request: Request):
+    engine = request.app.state.engine
+    if (obj.text is None) == (obj.input_ids is None):
+        return error_response("pass exactly one of text or input_ids", 400, param="text")
+    prompts = obj.text if obj.text is not None else obj.input_ids
+    num_prompts = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
+    if isinstance(obj.text, list):
+        num_prompts = len(obj.text)
+    bad_n = check_n(request, num_sequences(num_prompts, obj.sampling_params))
+    if bad_n is not None:
+        return bad_n
+    kwargs = dict(prompt=obj.text, input_ids=obj.input_ids, sampling_params=obj.sampling_params,
+                  return_logprob=obj.return_logprob, top_logprobs_num=obj.top_logprobs_num, rid=obj.rid,
+                  **obj.passthrough())
+    post = (lambda o: o) if obj.return_text_in_logprobs else _strip_logprob_text
+    try:
+        if obj.stream:
+            chunks = await engine.async_generate(stream=True, **kwargs)
+        else:
+            out = await await_unless_disconnected(request, engine.async_generate(**kwargs))
+    except asyncio.CancelledError:
+        return Response(status_code=499)  # nobody is listening; the engine has aborted the request
+    except Exception as e:
+        return engine_error(e)
+    if not obj.stream:
+        return JSONResponse([post(o) for o in out] if isinstance(out, list) else post(out))
+
+    return StreamingResponse(sse(chunks, post), media_type="text/event-stream")
+
+
+# ---- health and info --------------------------------------------------------------------------
+@router.get("/health")
+async def health(request: Request):
+    if request.app.state.engine_shut_down:
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    """200 once the engine produced a token (or is busy producing others'); 503 otherwise."""
+    engine = request.app.state.engine
+    if request.app.state.engine_shut_down:
+        return Response(status_code=503)
+    load = await run_blocking(request, engine.get_server_info)
+    if load["num_in_flight"] and not load.get("paused"):
+        return Response(status_code=200)
+    try:
+        await asyncio.wait_for(engine.async_generate(input_ids=[0], sampling_params={
+            "max_new_tokens": 1, "temperature": 0.0}), HEALTH_CHECK_TIMEOUT_S)
+    except Exception as e:  # timeout, released memory, shut down: unhealthy, with the reason logged
+        logger.warning("health_generate failed: %s: %s", type(e).__name__, e)
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request):
+    engine = request.app.state.engine
+    return JSONResponse({"model_path": engine.args.model_path, "tokenizer_path": engine.args.model_path,
+                         "is_generation": True, "preferred_sampling_params": None,
+                         "weight_version": engine.weight_version})
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request):
+    engine = request.app.state.engine
+    state = await run_blocking(request, engine.get_server_info)
+    server = {k: v for k, v in dataclasses.asdict(request.app.state.server_args).items() if k != "api_key"}
+    return JSONResponse({**dataclasses.asdict(engine.args), **server, "internal_states": [state],
+                         "weight_version": engine.weight_version, "version": request.app.version})
+
+
+def load_snapshot(engine) -> dict:
+    """Running/waiting requests and KV tokens in use (blocking: takes the engine lock)."""
+    info = engine.get_server_info()
+    waiting = len(engine.scheduler.waiting)
+    kv = engine.runner.token_to_kv_pool
+    used = max(0, info["max_total_num_tokens"] - kv.available_size())
+    return {"info": info, "num_running": info["num_in_flight"] - waiting, "num_waiting": waiting,
+            "num_used_tokens": used}
+
+
+@router.get("/get_load")
+async def get_load(request: Request):
+    snap = await run_blocking(request, load_snapshot, request.app.state.engine)
+    return JSONResponse([{"dp_rank": 0, "num_reqs": snap["num_running"] + snap["num_waiting"],
+                          "num_waiting_reqs": snap["num_waiting"], "num_tokens": snap["num_used_tokens"]}])
+
+
+# ---- cache and scheduling control -------------------------------------------------------------
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request):
+    ok = await run_blocking(request, request.app.state.engine.flush_cache)
+    if ok is False:
+        return Response("Cache not flushed: requests are running or waiting.\n", status_code=400)
+    return Response("Cache flushed.\n", status_code=200)
+
+
+class PauseGenerationReqInput(Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+async def _optional_body(request: Request, model: type[BaseModel]):
+    """SGLang clients post these with `{}`, with no body, or GET them: all mean the defaults."""
+    raw = await request.body()
+    if not raw.strip():
+        return model()
+    return model.model_validate_json(raw)
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request):
+    obj = await _optional_body(request, PauseGenerationReqInput)
+    try:
+        await run_blocking(request, request.app.state.engine.pause_generation, mode=obj.mode)
+    except Exception as e:
+        return engine_error(e)
+    return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request):
+    await run_blocking(request, request.app.state.engine.continue_generation)
+    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+
+class AbortReq(Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+@router.post("/abort_request")
+async def abort_request(obj: AbortReq, request: Request):
+    try:
+        await run_blocking(request, request.app.state.engine.abort_request, rid=obj.rid, abort_all=obj.abort_all)
+    except Exception as e:
+        return engine_error(e)
+    return Response(status_code=200)
+
+
+# ---- memory -----------------------------------------------------------------------------------
+class MemoryOccupationReqInput(Body):
+    tags: list[str] | None = None
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(request: Request):
+    return await _memory(request, "release_memory_occupation")
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(request: Request):
+    return await _memory(request, "resume_memory_occupation")
+
+
+async def _memory(request: Request, method: str):
+    obj = await _optional_body(request, MemoryOccupationReqInput)
+    try:
+        await run_blocking(request, getattr(request.app.state.engine, method), obj.tags)
+    except Exception as e:
+        return engine_error(e)
+    return JSONResponse({"success": True, "message": f"{method}({obj.tags}) done"})
+
+
+# ---- weights ----------------------------------------------------------------------------------
+def _result(res) -> JSONResponse:
+    """Engine (ok, msg) or (ok, msg, num_paused) -> SGLang's {"success", "message"[, ...]}, 200 or 400."""
+    ok, msg = res[0], res[1]
+    body = {"success": bool(ok), "message": msg}
+    if len(res) > 2:
+        body["num_paused_requests"] = res[2]
+    return JSONResponse(body, status_code=200 if ok else 400)
+
+
+async def _abort_all_first(request: Request, abort_all_requests: bool) -> None:
+    if abort_all_requests:
+        await run_blocking(request, request.app.state.engine.abort_request, abort_all=True)
+
+
+class UpdateWeightFromDiskReqInput(Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: Request):
+    engine = request.app.state.engine
+    await _abort_all_first(request, obj.abort_all_requests)
+    res = await run_blocking(request, engine.update_weights_from_disk, obj.model_path, load_format=obj.load_format,
+                             weight_version=obj.weight_version)
+    # SGLang always reports how many requests were paused across the update.
+    return _result(res if len(res) > 2 else (*res, 0))
+
+
+class UpdateWeightsFromTensorReqInput(Body):
+    serialized_named_tensors: list[str]
+    load_format: Literal["flattened_bucket"] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, request: Request):
+    """Each entry of serialized_named_tensors is one TP rank's payload (tensor_codec.py documents it)."""
+    engine = request.app.state.engine
+    tp = engine.args.tp_size
+    if len(obj.serialized_named_tensors) not in (1, tp):
+        return error_response(f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries; "
+                              f"expected 1 or tp_size={tp}", 400, param="serialized_named_tensors")
+    try:
+        if obj.load_format == "flattened_bucket":
+            payload = await run_blocking(request, decode_buckets, obj.serialized_named_tensors[0])
+        else:
+            payload = await run_blocking(request, decode_named_tensors, obj.serialized_named_tensors[0])
+    except ValueError as e:
+        return error_response(str(e), 400, param="serialized_named_tensors")
+    await _abort_all_first(request, obj.abort_all_requests)
+    res = await run_blocking(request, engine.update_weights_from_tensor, payload, load_format=obj.load_format,
+                             flush_cache=obj.flush_cache, weight_version=obj.weight_version)
+    return _result(res)
+
+
+class InitWeightsUpdateGroupReqInput(Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str | None = None  # SGLang defaults to nccl; None lets the engine pick for its device
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput, request: Request):
+    kwargs = obj.model_dump(exclude_none=True)
+    return _result(await run_blocking(request, request.app.state.engine.init_weights_update_group, **kwargs))
+
+
+class UpdateWeightsFromDistributedReqInput(Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqInput, request: Request):
+    """SGLang's transfer modes: load_format null = one broadcast per tensor in its own dtype;
+    "flattened_bucket" = one broadcast of the bucket's bytes. The format goes to the Engine only when
+    set, so an Engine without that mode refuses it by name (400)."""
+    engine = request.app.state.engine
+    kwargs = dict(group_name=obj.group_name, flush_cache=obj.flush_cache, weight_version=obj.weight_version)
+    if obj.load_format is not None:
+        kwargs["load_format"] = obj.load_format
+    await _abort_all_first(request, obj.abort_all_requests)
+    try:
+        res = await run_blocking(request, engine.update_weights_from_distributed, obj.names, obj.dtypes, obj.shapes,
+                                 **kwargs)
+    except Exception as e:
+        return engine_error(e)
+    return _result(res)
+
+
+class DestroyWeightsUpdateGroupReqInput(Body):
+    group_name: str = "weight_update_group"
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput, request: Request):
+    try:
+        res = await run_blocking(request, request.app.state.engine.destroy_weights_update_group, obj.group_name)
+    except Exception as e:
+        return engine_error(e)
+    return _result(res if isinstance(res, tuple) else (True, f"destroyed weight update group {obj.group_name!r}"))
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request):
+    return JSONResponse({"weight_version": request.app.state.engine.weight_version})
+
+
+class UpdateWeightVersionReqInput(Body):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(obj: UpdateWeightVersionReqInput, request: Request):
+    await _abort_all_first(request, obj.abort_all_requests)
+    request.app.state.engine.weight_version = obj.new_version
+    return JSONResponse({"success": True, "message": f"Weight version updated to {obj.new_version}",
+                         "new_version": obj.new_version})
+
+
+class GetWeightsByNameReqInput(Body):
+    name: str
+    truncate_size: int = 100
+
+
+@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+async def get_weights_by_name(obj: GetWeightsByNameReqInput, request: Request):
+    try:
+        out = await run_blocking(request, request.app.state.engine.get_weights_by_name, obj.name, obj.truncate_size)
+    except Exception as e:
+        return engine_error(e)
+    if out is None:
+        return error_response(f"Get parameter by name failed: no weight {obj.name!r}", 400, param="name")
+    return JSONResponse(out.tolist() if hasattr(out, "tolist") else out)
+
+
+def weights_checksum(engine) -> dict:
+    """SHA-256 over every model parameter (name, dtype, shape, bytes) in a fixed order, under the engine
+    lock so an update is never read half-way. Equal checksums = bitwise-equal weights."""
+    own = getattr(engine, "get_weights_checksum", None)
+    if own is not None:
+        return own()
+    h = hashlib.sha256()
+    with engine._cv:  # the engine's step/update lock: same package, read-only use
+        params = sorted(engine.runner.model.named_parameters())
+        for name, p in params:
+            t = p.detach().to("cpu").contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            # .numpy() on a copy: exporting the parameter's own storage to numpy would pin it
+            # (torch then refuses to resize it, which release/shutdown need).
+            h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())
+        version = engine.weight_version
+    return {"checksum": h.hexdigest(), "num_tensors": len(params), "weight_version": version}
+
+
+@router.api_route("/get_weights_checksum", methods=["GET", "POST"])
+async def get_weights_checksum(request: Request):
+    t0 = time.perf_counter()
+    out = await run_blocking(request, weights_checksum, request.app.state.engine)
+    out.setdefault("seconds", round(time.perf_counter() - t0, 6))
+    return JSONResponse(out)

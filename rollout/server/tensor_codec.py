@@ -1,0 +1,99 @@
+"""The pickle-free wire form of named tensors for `/update_weights_from_tensor`.
+
+SGLang's body carries `serialized_named_tensors`: one string per tensor-parallel rank. SGLang fills each
+with a base64 pickle; we never unpickle request bytes. Each string here is the base64 of a safetensors
+blob (https://github.com/huggingface/safetensors: an 8-byte header length, a JSON header of names,
+dtypes, shapes and byte offsets, then raw little-endian bytes), which decoding can only turn into
+tensors:
+
+- plain (`load_format` null): the blob holds the named tensors under their HF names;
+- `load_format="flattened_bucket"`: the blob holds one 1-D tensor named `flattened_tensor`, and the
+  header's `__metadata__["bucket_metadata"]` holds the JSON list of `{"name", "shape", "dtype", "start",
+  "end"}` entries of `weight_sync.bucket.FlattenedTensorBucket.to_dict()`. A list of buckets is a JSON
+  list of such strings (one string per bucket, all for the same rank).
+
+CUDA IPC handles (zero-copy between processes on one GPU) are not carried here; they come with the GPU
+path. Decoding validates structure (base64, safetensors header, bucket metadata) and raises ValueError
+naming what is wrong; shape and dtype checks against the model are the engine's.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from weight_sync.bucket import FlattenedTensorBucket
+
+FLAT_KEY = "flattened_tensor"
+META_KEY = "bucket_metadata"
+
+
+def encode_named_tensors(named_tensors) -> str:
+    """[(name, tensor), ...] or {name: tensor} -> base64 safetensors string."""
+    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in items}
+    return base64.b64encode(st_save(tensors)).decode("ascii")
+
+
+def encode_bucket(bucket: FlattenedTensorBucket) -> str:
+    d = bucket.to_dict()
+    blob = st_save({FLAT_KEY: d["flattened_tensor"].detach().to("cpu").contiguous()},
+                   metadata={META_KEY: json.dumps(d["metadata"])})
+    return base64.b64encode(blob).decode("ascii")
+
+
+def _blob(s, what: str) -> bytes:
+    if not isinstance(s, str):
+        raise ValueError(f"{what} must be a base64 string, got {type(s).__name__}")
+    try:
+        return base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{what} is not valid base64: {e}") from None
+
+
+def _load(blob: bytes, what: str) -> dict[str, torch.Tensor]:
+    try:
+        return st_load(blob)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{what} is not a valid safetensors blob: {e}") from None
+
+
+def decode_named_tensors(s: str, what: str = "serialized_named_tensors[0]") -> list[tuple[str, torch.Tensor]]:
+    tensors = _load(_blob(s, what), what)
+    if not tensors:
+        raise ValueError(f"{what} holds no tensors")
+    return list(tensors.items())
+
+
+def decode_buckets(s: str, what: str = "serialized_named_tensors[0]") -> list[dict]:
+    """-> bucket dicts {"flattened_tensor", "metadata"} (validated by FlattenedTensorBucket.from_dict)."""
+    strings = [s]
+    if isinstance(s, str) and s.lstrip().startswith("["):
+        try:
+            strings = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what}: a list of buckets must be a JSON list of strings: {e}") from None
+    out = []
+    for i, b in enumerate(strings):
+        where = f"{what} bucket {i}"
+        blob = _blob(b, where)
+        tensors = _load(blob, where)
+        header_len = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8 : 8 + header_len])
+        meta = (header.get("__metadata__") or {}).get(META_KEY)
+        if set(tensors) != {FLAT_KEY} or meta is None:
+            raise ValueError(f"{where}: a bucket blob holds exactly one tensor {FLAT_KEY!r} and "
+                             f"__metadata__[{META_KEY!r}]; got tensors {sorted(tensors)}")
+        try:
+            metadata = json.loads(meta)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: {META_KEY} is not JSON: {e}") from None
+        FlattenedTensorBucket.from_dict({"flattened_tensor": tensors[FLAT_KEY], "metadata": metadata})
+        out.append({"flattened_tensor": tensors[FLAT_KEY], "metadata": metadata})
+    return out

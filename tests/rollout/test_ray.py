@@ -1,0 +1,151 @@
+"""Many engines on Ray behave as one engine: same outputs, one weight version, failures named.
+
+Oracle: a plain in-process Engine on the same checkpoint (or on the trainer's weights, written with
+HF's `save_pretrained`). A local Ray cluster (`ray.init(num_cpus=2)`) runs two engine actors.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import torch
+
+from rollout import Engine
+from tests.checkpoints import load_hf_model
+from tests.rollout.oracle import random_prompts
+
+ray = pytest.importorskip("ray")
+
+from rollout.ray import EngineGroupError, launch_engines  # noqa: E402
+from weight_sync import sync_weights  # noqa: E402
+
+ENGINE_KW = dict(show_progress=False, max_total_tokens=2048, max_running_requests=32)
+PROMPTS = random_prompts([5, 9, 3, 7, 4, 11], seed=3)
+GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
+
+
+def greedy(engine_or_group, prompts=PROMPTS):
+    outs = engine_or_group.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+def assert_same(got, want, atol=1e-5):
+    assert len(got) == len(want)
+    for (ids, lps), (rids, rlps) in zip(got, want):
+        assert ids == rids
+        assert torch.allclose(torch.tensor(lps), torch.tensor(rlps), atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def ckpt(ckpt_factory):
+    return ckpt_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group(cluster, ckpt):
+    g = launch_engines(2, str(ckpt), num_cpus_per_engine=0.5, call_timeout_s=120,
+                       enable_memory_saver=True, enable_weights_cpu_backup=True, **ENGINE_KW)
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    with Engine(str(ckpt), **ENGINE_KW) as e:
+        return greedy(e)
+
+
+@pytest.fixture(scope="module")
+def trainer(ckpt, tmp_path_factory):
+    """A perturbed copy of the checkpoint (the trainer's new weights) and a fresh engine's outputs on it."""
+    model = load_hf_model(ckpt)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5 * p.std().clamp_min(0.05))
+    path = tmp_path_factory.mktemp("ray-trainer")
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (ckpt / f).exists():
+            shutil.copy(ckpt / f, path / f)
+    with Engine(str(path), **ENGINE_KW) as fresh:
+        return model, path, greedy(fresh)
+
+
+def test_group_generate_equals_one_engine_in_input_order(group, reference):
+    """Spread over two engines, greedy outputs equal one local engine's, prompt for prompt."""
+    assert_same(greedy(group), reference)
+    infos = group.get_server_info()
+    assert all(info["num_prompt_tokens"] > 0 for info in infos), "both engines should have taken prompts"
+
+
+def test_n_samples_of_one_prompt_stay_on_one_engine(group):
+    """The n samples of a prompt go to one engine, so n-1 of them hit its prefix cache."""
+    group.flush_cache()
+    before = [i["num_cached_tokens"] for i in group.get_server_info()]
+    prompt = random_prompts([40], seed=9)[0]
+    outs = group.generate(input_ids=[prompt], sampling_params={"n": 4, "temperature": 1.0, "max_new_tokens": 3,
+                                                               "seed": 1})
+    assert len(outs) == 4
+    after = [i["num_cached_tokens"] for i in group.get_server_info()]
+    gained = [a - b for a, b in zip(after, before)]
+    assert sorted(gained) == [0, 3 * (len(prompt) - 1)], gained
+
+
+def test_sync_reaches_every_engine(group, trainer, reference):
+    """sync_weights into the group: both engines serve exactly a fresh engine on the trainer's weights."""
+    model, path, want = trainer
+    ok, msg = sync_weights(model, group, bucket_bytes=64 << 10, weight_version="v1")
+    assert ok, msg
+    assert group.weight_version == "v1"
+    for i in range(len(group)):  # each engine on its own, not just the spread
+        got = group._get([group.handles[i].call.remote("generate", (), dict(
+            input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True))], "generate")[0]
+        assert_same([(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+                     for o in got], want)
+    # The same weights again, from the trainer's checkpoint on disk, on both.
+    ok, msg = group.update_weights_from_disk(str(path), weight_version="v1-disk")
+    assert ok, msg
+    assert_same(greedy(group), want)
+
+
+def test_update_refused_by_one_engine_leaves_all_on_old_version(group, ckpt, trainer):
+    """One engine refuses (its weights are released): the other rolls back; versions and outputs stay old."""
+    ok, msg = group.update_weights_from_disk(str(ckpt), weight_version="base")
+    assert ok, msg
+    base_outputs = greedy(group)
+    model, _, want = trainer
+    assert [ids for ids, _ in base_outputs] != [ids for ids, _ in want]
+    ray.get(group.handles[1].call.remote("release_memory_occupation", (["weights"],), {}), timeout=60)
+    try:
+        ok, msg = group.update_weights_from_tensor(list(model.state_dict().items()), weight_version="bad")
+    finally:
+        ray.get(group.handles[1].call.remote("resume_memory_occupation", (["weights"],), {}), timeout=60)
+    assert not ok
+    assert "engine 1" in msg and "rolled back" in msg, msg
+    assert group.weight_version == "base"
+    assert_same(greedy(group), base_outputs)
+
+
+def test_killed_engine_is_named_and_nothing_hangs(cluster, ckpt):
+    """An actor killed mid-run: the next call fails within seconds with an error naming that engine."""
+    g = launch_engines(2, str(ckpt), num_cpus_per_engine=0.5, call_timeout_s=60, **ENGINE_KW)
+    try:
+        ray.kill(g.handles[1])
+        t0 = time.monotonic()
+        with pytest.raises(EngineGroupError, match="engine 1"):
+            g.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert time.monotonic() - t0 < 30
+        ok, msg = g.update_weights_from_disk(str(ckpt))
+        assert not ok and "engine 1" in msg
+    finally:
+        g.shutdown()

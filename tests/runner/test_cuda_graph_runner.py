@@ -1,0 +1,124 @@
+"""CudaGraphRunner's bookkeeping on the CPU: capture order and the shared pool, padding into the static
+buffers, replay equal to an eager runner, and recapture after a portable-saver resume moved memory.
+
+No CUDA graph is captured here. `StandInCudaGraphApi` is a stand-in for torch.cuda's graph calls (named
+as such), used only for the runner's call-order logic: its "graph" re-runs the captured step on the
+same static buffers and copies into the same output tensor, which is what a CUDA graph replay does.
+The real capture runs in tests/gpu/.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import torch
+
+from runner.cuda_graph_runner import CudaGraphRunner
+from tests.runner.driver import RunnerDriver, make_runner
+
+
+class _StandInGraph:
+    def __init__(self, step, pool):
+        self.step, self._pool, self.out = step, pool if pool is not None else object(), None
+
+    def pool(self):
+        return self._pool
+
+    def replay(self):
+        self.out.copy_(self.step())
+
+
+class StandInCudaGraphApi:
+    """Stand-in for the torch.cuda graph calls (see module docstring); logs every capture."""
+
+    def __init__(self):
+        self.log = []
+
+    def new_stream(self):
+        return SimpleNamespace(wait_stream=lambda other: None)
+
+    def current_stream(self):
+        return None
+
+    def stream(self, stream):
+        return nullcontext()
+
+    def synchronize(self):
+        pass
+
+    def capture(self, saver, pool, stream, step):
+        graph = _StandInGraph(step, pool)
+        graph.out = step()
+        self.log.append(("capture", graph.out.shape[0], pool))
+        return graph, graph.out
+
+
+def _graph_runner(path, **kw):
+    runner = make_runner(path, disable_cuda_graph=True, **kw)
+    api = StandInCudaGraphApi()
+    runner.graph_runner = CudaGraphRunner(runner, capture_sizes=[1, 2, 4, 8], api=api)
+    return runner, api
+
+
+def _decode_logits(runner, batches, seed=7):
+    """Prefill len(b) requests per batch, then two decode steps; returns the decode logits."""
+    drv = RunnerDriver(runner, seed=seed)
+    out = []
+    for prompts in batches:
+        rows = [drv.new_request() for _ in prompts]
+        drv.extend(rows, prompts)
+        out.append(drv.decode(rows, [p[-1] + 1 for p in prompts]).next_token_logits.clone())
+        out.append(drv.decode(rows, [p[-1] + 2 for p in prompts]).next_token_logits.clone())
+        for r in rows:
+            runner.req_to_token_pool.free(r)
+    return out
+
+
+BATCHES = [[[5, 6, 7], [8, 9], [10, 11, 12, 13]],  # 3 -> padded to 4
+           [[20 + i, 30 + i] for i in range(5)]]  # 5 -> padded to 8
+
+
+def test_capture_order_and_padded_replay_equal_eager(tiny_llama):
+    """Sizes are captured largest first into one pool; padded replays (3 -> 4, 5 -> 8) give eager logits,
+    and the padding rows in the static buffers read slot 0 with length 1."""
+    runner, api = _graph_runner(tiny_llama)
+    gr = runner.graph_runner
+    assert gr.capture_order == [8, 4, 2, 1]
+    first_pool = api.log[0][2]
+    assert first_pool is None and all(p is gr.graphs[8].pool() for _, _, p in api.log[1:])
+    ref = make_runner(tiny_llama, disable_cuda_graph=True)
+    for got, want in zip(_decode_logits(runner, BATCHES), _decode_logits(ref, BATCHES)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # The last replay was 5 requests in the size-8 graph.
+    assert gr.inputs.seq_lens[5:8].tolist() == [1, 1, 1] and gr.inputs.out_cache_loc[5:8].tolist() == [0, 0, 0]
+    assert gr.num_captures == 1
+
+
+def test_can_run_only_replayable_decode_batches(tiny_llama):
+    """Extend batches, batches beyond the largest size and embedding overrides run eagerly."""
+    runner, _ = _graph_runner(tiny_llama)
+    drv = RunnerDriver(runner)
+    rows = [drv.new_request() for _ in range(9)]
+    seen = []
+    real_can_run = runner.graph_runner.can_run
+    runner.graph_runner.can_run = lambda fb: seen.append((fb.batch_size, real_can_run(fb))) or seen[-1][1]
+    drv.extend(rows, [[5, 6]] * 9)
+    drv.decode(rows, [7] * 9)
+    drv.decode(rows[:8], [8] * 8)
+    assert seen == [(9, False), (8, True)]
+
+
+def test_portable_resume_recaptures_before_replay(tiny_llama):
+    """After release/resume with the portable saver (addresses moved) the next replay recaptures every size
+    first, and decode logits still equal an eager runner's."""
+    runner, api = _graph_runner(tiny_llama, enable_memory_saver=True, enable_weights_cpu_backup=True)
+    ref = make_runner(tiny_llama, disable_cuda_graph=True)
+    want = _decode_logits(ref, BATCHES)
+    runner.release_memory_occupation()
+    runner.resume_memory_occupation()
+    assert runner.memory_saver.address_epoch > runner.graph_runner.epoch
+    got = _decode_logits(runner, BATCHES)
+    assert runner.graph_runner.num_captures == 2 and len(api.log) == 8
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

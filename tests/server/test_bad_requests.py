@@ -1,0 +1,69 @@
+"""Bad requests get a 4xx whose message names the field, and the next request is served; API-key auth."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server
+
+GOOD = dict(input_ids=[5, 6, 7], sampling_params=dict(temperature=0, max_new_tokens=2))
+
+CASES = [
+    ("/generate", b'{"text": "hi", ', "malformed JSON"),
+    ("/generate", b'[1, 2]', "JSON object"),
+    ("/generate", {"text": 5}, "text"),
+    ("/generate", {"text": "hi", "return_logprob": "yes"}, "return_logprob"),
+    ("/generate", {"text": "hi", "temperature": 0}, "temperature"),  # unknown top-level field
+    ("/generate", {"text": "hi", "sampling_params": {"temprature": 0}}, "temprature"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 100000}}, "n"),
+    ("/generate", {"input_ids": [5, 99999]}, "99999"),
+    ("/generate", {"text": "hi", "lora_path": "adapter"}, "lora_path"),  # SGLang field the Engine lacks
+    ("/generate", {}, "text or input_ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 100000}, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]}, "base64"),
+    ("/update_weights_from_disk", {}, "model_path"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1"}, "master_port"),
+    ("/pause_generation", {"mode": "sideways"}, "mode"),
+]
+
+
+@pytest.mark.parametrize("path,body,needle", CASES, ids=[f"{p}:{n}" for p, _, n in CASES])
+def test_bad_request_is_4xx_naming_the_field(client, path, body, needle):
+    """Each malformed / mistyped / unknown / oversized request: 400 naming the field; the next request is served."""
+    if isinstance(body, bytes):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"], err
+    assert err["code"] == 400
+    assert client.post("/generate", json=GOOD).status_code == 200
+
+
+def test_wrong_method_and_path(client):
+    """An unknown path is 404 and a wrong method 405, in the same error shape."""
+    assert client.get("/no_such_endpoint").json()["error"]["code"] == 404
+    r = client.get("/generate")
+    assert r.status_code == 405 and "/generate" in r.json()["error"]["message"]
+
+
+def test_api_key(server):
+    """With --api-key every endpoint but /health needs 'Authorization: Bearer <key>': 401 otherwise, then served."""
+    with start_server(server.path, engine=server.engine, api_key="s3cret") as s:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            for path in ("/get_model_info", "/metrics", "/v1/models"):
+                r = c.get(path)
+                assert r.status_code == 401 and "Authorization" in r.json()["error"]["message"]
+            r = c.post("/generate", json=GOOD, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and "invalid API key" in r.json()["error"]["message"]
+            r = c.post("/generate", json=GOOD, headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == 2

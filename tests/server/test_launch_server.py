@@ -1,0 +1,59 @@
+"""`python -m rollout.launch_server`: flags from EngineArgs, default bind, readiness log, clean SIGTERM exit."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from rollout.engine_args import EngineArgs
+from rollout.launch_server import free_port
+from rollout.server.args import parse_args
+
+
+def test_every_engine_arg_is_a_flag():
+    """Each EngineArgs field parses from its SGLang-spelled flag into the Engine kwargs; host defaults to 127.0.0.1."""
+    server, kw = parse_args(["--model-path", "/m", "--max-total-tokens", "123", "--disable-radix-cache",
+                             "--tp-size", "1", "--mem-fraction-static", "0.5", "--api-key", "k"])
+    assert server.host == "127.0.0.1" and server.port == 30000 and server.api_key == "k"
+    assert kw["model_path"] == "/m" and kw["max_total_tokens"] == 123 and kw["disable_radix_cache"] is True
+    assert kw["mem_fraction_static"] == 0.5
+    assert set(kw) == {f.name for f in dataclasses.fields(EngineArgs)}
+    defaults = EngineArgs(model_path="/m")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name not in ("model_path", "max_total_tokens", "disable_radix_cache", "mem_fraction_static"):
+            assert kw[f.name] == getattr(defaults, f.name), f.name
+
+
+def test_subprocess_ready_and_sigterm(tiny_llama):
+    """The server logs its URL when ready, answers, and exits 0 within seconds of SIGTERM."""
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rollout.launch_server", "--model-path", str(tiny_llama),
+                             "--port", str(port), "--max-total-tokens", "1024", "--disable-cuda-graph"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        lines = []
+        while True:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+            if f"ready at http://127.0.0.1:{port}" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
+                       json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) <= 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()

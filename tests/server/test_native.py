@@ -1,0 +1,190 @@
+"""SGLang's native endpoints over HTTP (httpx), checked against the Engine called directly."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 40, 41, 42] * 3]
+GREEDY = dict(temperature=0, max_new_tokens=8, ignore_eos=True)
+
+
+def _lp(meta, key="output_token_logprobs"):
+    return [(e[0], e[1]) for e in meta[key]]
+
+
+def _wait(pred, timeout_s=15.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_generate_equals_engine(server, client):
+    """/generate (input_ids batch, text single, sampled+seeded) returns the Engine's tokens and logprobs exactly."""
+    engine = server.engine
+    sampled = dict(temperature=1.0, top_p=0.9, seed=7, max_new_tokens=6, ignore_eos=True)
+    cases = [
+        dict(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=2),
+        dict(text="The quick brown fox", sampling_params=GREEDY, return_logprob=True),
+        dict(input_ids=PROMPTS[0], sampling_params=sampled, return_logprob=True),
+    ]
+    for body in cases:
+        assert client.post("/flush_cache").status_code == 200
+        r = client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        engine.flush_cache()
+        kw = {("prompt" if k == "text" else k): v for k, v in body.items()}
+        want = engine.generate(**kw)
+        got, want = (got, want) if isinstance(want, list) else ([got], [want])
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g["output_ids"] == w["output_ids"]
+            assert g["text"] == w["text"]
+            assert _lp(g["meta_info"]) == [(lp, t) for lp, t, _ in w["meta_info"]["output_token_logprobs"]]
+            assert all(e[2] is None for e in g["meta_info"]["output_token_logprobs"])  # no return_text_in_logprobs
+            if body.get("top_logprobs_num"):
+                assert [[(lp, t) for lp, t, _ in step] for step in g["meta_info"]["output_top_logprobs"]] == \
+                       [[(lp, t) for lp, t, _ in step] for step in w["meta_info"]["output_top_logprobs"]]
+            assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+
+
+def test_generate_stream_sse(server, client):
+    """stream=true sends SSE chunks with growing output, ending in data: [DONE]; the last equals the non-stream answer."""
+    body = dict(input_ids=PROMPTS[1], sampling_params=GREEDY, return_logprob=True)
+    client.post("/flush_cache")  # a prefix-cache hit may move a logprob by an ulp
+    want = client.post("/generate", json=body).json()
+    client.post("/flush_cache")
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) >= 2 and [len(c["output_ids"]) for c in chunks] == sorted(len(c["output_ids"]) for c in chunks)
+    assert chunks[-1]["output_ids"] == want["output_ids"]
+    assert _lp(chunks[-1]["meta_info"]) == _lp(want["meta_info"])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server, client):
+    """A client that drops a stream aborts its request: nothing stays in flight, all KV is free, serving goes on."""
+    engine = server.engine
+    body = dict(input_ids=PROMPTS[0], stream=True, sampling_params=dict(max_new_tokens=400, ignore_eos=True))
+    with client.stream("POST", "/generate", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk received, then the connection is closed
+    _wait(lambda: engine.get_server_info()["num_in_flight"] == 0, what="the dropped stream to be aborted")
+    assert engine.flush_cache()
+    info = client.get("/get_load").json()[0]
+    assert info["num_reqs"] == 0 and info["num_tokens"] == 0
+    assert client.post("/generate", json=dict(input_ids=PROMPTS[1], sampling_params=GREEDY)).status_code == 200
+
+
+def test_info_and_health(server, client):
+    """health, health_generate, model/server info, load and weight version report the engine's state."""
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
+    info = client.get("/get_model_info").json()
+    assert info["model_path"] == server.path and info["is_generation"] is True
+    sinfo = client.get("/get_server_info").json()
+    assert sinfo["max_total_tokens"] == 4096 and sinfo["port"] == int(server.url.rsplit(":", 1)[1])
+    assert "api_key" not in sinfo and sinfo["internal_states"][0]["max_total_num_tokens"] == 4096
+    load = client.get("/get_load").json()
+    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    assert client.get("/get_weight_version").json() == {"weight_version": server.engine.weight_version}
+
+
+def test_weight_version_and_get_weights_by_name(server, client):
+    """update_weight_version changes what outputs and /get_weight_version report; get_weights_by_name = the Engine's."""
+    old = server.engine.weight_version
+    try:
+        r = client.post("/update_weight_version", json={"new_version": "v-http"})
+        assert r.status_code == 200 and r.json()["new_version"] == "v-http"
+        assert client.get("/get_weight_version").json()["weight_version"] == "v-http"
+        out = client.post("/generate", json=dict(input_ids=PROMPTS[1], sampling_params=GREEDY)).json()
+        assert out["meta_info"]["weight_version"] == "v-http"
+    finally:
+        client.post("/update_weight_version", json={"new_version": old})
+    name = "model.layers.0.mlp.down_proj.weight"
+    r = client.post("/get_weights_by_name", json={"name": name, "truncate_size": 3})
+    assert r.status_code == 200
+    assert r.json() == json.loads(json.dumps(server.engine.get_weights_by_name(name, 3)))
+    r = client.post("/get_weights_by_name", json={"name": "no.such.weight"})
+    assert r.status_code == 400 and "no.such.weight" in r.text
+
+
+def test_pause_continue_abort_flush(server, client):
+    """slime's calls: pause {} aborts running work, GET /flush_cache then 200, continue serves again; abort_all aborts."""
+    results = {}
+
+    def long_request(key):
+        with server.client() as c:
+            results[key] = c.post("/generate", json=dict(input_ids=PROMPTS[0], sampling_params=dict(
+                max_new_tokens=2000, ignore_eos=True))).json()
+
+    t = threading.Thread(target=long_request, args=("paused",))
+    t.start()
+    _wait(lambda: server.engine.get_server_info()["num_in_flight"] == 1, what="the request to start")
+    assert client.post("/pause_generation", json={}).json()["status"] == "ok"
+    t.join(15)
+    assert results["paused"]["meta_info"]["finish_reason"]["type"] == "abort"
+    _wait(lambda: client.get("/flush_cache").status_code == 200, what="flush_cache to succeed")
+    assert client.post("/continue_generation", json={}).status_code == 200
+
+    t = threading.Thread(target=long_request, args=("aborted",))
+    t.start()
+    _wait(lambda: server.engine.get_server_info()["num_in_flight"] == 1, what="the request to start")
+    assert client.post("/abort_request", json={"abort_all": True}).status_code == 200
+    t.join(15)
+    assert results["aborted"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert client.post("/abort_request", json={"rid": "never-seen"}).status_code == 200  # a no-op, as SGLang
+    assert client.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_modes_resume_to_same_tokens(server, client, mode):
+    """pause (retract | in_place) then continue: the request finishes with exactly the unpaused greedy tokens."""
+    body = dict(input_ids=PROMPTS[2], sampling_params=dict(temperature=0, max_new_tokens=300, ignore_eos=True))
+    want = client.post("/generate", json=body).json()["output_ids"]
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("out", server.client().post("/generate", json=body).json()))
+    t.start()
+    _wait(lambda: server.engine.get_server_info()["num_generated_tokens"] > 0
+          and server.engine.get_server_info()["num_in_flight"] == 1, what="the request to run")
+    assert client.post("/pause_generation", json={"mode": mode}).status_code == 200
+    time.sleep(0.1)
+    assert client.post("/continue_generation").status_code == 200
+    t.join(30)
+    assert got["out"]["output_ids"] == want
+
+
+def test_release_resume_kv_cache(server, client):
+    """release/resume_memory_occupation of the KV cache over HTTP: generation afterwards is unchanged."""
+    body = dict(input_ids=PROMPTS[0], sampling_params=GREEDY, return_logprob=True)
+    client.post("/flush_cache")
+    before = client.post("/generate", json=body).json()
+    assert client.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    assert client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    after = client.post("/generate", json=body).json()
+    assert after["output_ids"] == before["output_ids"]
+    assert _lp(after["meta_info"]) == _lp(before["meta_info"])
+    r = client.post("/release_memory_occupation", json={"tags": ["no_such_tag"]})
+    assert r.status_code == 400 and "no_such_tag" in r.text
+
+
+def test_metrics(server, client):
+    """/metrics (Prometheus text) reports the engine's generated-token counter, KV usage and weight version."""
+    client.post("/generate", json=dict(input_ids=PROMPTS[1], sampling_params=GREEDY))
+    text = client.get("/metrics").text
+    values = {line.split("{")[0]: line for line in text.splitlines() if line and not line.startswith("#")}
+    info = server.engine.get_server_info()
+    assert float(values["sglang:generation_tokens_total"].rsplit(" ", 1)[1]) == info["num_generated_tokens"]
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate"):
+        assert name in values
+    assert f'weight_version="{info["weight_version"]}"' in values["sglang:weight_version_info"]

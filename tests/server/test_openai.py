@@ -1,0 +1,101 @@
+"""The official openai client against /v1/*, checked against Engine.generate on the same prompts."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from rollout.server.openai_api import render_chat
+
+IGN = {"ignore_eos": True}  # fixed lengths: random weights often sample EOS early
+
+
+@pytest.fixture
+def oai(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0) as c:
+        yield c
+
+
+def _engine(server, prompt, **sp):
+    server.engine.flush_cache()
+    return server.engine.generate(prompt=prompt, sampling_params=sp, return_logprob=True, top_logprobs_num=2)
+
+
+def test_models(server, oai):
+    """/v1/models lists the served model name."""
+    assert [m.id for m in oai.models.list().data] == ["tiny"]
+
+
+def test_completion_equals_engine(server, oai):
+    """/v1/completions: greedy text, logprobs, finish_reason and usage equal Engine.generate's."""
+    server.engine.flush_cache()
+    r = oai.completions.create(model="tiny", prompt="Hello, world", max_tokens=6, temperature=0, logprobs=2,
+                               extra_body=IGN)
+    want = _engine(server, "Hello, world", max_new_tokens=6, temperature=0, ignore_eos=True)
+    c = r.choices[0]
+    assert c.text == want["text"] and c.finish_reason == "length"
+    assert c.logprobs.token_logprobs == [lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]]
+    assert [max(d.values()) for d in c.logprobs.top_logprobs] == \
+           [step[0][0] for step in want["meta_info"]["output_top_logprobs"]]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want["meta_info"]["prompt_tokens"], 6)
+
+
+def test_completion_stream_n_seed(server, oai):
+    """Streaming deltas concatenate to the non-streamed text; n choices with a seed are reproducible; usage counts all."""
+    kw = dict(model="tiny", prompt=["The sun", "Birds"], max_tokens=5, temperature=0, extra_body=IGN)
+    plain = oai.completions.create(**kw)
+    texts = {0: "", 1: ""}
+    usage = None
+    for chunk in oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+        usage = chunk.usage or usage
+    assert [texts[0], texts[1]] == [c.text for c in plain.choices]
+    assert usage.completion_tokens == 10 and usage.prompt_tokens == plain.usage.prompt_tokens
+    a = oai.completions.create(model="tiny", prompt="Once", max_tokens=6, n=3, seed=11, temperature=1.0,
+                               extra_body=IGN)
+    b = oai.completions.create(model="tiny", prompt="Once", max_tokens=6, n=3, seed=11, temperature=1.0,
+                               extra_body=IGN)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 3
+    assert a.usage.completion_tokens == 18 and a.usage.prompt_tokens == _engine(server, "Once", max_new_tokens=1)[
+        "meta_info"]["prompt_tokens"]
+
+
+def test_completion_stop(server, oai):
+    """A stop string cuts the text before it and finishes with finish_reason stop, streamed or not."""
+    full = oai.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0,
+                                  extra_body=IGN).choices[0].text
+    stop = full[3:5]
+    assert stop and stop not in full[:3]
+    r = oai.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                               extra_body=IGN)
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model="tiny", prompt="Hello", max_tokens=12, temperature=0, stop=[stop], stream=True,
+        extra_body=IGN) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_chat_equals_engine_on_plain_template(server, oai):
+    """/v1/chat/completions on a tokenizer without a template: the documented plain prompt, Engine's answer."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    server.engine.flush_cache()
+    r = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                    top_logprobs=2, extra_body=IGN)
+    want = _engine(server, "system: Be brief.\nuser: What is 2 + 3?\nassistant:", max_new_tokens=6, temperature=0,
+                   ignore_eos=True)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content == want["text"]
+    assert [t.logprob for t in c.logprobs.content] == [lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]]
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in oai.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True, extra_body=IGN) if ch.choices)
+    assert streamed == c.message.content
+
+
+def test_chat_template_is_the_tokenizers(server):
+    """With a chat template, the prompt is exactly the tokenizer's apply_chat_template output, tokenized."""
+    tok = server.engine.tokenizer.tokenizer
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    msgs = [{"role": "user", "content": "Hi there"}]
+    got = render_chat(server.engine, msgs, template)
+    assert got == {"input_ids": tok.encode("<user>Hi there<assistant>", add_special_tokens=False)}

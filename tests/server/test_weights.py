@@ -1,0 +1,137 @@
+"""Weight updates over HTTP (disk, tensor plain/bucketed, distributed per-tensor/bucketed) land exactly the
+new weights: generation and the weights checksum equal a fresh server started on the new checkpoint."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+
+import httpx
+import pytest
+
+from rollout.launch_server import free_port
+from rollout.server.tensor_codec import encode_bucket, encode_named_tensors
+from tests.rl_surface.conftest import read_state_dict
+from tests.server.conftest import start_server
+from weight_sync.bucket import FlattenedTensorBucket
+from weight_sync.distributed import (
+    broadcast_named_tensors,
+    create_weight_update_group,
+    destroy_weight_update_group,
+)
+
+BODY = dict(input_ids=[[5, 6, 7, 8, 9], [13, 40, 41, 42] * 3], return_logprob=True,
+            sampling_params=dict(temperature=0, max_new_tokens=8, ignore_eos=True))
+
+
+def _observe(c: httpx.Client) -> tuple:
+    c.post("/flush_cache")
+    outs = c.post("/generate", json=BODY).json()
+    tokens = [(o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+    return tokens, c.get("/get_weights_checksum").json()["checksum"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(ckpt_factory):
+    return ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def expected(ckpts):
+    """What fresh servers on A and on B answer (the oracle)."""
+    out = []
+    for path in ckpts:
+        with start_server(path) as s, s.client() as c:
+            out.append(_observe(c))
+    assert out[0] != out[1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def wserver(ckpts):
+    with start_server(ckpts[0]) as s:
+        yield s
+
+
+@pytest.fixture
+def wclient(wserver, ckpts, expected):
+    """A client of a server reset to checkpoint A (over HTTP, from disk) before each test."""
+    with wserver.client() as c:
+        r = c.post("/update_weights_from_disk", json={"model_path": str(ckpts[0])})
+        assert r.status_code == 200, r.text
+        assert _observe(c) == expected[0]
+        yield c
+
+
+def test_update_from_disk(wclient, ckpts, expected):
+    """/update_weights_from_disk with weight_version: B's outputs and checksum; success, message, num_paused_requests."""
+    r = wclient.post("/update_weights_from_disk", json={"model_path": str(ckpts[1]), "weight_version": "b1"})
+    assert r.status_code == 200 and set(r.json()) == {"success", "message", "num_paused_requests"}
+    assert _observe(wclient) == expected[1]
+    assert wclient.get("/get_weight_version").json()["weight_version"] == "b1"
+    r = wclient.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert _observe(wclient) == expected[1]  # a failed update changes nothing
+
+
+def test_update_from_tensor_plain_and_bucketed(wclient, ckpts, expected):
+    """/update_weights_from_tensor with named tensors, then with flattened buckets: B's outputs each time."""
+    sd = read_state_dict(ckpts[1])
+    r = wclient.post("/update_weights_from_tensor", json={"serialized_named_tensors": [encode_named_tensors(sd)]})
+    assert r.status_code == 200, r.text
+    assert _observe(wclient) == expected[1]
+    wclient.post("/update_weights_from_disk", json={"model_path": str(ckpts[0])})
+    items = sorted(sd.items())
+    buckets = [FlattenedTensorBucket(items[: len(items) // 2]), FlattenedTensorBucket(items[len(items) // 2:])]
+    r = wclient.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": [json.dumps([encode_bucket(b) for b in buckets])],
+        "load_format": "flattened_bucket", "weight_version": "bucketed"})
+    assert r.status_code == 200, r.text
+    assert _observe(wclient) == expected[1]
+    bad = dict(sd, **{"model.norm.weight": sd["model.norm.weight"][:3]})
+    r = wclient.post("/update_weights_from_tensor", json={"serialized_named_tensors": [encode_named_tensors(bad)]})
+    assert r.status_code == 400 and "model.norm.weight" in r.json()["message"]
+    assert _observe(wclient) == expected[1]
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_update_from_distributed(wserver, wclient, ckpts, expected, load_format):
+    """init group over HTTP, trainer broadcasts B (per tensor, or one bucket), engine loads it: B's outputs."""
+    sd = sorted(read_state_dict(ckpts[1]).items())
+    port, name = free_port(), f"wug-{load_format}"
+    joined: dict = {}
+
+    def engine_joins():
+        joined["r"] = wserver.client().post("/init_weights_update_group", json=dict(
+            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=name,
+            backend="gloo"))
+
+    t = threading.Thread(target=engine_joins)
+    t.start()
+    group = create_weight_update_group("127.0.0.1", port, 0, 2, name, "gloo", timeout_s=30)
+    t.join(30)
+    assert joined["r"].status_code == 200, joined["r"].text
+    try:
+        body = {"names": [n for n, _ in sd], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in sd],
+                "shapes": [list(t.shape) for _, t in sd], "group_name": name, "load_format": load_format}
+        supported = load_format is None or "load_format" in inspect.signature(
+            wserver.engine.update_weights_from_distributed).parameters
+        if not supported:  # refused by name before any receive, so the trainer must not broadcast
+            r = wclient.post("/update_weights_from_distributed", json=body)
+            assert r.status_code == 400 and "load_format" in r.json()["error"]["message"]
+            return
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", wserver.client().post(
+            "/update_weights_from_distributed", json=body)))
+        t.start()
+        broadcast_named_tensors(group, sd, load_format=load_format, timeout_s=30)
+        t.join(30)
+        assert result["r"].status_code == 200, result["r"].text
+        assert _observe(wclient) == expected[1]
+    finally:
+        assert wclient.post("/destroy_weights_update_group", json={"group_name": name}).status_code == 200
+        destroy_weight_update_group(group)
+    r = wclient.post("/destroy_weights_update_group", json={"group_name": name})
+    assert r.status_code == 400 and name in r.json()["message"]
+

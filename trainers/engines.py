@@ -1,0 +1,39 @@
+"""The trainers' rollout engines: one in-process Engine, or several as Ray actors behind one group.
+
+Both answer the same calls the loops make (generate, release/resume, update_weights_from_tensor via
+sync_weights, get_server_info), so GRPO and PPO do not care which they hold. Does not place trainer
+workers: the trainer stays in this process.
+"""
+
+from __future__ import annotations
+
+from rollout import Engine
+
+
+def make_engine(cfg):
+    """An Engine, or an EngineGroup of `cfg.num_engines` Ray actors when more than one is asked for."""
+    # On the CPU a small KV pool is plenty for these rollouts and keeps release/resume cheap.
+    kw = dict(device=cfg.device, enable_memory_saver=True, random_seed=cfg.seed,
+              mem_fraction_static=cfg.engine_mem_fraction, show_progress=False)
+    if cfg.device == "cpu":
+        kw["cpu_kv_cache_bytes"] = 256 << 20
+    if cfg.tp_size != 1:
+        kw["tp_size"] = cfg.tp_size
+    if cfg.num_engines == 1:
+        return Engine(cfg.model, **kw)
+    import ray
+
+    from rollout.ray import launch_engines
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(2, cfg.num_engines), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    gpus = 1 / cfg.num_engines if cfg.device == "cuda" else 0  # co-located: engines share the trainer's GPU
+    return launch_engines(cfg.num_engines, cfg.model, num_cpus_per_engine=0.5, num_gpus_per_engine=gpus, **kw)
+
+
+def engine_bytes(engine) -> int:
+    """Device (or host, on the CPU) bytes the engine(s) hold, over every memory tag."""
+    info = engine.get_server_info()
+    infos = info if isinstance(info, list) else [info]
+    return sum(sum(i["memory_bytes"].values()) for i in infos)
