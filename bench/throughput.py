@@ -13,6 +13,7 @@ It does not check that the backends produce the same tokens (tests do that) and 
 time to first token or latency percentiles: only output tokens per second of a whole batch.
 
     python -m bench.throughput --preset tiny --batch 16 --prompt-len 32 --output-len 64
+    python -m bench.throughput --preset tiny --batch 16 --skip-hf --deterministic   # the mode's cost
     python -m bench.throughput --preset qwen2.5-0.5b --dtype bfloat16 --batch 64 --n 8 \
         --vllm --vllm-python /tmp/vllm-venv/bin/python --json out.json
 """
@@ -248,9 +249,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--engine-kwargs", type=json.loads, default={}, help='extra Engine kwargs as JSON, e.g. '
                                                                         '\'{"disable_radix_cache": true}\'')
+    p.add_argument("--deterministic", action="store_true", help="also run the engine with "
+                   "enable_deterministic_inference=True (row 'engine-det') and report its throughput as a "
+                   "ratio of the default engine's, same workload, same run")
     p.add_argument("--vllm", action="store_true", help="also run vLLM (its CPU build) on the same workload")
     p.add_argument("--vllm-python", default=sys.executable, help="python of a venv with vLLM installed")
     p.add_argument("--vllm-timeout", type=float, default=1800.0)
+    p.add_argument("--tp-size", type=int, default=1, help="also run the engine with tensor parallelism over "
+                   "this many ranks (gloo on the CPU) and report its tok/s as a ratio to one engine, same run")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     for name in ("batch", "prompt_len", "output_len", "n", "repeat"):
@@ -281,6 +287,12 @@ def main(argv=None) -> dict:
             backends.append(("hf", lambda: run_hf(*common, args.repeat)))
         if not args.skip_engine:
             backends.append(("engine", lambda: run_engine(*common, args.repeat, args.engine_kwargs)))
+        if args.tp_size > 1:
+            tp_kwargs = {**args.engine_kwargs, "tp_size": args.tp_size}
+            backends.append((f"engine-tp{args.tp_size}", lambda: run_engine(*common, args.repeat, tp_kwargs)))
+        if args.deterministic:
+            det_kwargs = {**args.engine_kwargs, "enable_deterministic_inference": True}
+            backends.append(("engine-det", lambda: run_engine(*common, args.repeat, det_kwargs)))
         if args.vllm:
             backends.append(("vllm", lambda: run_vllm(args.vllm_python, *common, args.repeat, tmp,
                                                       args.vllm_timeout)))
@@ -302,6 +314,16 @@ def main(argv=None) -> dict:
                 row["tokens_per_s"] = row["tokens"] / row["seconds"]
                 row["tokens_per_cpu_s"] = row["tokens"] / row["cpu_seconds"]
                 row["ratio_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"] if hf else None
+        if "seconds" in rows.get("engine", {}) and "seconds" in rows.get("engine-det", {}):
+            # The cost of batch invariance: deterministic over default throughput, measured in this run.
+            rows["engine-det"]["ratio_vs_engine"] = rows["engine-det"]["tokens_per_s"] / rows["engine"]["tokens_per_s"]
+            print(f"deterministic / default engine throughput: {rows['engine-det']['ratio_vs_engine']:.3f}x",
+                  flush=True)
+        tp_row = rows.get(f"engine-tp{args.tp_size}", {})
+        if "seconds" in rows.get("engine", {}) and "seconds" in tp_row:
+            # Worker ranks run in child processes: their CPU time is not in tokens_per_cpu_s.
+            tp_row["ratio_vs_engine"] = tp_row["tokens_per_s"] / rows["engine"]["tokens_per_s"]
+            print(f"tp_size={args.tp_size} / one engine throughput: {tp_row['ratio_vs_engine']:.3f}x", flush=True)
         result = dict(workload=workload, results=rows)
         if args.json:
             args.json.write_text(json.dumps(result, indent=2))

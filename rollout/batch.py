@@ -1,9 +1,13 @@
 """Build the runner's ForwardBatch (and SamplingBatchInfo) from scheduled requests.
 
 Host-side lists become device tensors here, once per step; nothing in here reads a device tensor.
+The penalty tensors are built only when some request of the batch uses a penalty: token ids go to the
+device once per step and one scatter turns them into [bs, vocab] counts (no loop over the vocabulary).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +41,87 @@ def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device) 
         rows, cols = zip(*banned)
         mask[list(rows), list(cols)] = True
         info.banned_mask = mask.to(device)
+    _add_penalties(info, reqs, vocab_size, device)
+    if any(sp.logit_bias for sp in sps):
+        rows, cols, vals = [], [], []
+        for i, sp in enumerate(sps):
+            for t, b in sp.logit_bias.items():
+                rows.append(i), cols.append(t), vals.append(b)
+        bias = torch.zeros(len(reqs), vocab_size, dtype=torch.float32)
+        bias[rows, cols] = torch.tensor(vals, dtype=torch.float32)
+        info.logit_bias = bias.to(device)
+    if any(r.return_logprob and r.return_original_logprob for r in reqs):
+        info.original_rows = torch.tensor([r.return_original_logprob for r in reqs], dtype=torch.bool, device=device)
+    if any(r.return_logprob and r.token_ids_logprob for r in reqs):
+        info.token_ids = _padded([r.token_ids_logprob or [] for r in reqs], 0, device)
     return info
+
+
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[bs, vocab] fp32 occurrences of each id per row, by one scatter on the device."""
+    ids = _padded(rows, vocab_size, device)  # pad goes to an extra column, dropped
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _add_penalties(info: SamplingBatchInfo, reqs: list[Req], vocab_size: int, device) -> None:
+    sps = [r.sampling_params for r in reqs]
+    if any(sp.repetition_penalty != 1 for sp in sps):
+        # HF's definition: every token of the sequence so far (prompt and output); rows at 1 are no-ops.
+        seen = [r.fill_ids if sp.repetition_penalty != 1 else [] for r, sp in zip(reqs, sps)]
+        info.seen_mask = _token_counts(seen, vocab_size, device) > 0
+        info.repetition_penalties = torch.tensor([sp.repetition_penalty for sp in sps], dtype=torch.float32,
+                                                 device=device)
+    if any(sp.frequency_penalty or sp.presence_penalty for sp in sps):
+        used = [r.output_ids if (sp.frequency_penalty or sp.presence_penalty) else [] for r, sp in zip(reqs, sps)]
+        info.output_counts = _token_counts(used, vocab_size, device)
+        info.frequency_penalties = torch.tensor([sp.frequency_penalty for sp in sps], dtype=torch.float32,
+                                                device=device)
+        info.presence_penalties = torch.tensor([sp.presence_penalty for sp in sps], dtype=torch.float32,
+                                               device=device)
+
+
+@dataclass
+class PromptLogprobRows:
+    """Which rows of an EXTEND step's all-position logits score which prompt tokens."""
+
+    rows: torch.Tensor  # [m] int64 into the step's flattened tokens
+    targets: torch.Tensor  # [m] int64: the prompt token each row scores (the one after it)
+    temperatures: torch.Tensor  # [m] fp32: 1 for greedy rows and original logprobs
+    token_ids: torch.Tensor | None  # [m, k] int64 padded, when some request asked for token_ids_logprob
+    owners: list[int]  # item index of each row
+    positions: list[int]  # prompt position of each row's target
+
+
+def prompt_logprob_rows(items: list[tuple[Req, int, int]], device) -> PromptLogprobRows | None:
+    """The prompt positions the chunks in `items` must score, or None (the step needs no all-position
+    logits). Position p is scored by the logits at p - 1, which this chunk computes if start <= p-1 < start+n."""
+    rows, targets, temps, ids, owners, positions = [], [], [], [], [], []
+    offset = 0
+    for b, (req, start, n) in enumerate(items):
+        wanted = req.input_logprob_positions
+        if req.needs_input_logprobs:
+            sp = req.sampling_params
+            temp = 1.0 if sp.is_greedy or req.return_original_logprob else sp.temperature
+            for p in range(max(start, wanted.start - 1), min(start + n, wanted.stop - 1)):
+                rows.append(offset + p - start)
+                targets.append(req.fill_ids[p + 1])
+                temps.append(temp)
+                ids.append(req.token_ids_logprob or [])
+                owners.append(b)
+                positions.append(p + 1)
+        offset += n
+    if not rows:
+        return None
+    as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    return PromptLogprobRows(as_t(rows), as_t(targets), torch.tensor(temps, dtype=torch.float32, device=device),
+                             _padded(ids, 0, device) if any(ids) else None, owners, positions)
 
 
 def extend_batch(items: list[tuple[Req, int, int]], out_cache_loc: torch.Tensor, device,

@@ -14,12 +14,17 @@ pause_generation(mode="abort" | "retract" | "in_place") / continue_generation(),
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import importlib.metadata
 import logging
+import os
 import random
 import threading
 import time
 import uuid
 
+import torch
 from tqdm.auto import tqdm
 
 from rollout.engine_args import EngineArgs
@@ -30,18 +35,25 @@ from rollout.scheduler import Scheduler
 from rollout.scheduler_loop import run_scheduler_loop
 from rollout.tokenizer import TokenizerWrapper
 from rollout.weights_api import WeightsAPI
-from runner.model_runner import ModelRunner
+from runner.tp import create_model_runner
 
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("rollout-engine")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
+
+
 class Engine(WeightsAPI):
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.args = EngineArgs.from_kwargs(model_path, **kwargs)
         logging.getLogger("rollout").setLevel(self.args.log_level.upper())
-        self.runner = ModelRunner(self.args.runner_config())
+        self.runner = create_model_runner(self.args.runner_config())
         self.tokenizer = TokenizerWrapper(self.args.model_path, self.args.skip_tokenizer_init)
         mc = self.runner.model_config
         self.eos_ids = self.tokenizer.eos_token_ids(mc.eos_token_ids, self.args.model_path)
@@ -66,7 +78,10 @@ class Engine(WeightsAPI):
             self._abort_reqs(list(self._reqs.values()), "engine shut down")
             self._cv.notify_all()
         self._thread.join(timeout=30)
-        self.runner.shutdown()
+        if self._thread.is_alive():  # a step is still running: freeing its tensors under it would crash
+            logger.error("the scheduler thread did not stop within 30 s; the engine's memory is not freed")
+            return
+        self.runner.shutdown()  # frees every tensor, even while this Engine is still referenced
 
     def __enter__(self) -> Engine:
         return self
@@ -106,7 +121,7 @@ class Engine(WeightsAPI):
         sink.closed = True
         victims = [r for r in self._reqs.values() if r.sink is sink]
         for req in victims:
-            self.scheduler.abort(req, f"the caller is gone ({reason})")
+            self._abort_in_scheduler(req, f"the caller is gone ({reason})")
             del self._reqs[req.rid]
         if victims:
             logger.warning("dropped %d request(s) whose caller is gone (%s): %s", len(victims), reason,
@@ -118,16 +133,20 @@ class Engine(WeightsAPI):
         for req in reqs:
             if self._reqs.get(req.rid) is not req:
                 continue
-            try:
-                aborted = self.scheduler.abort(req, message)
-            except Exception:  # its bookkeeping is broken (a bug): still give the caller its output
-                logger.exception("aborting request %s failed", req.rid)
-                aborted = False
-            if not aborted:  # not (or no longer) queued in the scheduler: finish it here
-                req.finished_reason = FinishReason("abort", message=message)
+            self._abort_in_scheduler(req, message)
             self._deliver(req)
             n += 1
         return n
+
+    def _abort_in_scheduler(self, req: Req, message: str) -> None:
+        """Finish req as abort, freeing its KV; it is finished even if the scheduler cannot say so."""
+        try:
+            aborted = self.scheduler.abort(req, message)
+        except Exception:  # its bookkeeping is broken (a bug): still give the caller its output
+            logger.exception("aborting request %s failed", req.rid)
+            aborted = False
+        if not aborted:  # not (or no longer) queued in the scheduler: finish it here
+            req.finished_reason = FinishReason("abort", message=message)
 
     def _fail_all(self, message: str) -> None:
         """Last resort after an unexpected error in the loop: finish every request in flight with the
@@ -149,7 +168,9 @@ class Engine(WeightsAPI):
             check(v)
         return values
 
-    def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream):
+    def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream,
+                   return_routed_experts=False, logprob_start_len=None, token_ids_logprob=None,
+                   return_original_logprob=None):
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
         if prompt is not None:
@@ -191,16 +212,23 @@ class Engine(WeightsAPI):
 
         logprob_flags = self._per_prompt("return_logprob", return_logprob, num, check_bool("return_logprob"))
         tops = self._per_prompt("top_logprobs_num", top_logprobs_num, num, check_top)
+        routed_flags = self._per_prompt("return_routed_experts", return_routed_experts, num,
+                                        check_bool("return_routed_experts"))
+        if any(routed_flags) and not self.args.enable_return_routed_experts:
+            raise ValueError("return_routed_experts=True needs an engine built with enable_return_routed_experts=True "
+                             "(a mixture-of-experts model): the routing of every KV slot is kept only then")
         check_bool("stream")(stream)
+        starts, id_lists, original = self._logprob_options(ids_list, logprob_start_len, token_ids_logprob,
+                                                           return_original_logprob)
         total = sum(sp.n for sp in sps)
         rids = self._expand_rids(rid, num, total, single and sps[0].n == 1)
         reqs = []
         now = time.perf_counter()
         for i, (ids, sp) in enumerate(zip(ids_list, sps)):
             sp.verify(vocab)
-            if sp.stop and self.tokenizer.tokenizer is None:  # else they would silently never match
-                raise ValueError("sampling param stop needs a tokenizer (stop strings are matched on text); this "
-                                 "engine has none: use stop_token_ids")
+            if (sp.stop or sp.stop_regex) and self.tokenizer.tokenizer is None:  # else they would never match
+                raise ValueError("sampling params stop and stop_regex need a tokenizer (they are matched on text); "
+                                 "this engine has none: use stop_token_ids")
             if not ids:
                 raise ValueError(f"prompt {i} is empty (input_ids needs at least one token)")
             bad = [t for t in ids if not 0 <= t < vocab]
@@ -213,10 +241,49 @@ class Engine(WeightsAPI):
             for j in range(sp.n):
                 # n samples of one seeded request differ from each other but are reproducible.
                 seed = base_seed if j == 0 else hash((base_seed, j)) & ((1 << 63) - 1)
-                req = Req(rids[len(reqs)], list(ids), sp, seed, logprob_flags[i], tops[i], stream, index=len(reqs))
+                req = Req(rids[len(reqs)], list(ids), sp, seed, logprob_flags[i], tops[i], stream, index=len(reqs),
+                          return_routed_experts=routed_flags[i], logprob_start_len=starts[i],
+                          token_ids_logprob=id_lists[i], return_original_logprob=original)
                 req.created_time = now
                 reqs.append(req)
         return reqs, single and sps[0].n == 1
+
+    def _logprob_options(self, ids_list: list[list[int]], logprob_start_len, token_ids_logprob,
+                         return_original_logprob) -> tuple[list[int], list, bool]:
+        """SGLang's logprob arguments, validated: logprob_start_len (None/-1 = the last prompt token; an int
+        or one per prompt), token_ids_logprob (ids for every prompt, or one list per prompt), and which
+        distribution logprobs come from (None: the SGLANG_RETURN_ORIGINAL_LOGPROB environment variable)."""
+        num, vocab = len(ids_list), self.runner.model_config.vocab_size
+        starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * num
+        if len(starts) != num:
+            raise ValueError(f"logprob_start_len has {len(starts)} entries for {num} prompts")
+        for i, (v, ids) in enumerate(zip(starts, ids_list)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not -1 <= v < len(ids)):
+                raise ValueError(f"logprob_start_len must be -1 (the last prompt token) or a prompt position in "
+                                 f"[0, {len(ids)}) for prompt {i} of {len(ids)} tokens, got {v!r}")
+        starts = [-1 if v is None else v for v in starts]
+
+        def is_ids(x) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if token_ids_logprob is None or is_ids(token_ids_logprob):
+            id_lists = [token_ids_logprob] * num
+        elif isinstance(token_ids_logprob, list) and all(x is None or is_ids(x) for x in token_ids_logprob):
+            id_lists = token_ids_logprob
+            if len(id_lists) != num:
+                raise ValueError(f"token_ids_logprob has {len(id_lists)} lists for {num} prompts")
+        else:
+            raise ValueError(f"token_ids_logprob must be a list of token ids or one list per prompt, "
+                             f"got {token_ids_logprob!r}")
+        bad = sorted({t for ids in id_lists for t in ids or () if not 0 <= t < vocab})
+        if bad:
+            raise ValueError(f"token_ids_logprob has ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if return_original_logprob is None:
+            env = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower()
+            return_original_logprob = env in ("1", "true", "yes")
+        if not isinstance(return_original_logprob, bool):
+            raise ValueError(f"return_original_logprob must be a bool or None, got {return_original_logprob!r}")
+        return starts, [None if ids is None else list(ids) for ids in id_lists], return_original_logprob
 
     @staticmethod
     def _expand_rids(rid, num_prompts: int, total: int, is_single: bool) -> list[str]:
@@ -239,7 +306,7 @@ class Engine(WeightsAPI):
 
     def _submit(self, reqs: list[Req], sink) -> None:
         with self._cv:
-            if self._shutdown:
+            if self._shutdown or not self._thread.is_alive():
                 raise RuntimeError("engine is shut down")
             if not self.runner.weights_valid:
                 raise RuntimeError(self.runner.invalid_weights_message())
@@ -260,14 +327,30 @@ class Engine(WeightsAPI):
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool | list[bool] = False,
                  top_logprobs_num: int | list[int] = 0, stream: bool = False, rid=None,
-                 show_progress: bool | None = None, **unsupported):
+                 show_progress: bool | None = None, return_routed_experts: bool | list[bool] = False,
+                 logprob_start_len: int | list[int] | None = None,
+                 token_ids_logprob: list[int] | list[list[int]] | None = None,
+                 return_original_logprob: bool | None = None, **unsupported):
         """Blocking generation. One dict for a single prompt with n=1, else a list (n dicts per prompt).
-        stream=True returns an iterator of chunk dicts (of every request of the call, each with "index")."""
+        stream=True returns an iterator of chunk dicts (of every request of the call, each with "index").
+        return_routed_experts=True (MoE, engine built with enable_return_routed_experts): the final
+        meta_info["routed_experts"] is SGLang's base64 of int32 [prompt + completion - 1, num_layers, top_k],
+        the experts of every position the model processed, prompt first; -1 for dense layers.
+
+        Logprobs (return_logprob=True), as SGLang: meta_info["input_token_logprobs"] scores the prompt from
+        position logprob_start_len on (default -1: only the last prompt token; its first entry is None),
+        "output_token_logprobs" every new token; top_logprobs_num adds "input_top_logprobs" /
+        "output_top_logprobs", token_ids_logprob (ids) adds "input_token_ids_logprobs" /
+        "output_token_ids_logprobs". max_new_tokens=0 only scores the prompt. The distribution is the one
+        sampled from (after penalties, logit_bias, temperature and top-k/top-p/min-p truncation; prompt
+        positions get temperature only), or with return_original_logprob=True (default: the
+        SGLANG_RETURN_ORIGINAL_LOGPROB environment variable) the log-softmax of the raw logits."""
         if unsupported:
             raise TypeError(f"generate got unsupported argument(s) {sorted(unsupported)}")
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                       rid, stream)
-        sink = SyncSink()
+                                       rid, stream, return_routed_experts, logprob_start_len, token_ids_logprob,
+                                       return_original_logprob)
+        sink = SyncSink(self._thread.is_alive)
         self._submit(reqs, sink)
         if stream:
             return SyncStream(reqs, sink, self._output, self._abort_quietly)
@@ -289,10 +372,14 @@ class Engine(WeightsAPI):
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob: bool | list[bool] = False, top_logprobs_num: int | list[int] = 0,
-                             stream: bool = False, rid=None):
+                             stream: bool = False, rid=None, return_routed_experts: bool | list[bool] = False,
+                             logprob_start_len: int | list[int] | None = None,
+                             token_ids_logprob: list[int] | list[list[int]] | None = None,
+                             return_original_logprob: bool | None = None):
         """asyncio twin of generate: many coroutines share the engine, each awaiting its own results."""
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                       rid, stream)
+                                       rid, stream, return_routed_experts, logprob_start_len, token_ids_logprob,
+                                       return_original_logprob)
         sink = AsyncSink(asyncio.get_running_loop())
         self._submit(reqs, sink)
         if stream:
@@ -347,20 +434,94 @@ class Engine(WeightsAPI):
             self._paused = False
             self._cv.notify_all()
 
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> tuple[bool, str]:
+        """SGLang's update_weight_version: relabel the weights being served (no weight changes), after
+        aborting every request in flight when `abort_all_requests` (their outputs carry the old version)."""
+        if not isinstance(new_version, str) or not isinstance(abort_all_requests, bool):
+            raise TypeError(f"update_weight_version takes new_version: str and abort_all_requests: bool, "
+                            f"got {new_version!r}, {abort_all_requests!r}")
+        with self._cv:
+            if abort_all_requests:
+                self._abort_reqs(list(self._reqs.values()), "aborted by update_weight_version(abort_all_requests=True)")
+            self.weight_version = new_version
+        return True, f"Weight version updated to {new_version}"
+
+    def get_weights_checksum(self) -> dict:
+        """SHA-256 over every model parameter (name, dtype, shape, bytes) in name order, taken under the step
+        lock so an update is never read half-way: equal checksums mean bitwise-equal weights.
+        Returns {"checksum", "num_tensors", "weight_version"}."""
+        h = hashlib.sha256()
+        with self._cv:
+            params = sorted(self.runner.model.named_parameters())
+            for name, p in params:
+                t = p.detach().to("cpu").contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                # Bytes of a copy: exporting the parameter's own storage would pin it (release resizes it).
+                h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())
+            version = self.weight_version
+        return {"checksum": h.hexdigest(), "num_tensors": len(params), "weight_version": version}
+
     def flush_cache(self) -> bool:
         """Empty the prefix cache. As SGLang: False (nothing flushed) while requests hold KV (running,
         or paused in place); True otherwise (waiting or retracted requests hold none)."""
         with self._cv:
             return self.scheduler.flush_cache()
 
+    # ---- expert distribution (MoE models; SGLang's names) ------------------------------------------
+    def _expert_recorder(self, what: str):
+        recorder = getattr(getattr(self.runner, "model", None), "expert_recorder", None)
+        if recorder is None:
+            raise ValueError(f"{what} needs a mixture-of-experts model; "
+                             f"{self.runner.model_config.architecture} has no experts")
+        return recorder
+
+    def start_expert_distribution_record(self) -> None:
+        """Count, per layer and expert, the tokens routed there from now on (a fresh record; mode from
+        expert_distribution_recorder_mode). Captured decode steps yield to eager ones while it runs."""
+        with self._cv:
+            recorder = self._expert_recorder("start_expert_distribution_record")
+            recorder.mode = self.args.expert_distribution_recorder_mode
+            recorder.start_record()
+
+    def stop_expert_distribution_record(self) -> None:
+        with self._cv:
+            self._expert_recorder("stop_expert_distribution_record").stop_record()
+
+    def dump_expert_distribution_record(self, output_dir: str | None = None) -> dict:
+        """The record so far, JSON-ready: {"logical_count": [num_layers][num_experts], ...} (mode "stat"
+        adds num_forward_passes; "per_pass" adds one record per forward pass). Given `output_dir`, also
+        torch.save's it there as SGLang does. Resets the record."""
+        with self._cv:
+            dump = self._expert_recorder("dump_expert_distribution_record").dump_record(output_dir)
+        return _json_ready(dump)
+
     def get_server_info(self) -> dict:
+        """SGLang's keys where they can be computed: every server arg (this engine's options, flat), the
+        scheduler info (`max_total_num_tokens`, `max_req_input_len`), `internal_states` (one dict per
+        scheduler: counters, cache hit rate, `memory_usage` in GB), `weight_version` and `version`; and,
+        flat beside them, this engine's counters (`num_in_flight`, `paused`, `memory_bytes`, ...)."""
         with self._cv:
             s = dict(self.scheduler.stats)
             total = s["num_prompt_tokens"]
             s["cache_hit_rate"] = s["num_cached_tokens"] / total if total else 0.0
+            memory = {t: self.runner.memory_saver.bytes_held(t) for t in ("weights", "kv_cache", "cuda_graph")}
             s.update(weight_version=self.weight_version, num_in_flight=self.scheduler.num_in_flight(),
                      max_total_num_tokens=self.runner.max_total_num_tokens, context_length=self.runner.context_len,
-                     paused=self._paused,
-                     memory_bytes={t: self.runner.memory_saver.bytes_held(t) for t in ("weights", "kv_cache",
-                                                                                         "cuda_graph")})
-            return s
+                     paused=self._paused, memory_bytes=memory,
+                     memory_usage={"weight": memory["weights"] / 2**30, "kvcache": memory["kv_cache"] / 2**30,
+                                   "graph": memory["cuda_graph"] / 2**30,
+                                   "token_capacity": self.runner.max_total_num_tokens})
+            max_input = min(self.runner.context_len, self.runner.max_total_num_tokens) - 1
+            return {**dataclasses.asdict(self.args), **s, "max_req_input_len": max_input,
+                    "internal_states": [dict(s)], "version": _version()}
+
+
+def _json_ready(value):
+    """Tensors (any depth of dicts and lists) as nested lists, so the dict crosses JSON (HTTP, RemoteEngine)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(v) for v in value]
+    return value

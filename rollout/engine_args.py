@@ -1,7 +1,8 @@
 """EngineArgs: every Engine option with its SGLang name, validated before anything is built.
 
 The options are not declared here: EngineArgs is composed from the fields of RunnerConfig
-(runner/config.py), SchedulerConfig (rollout/scheduler.py) and FrontendConfig (below), in that order,
+(runner/config.py), SchedulerConfig (rollout/scheduler.py), FrontendConfig and SGLangCompatConfig
+(below), in that order,
 so a new runner or scheduler option is an Engine option (and a server flag) with no edit here. A name
 both parts declare (`max_running_requests`) is one option, passed to both, with the first part's
 default. `runner_config()` and `scheduler_config()` split the flat options back into their parts; each
@@ -20,6 +21,7 @@ from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 
 from rollout.scheduler import SchedulerConfig
 from runner.config import RunnerConfig
+from runner.expert_distribution import MODES as EXPERT_RECORDER_MODES
 
 
 @dataclass
@@ -29,8 +31,12 @@ class FrontendConfig:
     skip_tokenizer_init: bool = False
     show_progress: bool = True
     log_level: str = "warning"
+    expert_distribution_recorder_mode: str = "stat"
 
     def __post_init__(self) -> None:
+        if self.expert_distribution_recorder_mode not in EXPERT_RECORDER_MODES:
+            raise ValueError(f"expert_distribution_recorder_mode={self.expert_distribution_recorder_mode!r}: choose "
+                             f"one of {EXPERT_RECORDER_MODES}")
         levels = ("debug", "info", "warning", "error", "critical")
         if str(self.log_level).lower() not in levels:
             raise ValueError(f"log_level={self.log_level!r}: choose one of {levels}")
@@ -58,14 +64,19 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "cuda_graph_bs": ("None or list of sizes", "exact captured decode batches"),
     "enable_memory_saver": ("bool", "release/resume_memory_occupation work"),
     "enable_weights_cpu_backup": ("bool", "released weights kept on the host and restored on resume"),
-    "tp_size": ("1", "tensor parallelism is not supported yet"),
+    "tp_size": (">= 1", "tensor parallelism: one process per rank (runner/tp), gloo on CPU, NCCL on CUDA"),
     "random_seed": ("int (None = 0)", "dummy weights and unseeded sampling"),
     "skip_tokenizer_init": ("bool", "token ids in, token ids out"),
     "log_level": ("'debug', 'info', 'warning', 'error', 'critical'", "level of the `rollout` loggers"),
-    "base_gpu_id": ("int >= 0", "device='cuda' runs on cuda:{base_gpu_id}; no-op on the CPU"),
+    "base_gpu_id": ("int >= 0; 0 when tp_size > 1 on CUDA", "device='cuda' runs on cuda:{base_gpu_id}; "
+                    "no-op on the CPU"),
     "weight_version": ("str", "weight_version before the first update"),
     "custom_weight_loader": ("None or list of dotted paths", "functions fn(model, named_tensors) that "
                              "update_weights_from_tensor(load_format=<path>) may call"),
+    "enable_return_routed_experts": ("bool", "generate(return_routed_experts=True) works (MoE): every forward's "
+                                     "routing is kept per KV slot on the host; captured decode steps yield to "
+                                     "eager ones"),
+    "expert_distribution_recorder_mode": ("'stat', 'per_pass'", "what dump_expert_distribution_record returns"),
     "cpu_offload_gb": (">= 0 on the CPU (weights are on the host already); 0 on CUDA (streaming weights in "
                        "is not supported: use enable_memory_saver + enable_weights_cpu_backup)", "host-resident weights"),
     # ---- accepted, no-ops here ------------------------------------------------------------------
@@ -79,9 +90,10 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "ep_size": ("1", "all experts of a MoE model on one device"),
     "nnodes": ("1", "one node"),
     "node_rank": ("0", "one node"),
-    "gpu_id_step": ("int >= 1", "no-op at tp_size=1"),
-    "dist_init_addr": ("None or str", "no-op at tp_size=1 (weight-update groups have their own address)"),
-    "nccl_port": ("None or int", "no-op at tp_size=1"),
+    "gpu_id_step": ("int >= 1; 1 when tp_size > 1 on CUDA", "no-op at tp_size=1 (TP rank i runs on cuda:i)"),
+    "dist_init_addr": ("None or str", "no-op: one node; TP ranks (and weight-update groups) rendezvous on "
+                       "their own addresses"),
+    "nccl_port": ("None or int", "no-op: TP ranks rendezvous on a free loopback port"),
     "quantization": ("None", "no quantized kernels"),
     "json_model_override_args": ("None, '', '{}'", "config.json is used as it is"),
     "enable_metrics": ("bool", "no-op: the HTTP server always serves /metrics"),
@@ -167,6 +179,10 @@ class _EngineArgsMethods:
     def _device(self) -> str:
         """SGLang's base_gpu_id picks the CUDA device: device='cuda' runs on cuda:{base_gpu_id}."""
         device, gpu = str(self.device), self.base_gpu_id
+        if device.startswith("cuda") and self.tp_size > 1 and (gpu, self.gpu_id_step) != (0, 1):
+            raise ValueError(f"base_gpu_id={gpu}, gpu_id_step={self.gpu_id_step} with tp_size={self.tp_size} is not "
+                             f"supported here (tensor-parallel rank i runs on cuda:i); supported: base_gpu_id=0, "
+                             f"gpu_id_step=1 (or CUDA_VISIBLE_DEVICES to choose the GPUs)")
         if not device.startswith("cuda") or not isinstance(gpu, int) or gpu == 0:
             return device
         if device == "cuda":

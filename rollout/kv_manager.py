@@ -33,6 +33,7 @@ class KVManager:
         self.device = device
         self.tree = RadixCache(kv_pool.free) if enable_radix_cache else None
         self.stats = stats  # the scheduler's counters; this class adds num_evicted_tokens
+        self.routed_experts: torch.Tensor | None = None  # [kv size + 1, num_layers, top_k] int32, host
 
     # ---- capacity ----------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -53,13 +54,15 @@ class KVManager:
         return self.kv_pool.alloc(n)
 
     # ---- a request's life ----------------------------------------------------------------------
-    def admit(self, req: Req) -> None:
-        """Give req a row and its longest cached prefix (locked so it cannot be evicted under it)."""
+    def admit(self, req: Req, max_prefix: int | None = None) -> None:
+        """Give req a row and its longest cached prefix (locked so it cannot be evicted under it), of at
+        most `max_prefix` tokens (positions whose logits the request needs must be computed)."""
         req.req_pool_idx = self.req_pool.alloc()
         req.num_computed = 0
         if self.tree is not None:
             # Keep at least one token to compute: its logits give the next token.
-            slots, node = self.tree.match_prefix(req.fill_ids[: req.seq_len - 1])
+            limit = req.seq_len - 1 if max_prefix is None else min(req.seq_len - 1, max_prefix)
+            slots, node = self.tree.match_prefix(req.fill_ids[:limit])
             self.tree.inc_lock_ref(node)
             req.last_node = node
             if len(slots):
@@ -129,6 +132,24 @@ class KVManager:
         what req holds and reset it to "never admitted"; its next admission starts from the cache."""
         self.release(req)
         req.num_computed = req.num_cached = req.num_allocated = 0
+
+    # ---- routed experts per KV slot (MoE, return_routed_experts) ------------------------------------
+    def enable_routed_experts(self, num_layers: int, top_k: int) -> None:
+        """Keep, per KV slot, the experts its token was routed to when its KV was computed, as SGLang does:
+        a request that reads a slot from the prefix cache reads its routing with it. Host memory,
+        (kv size + 1) * num_layers * top_k * 4 bytes; -1 until written."""
+        self.routed_experts = torch.full((self.kv_pool.size + 1, num_layers, top_k), -1, dtype=torch.int32)
+
+    def write_routed_experts(self, locs: torch.Tensor, routed: torch.Tensor) -> None:
+        """locs: [num_tokens] KV slots of one forward; routed: [num_tokens, num_layers, top_k], same order."""
+        self.routed_experts[locs.cpu()] = routed.cpu()
+
+    def routed_experts_of(self, req: Req) -> torch.Tensor:
+        """[n, num_layers, top_k] for req's positions [0, n): every position whose KV exists except the
+        last sampled token's (never fed back), n = min(num_computed, seq_len - 1), as SGLang returns."""
+        n = min(req.num_computed, req.seq_len - 1)
+        slots = self.req_pool.req_to_token[req.req_pool_idx, :n].cpu()
+        return self.routed_experts[slots]  # advanced indexing: a copy, safe after the slots are reused
 
     # ---- whole-pool operations ------------------------------------------------------------------
     def flush(self) -> bool:

@@ -11,6 +11,7 @@ has delivered its final output. Nothing here touches the scheduler; closing a st
 from __future__ import annotations
 
 import asyncio
+import base64
 import queue
 from collections.abc import Callable
 
@@ -41,31 +42,65 @@ def build_output(req: Req, tok: TokenizerWrapper, weight_version: str, final: bo
         meta["error"] = text_error
     if final:
         meta["e2e_latency"] = req.finished_time - req.created_time
+    if final and req.return_routed_experts:
+        # SGLang's wire format, in-process too: base64 of int32 [rows, num_layers, top_k], C order.
+        routed = req.routed_experts
+        meta["routed_experts"] = "" if routed is None else base64.b64encode(routed.numpy().tobytes()).decode("ascii")
     if req.return_logprob:
-        texts = [tok.token_text(t) for t in req.output_ids] if final else [None] * len(req.output_ids)
-        meta["output_token_logprobs"] = [
-            (lp, t, s) for lp, t, s in zip(req.output_logprobs, req.output_ids, texts)
-        ]
-        if req.top_logprobs_num:
-            meta["output_top_logprobs"] = [
-                [(lp, t, tok.token_text(t) if final else None) for lp, t in step]
-                for step in req.output_top_logprobs
-            ]
+        meta.update(logprob_meta(req, tok, final))
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta, "index": req.index}
 
 
+def logprob_meta(req: Req, tok: TokenizerWrapper, final: bool) -> dict:
+    """SGLang's logprob keys: input_token_logprobs / output_token_logprobs as [(logprob, token id, text)]
+    (text only in the final output); input_top_logprobs / output_top_logprobs with top_logprobs_num;
+    input_token_ids_logprobs / output_token_ids_logprobs with token_ids_logprob. Input lists start at
+    prompt position logprob_start_len, whose entry has logprob None (SGLang pads the first one)."""
+    def text(t: int) -> str | None:
+        return tok.token_text(t) if final else None
+
+    def entries(pairs) -> list:
+        return [(lp, t, text(t)) for lp, t in pairs]
+
+    prompt_pos = range(req.logprob_start_len, len(req.prompt_ids))
+    scored = [req.input_logprobs.get(p) for p in prompt_pos]  # None where not scored (the first)
+    meta = {
+        "input_token_logprobs": [(e[0] if e else None, req.prompt_ids[p], text(req.prompt_ids[p]))
+                                 for p, e in zip(prompt_pos, scored)],
+        "output_token_logprobs": entries(zip(req.output_logprobs, req.output_ids)),
+    }
+    if req.top_logprobs_num:
+        meta["input_top_logprobs"] = [entries(e[1]) if e else None for e in scored]
+        meta["output_top_logprobs"] = [entries(step) for step in req.output_top_logprobs]
+    ids = req.token_ids_logprob
+    if ids is not None:
+        meta["input_token_ids_logprobs"] = [entries(zip(e[2], ids)) if e and ids else ([] if e else None)
+                                            for e in scored]
+        steps = req.output_token_ids_logprobs if ids else [[]] * len(req.output_ids)
+        meta["output_token_ids_logprobs"] = [entries(zip(step, ids)) for step in steps]
+    return meta
+
+
 class SyncSink:
-    def __init__(self) -> None:
+    def __init__(self, producer_alive: Callable[[], bool] = lambda: True) -> None:
         self.queue: queue.Queue = queue.Queue()
         self.closed = False
+        self._producer_alive = producer_alive
 
     def put(self, item) -> None:
         if self.closed:
             raise SinkClosedError("the stream was closed by its reader")
         self.queue.put(item)
 
-    def get(self, timeout: float | None = None):
-        return self.queue.get(timeout=timeout)
+    def get(self):
+        # Polls so that a producer that is gone is an error, not a wait forever.
+        while True:
+            try:
+                return self.queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._producer_alive():
+                    raise RuntimeError("the engine's scheduler thread is not running (engine shut down?); "
+                                       "this request will get no output") from None
 
 
 class AsyncSink:

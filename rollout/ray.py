@@ -278,9 +278,13 @@ class EngineGroup:
                                         weight_version=weight_version))
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 weight_version: str | None = None) -> tuple[bool, str]:
-        return self._atomic_update("update_weights_from_disk", None, (str(model_path),),
-                                   dict(load_format=load_format, weight_version=weight_version))
+                                 weight_version: str | None = None, flush_cache: bool = True
+                                 ) -> tuple[bool, str, int]:
+        """SGLang's shape: (success, message, num_paused_requests); the group pauses nothing itself."""
+        ok, msg = self._atomic_update("update_weights_from_disk", None, (str(model_path),),
+                                      dict(load_format=load_format, weight_version=weight_version,
+                                           flush_cache=flush_cache))
+        return ok, msg, 0
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str = "gloo", **kwargs) -> tuple[bool, str]:

@@ -43,9 +43,20 @@ class Req:
     top_logprobs_num: int = 0
     stream: bool = False
     index: int = 0  # position in the caller's batch (after n-expansion)
+    logprob_start_len: int = -1  # first prompt position of input_token_logprobs (-1: the last, as SGLang)
+    token_ids_logprob: list[int] | None = None  # ids whose logprobs every position reports
+    return_original_logprob: bool = False  # logprobs of the raw logits instead of the sampled distribution
+    return_routed_experts: bool = False
+    # [rows, num_layers, top_k] int32 on the host, set as it finishes when asked: the experts of every
+    # position it computed or read from the prefix cache (rollout.kv_manager keeps them per KV slot)
+    routed_experts: Any = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    # Prompt logprobs by the position of the token scored (logprob_start_len < position < prompt length),
+    # filled as prefill chunks run: (logprob, top [(logprob, id)] or None, token_ids logprobs or None).
+    input_logprobs: dict[int, tuple] = field(default_factory=dict)
     finished_reason: FinishReason | None = None
     # KV bookkeeping
     req_pool_idx: int | None = None
@@ -64,13 +75,38 @@ class Req:
     created_time: float = 0.0  # time.perf_counter() at submission
     finished_time: float = 0.0  # ... when the final output was delivered
 
+    def __post_init__(self) -> None:
+        if self.logprob_start_len < 0:  # SGLang's default: only the last prompt token (its logprob None)
+            self.logprob_start_len = len(self.prompt_ids) - 1
+
     def snapshot(self) -> Req:
         """A copy of the outputs so far, for a stream chunk (the scheduler goes on mutating self)."""
         snap = copy.copy(self)
         snap.output_ids = list(self.output_ids)
         snap.output_logprobs = list(self.output_logprobs)
         snap.output_top_logprobs = list(self.output_top_logprobs)
+        snap.output_token_ids_logprobs = list(self.output_token_ids_logprobs)
+        snap.input_logprobs = dict(self.input_logprobs)
         return snap
+
+    @property
+    def input_logprob_positions(self) -> range:
+        """Prompt positions whose token gets an input logprob (the one at logprob_start_len is None, as
+        SGLang pads it); empty without return_logprob."""
+        if not self.return_logprob:
+            return range(0)
+        return range(self.logprob_start_len + 1, len(self.prompt_ids))
+
+    @property
+    def needs_input_logprobs(self) -> bool:
+        """Some prompt position still has to be scored: its logits must be computed, not cached."""
+        return len(self.input_logprobs) < len(self.input_logprob_positions)
+
+    @property
+    def max_cached_prefix(self) -> int | None:
+        """How many prompt tokens admission may take from the prefix cache (None: no limit). A position
+        is scored by the logits of the one before it, so positions from logprob_start_len on are computed."""
+        return self.logprob_start_len if self.needs_input_logprobs else None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -2,11 +2,20 @@
 
 Validation covers every field the scheduler step reads (types, bools included, and finite ranges), so a
 request that passes here cannot make a step raise; what needs the model (vocabulary) is in `verify`.
+
+Penalties follow the reference definitions: `repetition_penalty` is Hugging Face's
+RepetitionPenaltyLogitsProcessor over every token seen so far (prompt and output: a positive logit is
+divided by it, a negative one multiplied); `frequency_penalty` / `presence_penalty` are OpenAI's (and
+SGLang's), over the output tokens only: logit -= frequency_penalty * count + presence_penalty * (count > 0).
+`logit_bias` ({token id: bias}, keys as ints or decimal strings as JSON sends them) is added to the logits.
+All of them act on the logits before temperature and truncation. `max_new_tokens=None` means "up to the
+context length". `stop_regex` patterns are searched in the decoded output, like `stop` strings.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields, replace
 
 _GREEDY_BELOW = 1e-6  # temperatures under this are greedy
@@ -15,7 +24,7 @@ _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tok
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None: up to the context length
     min_new_tokens: int = 0
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -29,6 +38,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    repetition_penalty: float = 1.0  # 1 = off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    stop_regex: str | list[str] | None = None
 
     @classmethod
     def from_dict(cls, params: dict | None) -> SamplingParams:
@@ -57,9 +71,11 @@ class SamplingParams:
             return isinstance(x, int) and not isinstance(x, bool)
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            if name == "max_new_tokens" and self.max_new_tokens is None:
+                continue
             if not is_int(getattr(self, name)):
                 raise ValueError(f"sampling param {name} must be an int, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float):
                 raise ValueError(f"sampling param {name} must be a number, got {v!r}")
@@ -68,7 +84,7 @@ class SamplingParams:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sampling param {name} must be a bool, got {getattr(self, name)!r}")
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"sampling param max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens:
             raise ValueError(f"sampling param min_new_tokens must be >= 0, got {self.min_new_tokens}")
@@ -97,11 +113,52 @@ class SamplingParams:
         self.stop_token_ids = list(ids)
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"sampling param seed must be an int or None, got {self.seed!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"sampling param repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):  # OpenAI's and SGLang's range
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"sampling param {name} must be in [-2, 2], got {getattr(self, name)}")
+        self.logit_bias = self._normalized_bias(self.logit_bias)
+        regexes = [] if self.stop_regex is None else self.stop_regex
+        regexes = [regexes] if isinstance(regexes, str) else regexes
+        if not isinstance(regexes, list | tuple) or not all(isinstance(r, str) and r for r in regexes):
+            raise ValueError(f"sampling param stop_regex must be a string or a list of non-empty strings, "
+                             f"got {self.stop_regex!r}")
+        for r in regexes:
+            try:
+                re.compile(r)
+            except re.error as e:
+                raise ValueError(f"sampling param stop_regex {r!r} is not a valid regular expression: {e}") from None
+        self.stop_regex = list(regexes)
+
+    @staticmethod
+    def _normalized_bias(bias) -> dict[int, float]:
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise ValueError(f"sampling param logit_bias must be a dict {{token id: bias}}, got {bias!r}")
+        out = {}
+        for k, v in bias.items():
+            tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+            if not isinstance(tid, int) or isinstance(tid, bool):
+                raise ValueError(f"sampling param logit_bias key {k!r} must be a token id (int or decimal string)")
+            if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v) or v == math.inf:
+                # -inf is allowed (bans the token); +inf would make every probability nan
+                raise ValueError(f"sampling param logit_bias[{k!r}] must be a number below +inf, got {v!r}")
+            out[tid] = float(v)
+        return out
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     def verify(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"sampling param stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+        bad = sorted(t for t in self.logit_bias if not 0 <= t < vocab_size)
+        if bad:
+            raise ValueError(f"sampling param logit_bias has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
 
     @property
     def is_greedy(self) -> bool:

@@ -26,9 +26,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from rollout.batch import decode_batch, extend_batch, sampling_info
+from rollout.batch import decode_batch, extend_batch, prompt_logprob_rows, sampling_info
 from rollout.kv_manager import KVManager
 from rollout.request import FinishReason, Req
+from runner.sampler import prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 2048
     max_running_requests: int | None = None
     disable_radix_cache: bool = False
+    enable_return_routed_experts: bool = False  # MoE: keep each KV slot's routed experts for return_routed_experts
     in_batch_prefix_threshold: int = 16  # shared tokens that make a request wait for the cache
 
     def __post_init__(self) -> None:
@@ -53,6 +55,8 @@ class _Sampled(NamedTuple):
     token: int
     logprob: float
     top: list[tuple[float, int]] | None  # (logprob, token id) of the top tokens, if asked
+    ids_logprobs: list[float] | None = None  # at the request's token_ids_logprob, if asked
+    prompt: list[tuple[int, tuple]] | None = None  # (position, Req.input_logprobs entry) scored this step
 
 
 class _StepFailure(NamedTuple):
@@ -89,6 +93,15 @@ class Scheduler:
         req_pool = runner.req_to_token_pool
         self.kv = KVManager(req_pool, runner.token_to_kv_pool, runner.device, not config.disable_radix_cache,
                             self.stats)
+        # MoE routed experts (return_routed_experts): the model captures every forward's routing, the KV
+        # manager files it per KV slot, so prefix-cache hits return the prompt's rows too.
+        self.recorder = getattr(getattr(runner, "model", None), "expert_recorder", None)
+        if config.enable_return_routed_experts:
+            if self.recorder is None:
+                raise ValueError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "
+                                 f"{runner.model_config.architecture} has no experts")
+            self.kv.enable_routed_experts(self.recorder.num_layers, self.recorder.top_k)
+            self.recorder.set_capture_routed_experts(True)
         self.max_running = min(config.max_running_requests or req_pool.size, req_pool.size)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -135,12 +148,14 @@ class Scheduler:
 
     # ---- decisions that move requests between queues (the KV work is self.kv's) ------------
     def _admit(self, req: Req) -> None:
-        self.kv.admit(req)
+        self.kv.admit(req, req.max_cached_prefix)
         self._admit_counter += 1
         req.admitted_order = self._admit_counter
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
+        if req.return_routed_experts and req.req_pool_idx is not None:
+            req.routed_experts = self.kv.routed_experts_of(req)
         self.kv.release(req)
         if req in self.running:
             self.running.remove(req)
@@ -159,6 +174,8 @@ class Scheduler:
         self.kv.undo(req)
         if self.chunked_req is req:
             self.chunked_req = None
+        if req.needs_input_logprobs:  # a partial set is recomputed whole (the weights may change meanwhile)
+            req.input_logprobs.clear()
         self.waiting.appendleft(req)
 
     def retract(self, req: Req) -> None:
@@ -222,6 +239,8 @@ class Scheduler:
             req = self.waiting.popleft()
             self._admit(req)
             shared = trie.match_and_insert(req.fill_ids[: req.seq_len - 1])
+            if req.max_cached_prefix is not None:  # it could not use more of the cache anyway
+                shared = min(shared, req.max_cached_prefix)
             threshold = max(1, min(self.config.in_batch_prefix_threshold, req.seq_len - 1))
             if items and shared - req.num_computed >= threshold:
                 # Its prefix is being computed in this batch: next step it is a cache hit instead.
@@ -273,8 +292,9 @@ class Scheduler:
         self.last_step_was_chunk = False
 
         def run(sub: list[tuple[Req, int, int]]) -> list[_Sampled]:
-            fb = extend_batch(sub, self.kv.extend_locs(sub), self.runner.device)
-            return self._forward_sample(fb, [r for r, _, _ in sub])
+            rows = prompt_logprob_rows(sub, self.runner.device)
+            fb = extend_batch(sub, self.kv.extend_locs(sub), self.runner.device, return_all_logits=rows is not None)
+            return self._forward_sample(fb, [r for r, _, _ in sub], rows)
 
         updated = []
         for (req, start, n), res in self._run_attributed(items, run):
@@ -284,11 +304,12 @@ class Scheduler:
                 continue
             try:
                 req.num_computed = start + n
+                req.input_logprobs.update(res.prompt or ())
                 if req.num_computed < req.seq_len:  # a chunk; more to come
                     self.kv.cache_unfinished(req)
                     self.last_step_was_chunk = True
                     continue
-                if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
+                if req.sampling_params.max_new_tokens == 0 and not req.output_ids:  # scoring the prompt only
                     self._finish(req, FinishReason("length", 0))
                 else:
                     self.kv.cache_unfinished(req)
@@ -338,15 +359,42 @@ class Scheduler:
         return reqs
 
     # ---- forward with failure attribution ---------------------------------------------------
-    def _forward_sample(self, fb, reqs: list[Req]) -> list[_Sampled]:
+    def _forward_sample(self, fb, reqs: list[Req], prompt_rows=None) -> list[_Sampled]:
         fb.sampling_info = sampling_info(reqs, self.runner.model_config.vocab_size, self.eos_ids, self.runner.device)
-        out = self.runner.sample(self.runner.forward(fb), fb)
+        logits_out = self.runner.forward(fb)
+        out = self.runner.sample(logits_out, fb)
         ids, logprobs = out.next_token_ids.tolist(), out.logprobs.tolist()  # the one device->host read
+        if self.kv.routed_experts is not None and self.recorder.last_routed_experts is not None:
+            # [num_tokens, num_layers, top_k] in the batch's token order, as out_cache_loc
+            self.kv.write_routed_experts(fb.out_cache_loc, self.recorder.last_routed_experts)
         tops = [None] * len(reqs)
         if out.top_logprobs is not None and any(r.return_logprob and r.top_logprobs_num for r in reqs):
             vals, toks = out.top_logprobs.tolist(), out.top_logprob_ids.tolist()
             tops = [list(zip(v, t))[: r.top_logprobs_num] for r, v, t in zip(reqs, vals, toks)]
-        return [_Sampled(t, lp, top) for t, lp, top in zip(ids, logprobs, tops)]
+        ids_lps = [None] * len(reqs)
+        if out.token_ids_logprobs is not None:  # only requests that asked, and only then: extra reads
+            ids_lps = [v[: len(r.token_ids_logprob or [])] for r, v in zip(reqs, out.token_ids_logprobs.tolist())]
+        prompt = [None] * len(reqs)
+        if prompt_rows is not None:
+            prompt = self._prompt_logprobs(logits_out.all_logits, reqs, prompt_rows)
+        return [_Sampled(t, lp, top, il, p) for t, lp, top, il, p in zip(ids, logprobs, tops, ids_lps, prompt)]
+
+    def _prompt_logprobs(self, all_logits, reqs: list[Req], rows) -> list[list[tuple[int, tuple]]]:
+        """Per request, the (position, (logprob, top, token_ids logprobs)) of the prompt positions this
+        step's logits score (rows: rollout.batch.PromptLogprobRows)."""
+        k = max((r.top_logprobs_num for r in reqs), default=0)
+        res = prompt_logprobs(all_logits, rows.rows, rows.targets, rows.temperatures, k, rows.token_ids)
+        lps = res.token_logprobs.tolist()
+        top_v = res.top_logprobs.tolist() if res.top_logprobs is not None else None
+        top_i = res.top_logprob_ids.tolist() if res.top_logprobs is not None else None
+        ids_v = res.token_ids_logprobs.tolist() if res.token_ids_logprobs is not None else None
+        out: list[list[tuple[int, tuple]]] = [[] for _ in reqs]
+        for m, (b, pos) in enumerate(zip(rows.owners, rows.positions)):
+            req = reqs[b]
+            top = list(zip(top_v[m], top_i[m]))[: req.top_logprobs_num] if req.top_logprobs_num else None
+            ids = ids_v[m][: len(req.token_ids_logprob)] if req.token_ids_logprob else None
+            out[b].append((pos, (lps[m], top, ids)))
+        return out
 
     def _run_attributed(self, units: list, run) -> list[tuple]:
         """(unit, result) per unit: `run(units)`'s rows, or, where it raised, a _StepFailure for the
@@ -379,6 +427,8 @@ class Scheduler:
             req.output_logprobs.append(sampled.logprob)
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(sampled.top)
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(sampled.ids_logprobs)
         reason = self._check_finished(req, sampled.token)
         if reason is not None:
             self._finish(req, reason)
@@ -386,16 +436,16 @@ class Scheduler:
     def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         sp = req.sampling_params
         num_out = len(req.output_ids)
-        if num_out > sp.min_new_tokens or num_out == sp.max_new_tokens:
+        if num_out > sp.min_new_tokens or num_out == sp.max_new_tokens:  # (None: no limit but the context)
             if token in sp.stop_token_ids:
                 return FinishReason("stop", token)
             if not sp.ignore_eos and token in self.eos_ids:
                 return FinishReason("stop", token)
-        if num_out >= sp.max_new_tokens:
+        if sp.max_new_tokens is not None and num_out >= sp.max_new_tokens:
             return FinishReason("length", sp.max_new_tokens)
         if req.seq_len >= self.runner.context_len:
             return FinishReason("length", self.runner.context_len)
-        if sp.stop and num_out >= sp.min_new_tokens:
+        if (sp.stop or sp.stop_regex) and num_out >= sp.min_new_tokens:
             matched = self.stop_checker(req)
             if matched is not None:
                 return FinishReason("stop", matched)

@@ -7,6 +7,7 @@ A checkpoint without tokenizer files, or `skip_tokenizer_init=True`, gives a Tok
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from rollout.request import Req
@@ -52,11 +53,13 @@ class TokenizerWrapper:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def find_stop(self, req: Req) -> str | None:
-        """The first stop string present in req's decoded output, if any (checked on text, as SGLang)."""
+        """The first stop string or stop_regex pattern found in req's decoded output, if any (checked on
+        text, as SGLang); a regex is reported by its pattern."""
         text = self.decode(req.output_ids, req)
         if text is None:
             return None
         hits = [(text.find(s), s) for s in req.sampling_params.stop if s in text]
+        hits += [(m.start(), r) for r in req.sampling_params.stop_regex if (m := re.search(r, text))]
         return min(hits)[1] if hits else None
 
     def final_text(self, req: Req) -> str | None:
@@ -64,5 +67,9 @@ class TokenizerWrapper:
         reason = req.finished_reason
         if text is not None and reason is not None and isinstance(reason.matched, str):
             if not req.sampling_params.no_stop_trim:
-                text = text[: text.find(reason.matched)] if reason.matched in text else text
+                if reason.matched in req.sampling_params.stop_regex:  # cut where the pattern matches
+                    m = re.search(reason.matched, text)
+                    text = text[: m.start()] if m else text
+                else:
+                    text = text[: text.find(reason.matched)] if reason.matched in text else text
         return text

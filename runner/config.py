@@ -188,6 +188,25 @@ def _parse_rope(raw: dict) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+def check_tp_size(mc: ModelConfig, tp_size: int) -> None:
+    """The model must split evenly over `tp_size` ranks (KV heads may instead be replicated)."""
+    if tp_size == 1:
+        return
+    if mc.architecture in MOE_ARCHITECTURES:
+        raise ValueError(f"tp_size={tp_size}: tensor parallelism of mixture-of-experts models ({mc.architecture}) "
+                         f"is not supported; use tp_size=1")
+    if mc.num_attention_heads % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide num_attention_heads={mc.num_attention_heads}")
+    kv = mc.num_key_value_heads
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(f"tp_size={tp_size}: num_key_value_heads={kv} must be a multiple or a divisor of it")
+    if mc.intermediate_size % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide intermediate_size={mc.intermediate_size}")
+
+
 @dataclass
 class RunnerConfig:
     model_path: str
@@ -216,10 +235,25 @@ class RunnerConfig:
     # update_weights_from_tensor may name as its load_format; GB of weights kept on the host.
     custom_weight_loader: list[str] | None = None
     cpu_offload_gb: float = 0
+    # Batch-invariant ops (runner/batch_invariant.py): a request's ids and logprobs are bitwise equal
+    # whatever its batch, chunking, cache hits or retraction. Turns off the prepacked CPU linears and
+    # the compiled CPU decode step (both use kernels whose bits depend on the row count).
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self) -> None:
-        if self.tp_size != 1:
-            raise ValueError(f"tp_size={self.tp_size}: tensor parallelism is not supported yet; use tp_size=1")
+        if self.enable_deterministic_inference:
+            if self.attention_backend not in (None, "torch_native"):
+                raise ValueError(f"attention_backend={self.attention_backend!r} is not batch-invariant; "
+                                 f"enable_deterministic_inference needs 'torch_native' (or None)")
+            self.attention_backend = "torch_native"
+            self.cpu_prepack = False
+            self.cuda_graph_bs = None
+            self.disable_cuda_graph = True  # captured steps pad the batch and use their own kernels
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size={self.tp_size!r} must be an integer >= 1")
+        if self.tp_size > 1 and self.cuda_graph_bs and str(self.device).startswith("cpu"):
+            raise ValueError(f"tp_size={self.tp_size} with cuda_graph_bs={self.cuda_graph_bs}: compiled CPU decode "
+                             f"steps are not supported under tensor parallelism; drop cuda_graph_bs")
         if self.dtype not in ("auto", *MODEL_DTYPES):
             raise ValueError(f"dtype={self.dtype!r}: choose 'auto', {', '.join(map(repr, MODEL_DTYPES))}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

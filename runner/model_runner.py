@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from runner import cpu_prepack
+from runner import batch_invariant, cpu_prepack
 from runner.attention import create_attention_backend
 from runner.checkpoint import CheckpointError, CheckpointIndex
 from runner.config import MODEL_DTYPES, ModelConfig, RunnerConfig, check_memory_tags
@@ -177,9 +177,9 @@ class ModelRunner:
                 target = self.name_map.resolve(name)
             except WeightUpdateError as e:
                 raise WeightUpdateError(f"{entry.file}: {e}") from None
-            if tuple(target.view().shape) != entry.shape:
+            if target.hf_shape() != entry.shape:
                 raise WeightUpdateError(f"{entry.file}: tensor {name!r} has shape {entry.shape}, the model "
-                                        f"expects {tuple(target.view().shape)}")
+                                        f"expects {target.hf_shape()}")
             if not entry.dtype.is_floating_point:
                 raise WeightUpdateError(f"{entry.file}: tensor {name!r} has non-float dtype {entry.dtype}")
         missing = [n for n in self.name_map.hf_names() if n not in index.entries]
@@ -249,7 +249,8 @@ class ModelRunner:
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
         if fb.forward_mode.is_decode() and self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
-        with forward_context(ForwardContext(self.attn_backend, self.token_to_kv_pool, self.req_to_token_pool)):
+        with (forward_context(ForwardContext(self.attn_backend, self.token_to_kv_pool, self.req_to_token_pool)),
+              batch_invariant.mode(self.config.enable_deterministic_inference)):
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb.input_ids, fb.positions, fb)
 
@@ -269,13 +270,19 @@ class ModelRunner:
 
     # ---- weights: every route ends in _write ------------------------------------------------
     def _require_weights_resident(self) -> None:
+        if self.is_shut_down:
+            raise WeightUpdateError("the engine was shut down: its weights are freed")
         if not self.memory_saver.is_resident("weights"):
             raise WeightUpdateError("weights are released; call resume_memory_occupation(['weights']) first")
+
+    def new_weight_writer(self) -> WeightWriter:
+        """The writer of one update (a tensor-parallel rank's votes before it commits)."""
+        return WeightWriter(snapshot=True)
 
     def _write(self, fill: Callable[[WeightWriter], None], repack_all: bool = False) -> int:
         """Run `fill(writer)` all or nothing; keep the prepacked shadows and validity in step.
         `writer.written` may hold HF or runner parameter names (direct); both count here."""
-        writer = WeightWriter(snapshot=True)
+        writer = self.new_weight_writer()
         try:
             fill(writer)  # enters `writer`: any failure inside restores what it wrote
         except WeightsCorruptedError as e:
@@ -449,8 +456,9 @@ class ModelRunner:
     # ---- memory release / resume ----------------------------------------------------------
     def check_memory_transition(self, tags: list[str] | None, release: bool) -> list[str]:
         """The tags a release (or resume) of `tags` acts on; RuntimeError, naming them, if any is already
-        released (or still resident): SGLang refuses both rather than doing nothing."""
-        tags = check_memory_tags(tags)
+        released (or still resident): SGLang refuses both rather than doing nothing. None or [] means
+        every tag, as in SGLang."""
+        tags = check_memory_tags(tags or None)
         if not self.config.enable_memory_saver:
             self.memory_saver.pause(tags[0])  # raises the saver's own "disabled" message
         if release:

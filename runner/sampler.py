@@ -1,9 +1,19 @@
 """Sampler: next-token choice and its log-probability, for a batch of per-request parameters.
 
-Greedy rows take the argmax and report the log-softmax of the raw logits. Sampled rows apply
-temperature, then top-k, top-p and min-p (in that order), and draw by inverse CDF from the
-renormalised distribution; the logprob reported is the log-softmax of exactly that distribution
-(the "distribution actually sampled from"), and optionally also the raw-logit logprob.
+First the logit processors, each skipped (no cost) when no row of the batch uses it: Hugging Face's
+repetition penalty over the tokens seen so far, OpenAI/SGLang frequency and presence penalties over the
+output tokens (from a [bs, vocab] count tensor built on the device by one scatter per step, no loop over
+the vocabulary), the logit bias, and the min_new_tokens ban. Greedy rows then take the argmax and report
+the log-softmax of the processed logits. Sampled rows apply temperature, then top-k, top-p and min-p (in
+that order), and draw by inverse CDF from the renormalised distribution.
+
+Which logprob is reported (SGLang's two choices, per row):
+- default: the log-softmax of exactly the distribution sampled from (after the processors, temperature
+  and top-k/top-p/min-p truncation: a token the truncation removed has logprob -inf, and the kept ones
+  are renormalised); for greedy rows, after the processors at temperature 1;
+- `original_rows`: the log-softmax of the model's raw logits, before every processor and temperature
+  (SGLang's RETURN_ORIGINAL_LOGPROB).
+Top logprobs and `token_ids` logprobs come from the same distribution as the token's logprob.
 
 Randomness is counter-based: the uniform for a row is a hash of (request seed, output position),
 so a request draws the same tokens whatever batch it is in, and after a retraction recomputes the
@@ -63,6 +73,15 @@ class SamplingBatchInfo:
     top_logprobs_num: int = 0
     return_raw_logprob: bool = False
     banned_mask: torch.Tensor | None = None  # [bs, vocab] bool: tokens that may not be sampled
+    # Logit processors; each None when no row uses it, so a batch without them pays nothing.
+    seen_mask: torch.Tensor | None = None  # [bs, vocab] bool: in the prompt or output (repetition penalty)
+    repetition_penalties: torch.Tensor | None = None  # [bs] fp32, 1 = off
+    output_counts: torch.Tensor | None = None  # [bs, vocab] fp32: occurrences in the row's output
+    frequency_penalties: torch.Tensor | None = None  # [bs] fp32
+    presence_penalties: torch.Tensor | None = None  # [bs] fp32
+    logit_bias: torch.Tensor | None = None  # [bs, vocab] fp32
+    original_rows: torch.Tensor | None = None  # [bs] bool: report log_softmax(raw logits) for these rows
+    token_ids: torch.Tensor | None = None  # [bs, k] int64: ids whose logprobs each row reports (padded)
 
     @classmethod
     def from_lists(cls, temperatures, top_ps, top_ks, min_ps, seeds, steps, vocab_size: int, device,
@@ -93,6 +112,48 @@ class SampleOutput:
     raw_logprobs: torch.Tensor | None = None  # [bs] under log_softmax(raw logits)
     top_logprobs: torch.Tensor | None = None  # [bs, k]
     top_logprob_ids: torch.Tensor | None = None  # [bs, k]
+    token_ids_logprobs: torch.Tensor | None = None  # [bs, k] at info.token_ids
+
+
+def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Penalties, bias and bans on [bs, vocab] logits (a new tensor when any applies)."""
+    if info.seen_mask is not None:
+        # HF RepetitionPenaltyLogitsProcessor: shrink the seen tokens' logits toward 0... or below it.
+        p = info.repetition_penalties.unsqueeze(1)
+        logits = torch.where(info.seen_mask, torch.where(logits < 0, logits * p, logits / p), logits)
+    if info.output_counts is not None:
+        counts = info.output_counts
+        logits = (logits - info.frequency_penalties.unsqueeze(1) * counts
+                  - info.presence_penalties.unsqueeze(1) * (counts > 0).to(logits.dtype))
+    if info.logit_bias is not None:
+        logits = logits + info.logit_bias
+    if info.banned_mask is not None:
+        logits = logits.masked_fill(info.banned_mask, float("-inf"))
+    return logits
+
+
+@dataclass
+class PromptLogprobs:
+    token_logprobs: torch.Tensor  # [m] of each target token
+    top_logprobs: torch.Tensor | None = None  # [m, k]
+    top_logprob_ids: torch.Tensor | None = None  # [m, k]
+    token_ids_logprobs: torch.Tensor | None = None  # [m, k] at the asked ids
+
+
+def prompt_logprobs(all_logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor,
+                    top_logprobs_num: int = 0, token_ids: torch.Tensor | None = None) -> PromptLogprobs:
+    """Logprobs at prompt positions: row i of `all_logits[rows]` scores `targets[i]` under
+    log_softmax(logits / temperatures[i]) (1 for greedy rows and original logprobs). No penalty or
+    truncation applies to prompt positions (as SGLang), so every prompt token has a finite logprob.
+    all_logits: [num_tokens, vocab]; rows, targets, temperatures: [m]; token_ids: [m, k]."""
+    logits = all_logits.index_select(0, rows)  # [m, vocab]
+    lp = torch.log_softmax(logits / temperatures.unsqueeze(1).expand_as(logits), dim=-1)
+    out = PromptLogprobs(lp.gather(1, targets.unsqueeze(1)).squeeze(1))
+    if top_logprobs_num > 0:
+        out.top_logprobs, out.top_logprob_ids = lp.topk(top_logprobs_num, dim=-1)
+    if token_ids is not None:
+        out.token_ids_logprobs = lp.gather(1, token_ids)
+    return out
 
 
 def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -101,7 +162,9 @@ def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.T
     if info.need_temperature:
         greedy = info.temperatures == 0
         temps = torch.where(greedy, torch.ones_like(info.temperatures), info.temperatures)
-        scaled = logits / temps.unsqueeze(1)
+        # Expanded to the logits' shape, so a one-row batch never meets torch's scalar-divisor
+        # special case: every row takes the same elementwise division whatever the batch size.
+        scaled = logits / temps.unsqueeze(1).expand_as(logits)
     if info.need_top_k or info.need_top_p or info.need_min_p:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
@@ -112,8 +175,10 @@ def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.T
         if info.need_top_p:
             # Keep the smallest prefix whose mass reaches top_p (a token is dropped when the mass
             # before it already reaches top_p); the first token always stays.
+            # Rows with top_p = 1 drop nothing even when rounding makes the cumulative mass reach 1
+            # early: another row's top_p must not change this row's distribution (batch invariance).
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= info.top_ps.unsqueeze(1)
+            drop |= (mass_before >= info.top_ps.unsqueeze(1)) & (info.top_ps < 1).unsqueeze(1)
         if info.need_min_p:
             drop |= sorted_probs < info.min_ps.unsqueeze(1) * sorted_probs[:, :1]
         drop[:, 0] = False
@@ -126,19 +191,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         # logits: [bs, vocab] fp32. Full-vocab passes are the cost here, so greedy rows and the raw
         # logprob work on [bs] gathers against one logsumexp instead of a second log_softmax.
-        if info.banned_mask is not None:
-            logits = logits.masked_fill(info.banned_mask, float("-inf"))
+        raw = logits
+        logits = apply_logit_processors(logits, info)
         argmax = logits.argmax(dim=-1)  # [bs]; also the argmax after temperature and truncation
         lse = torch.logsumexp(logits, dim=-1)  # [bs]
-
-        def raw_lp(ids: torch.Tensor) -> torch.Tensor:
-            return logits.gather(1, ids.unsqueeze(1)).squeeze(1) - lse
-
+        greedy = info.temperatures == 0
+        logprobs_all = None
         if info.is_all_greedy:
-            out = SampleOutput(argmax, raw_lp(argmax))
-            if info.top_logprobs_num > 0:
-                vals, out.top_logprob_ids = logits.topk(info.top_logprobs_num, dim=-1)
-                out.top_logprobs = vals - lse.unsqueeze(1)
+            ids = argmax
         else:
             logprobs_all = processed_logprobs(logits, info)  # [bs, vocab]
             cdf = logprobs_all.exp().cumsum_(dim=-1)  # [bs, vocab]
@@ -149,19 +209,39 @@ class Sampler:
             # Rounding at the very top of the CDF could land on a masked tail token: take argmax then.
             chosen = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
             ids = torch.where(chosen > float("-inf"), ids, argmax)
-            lp = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
-            greedy = info.temperatures == 0
             if info.has_greedy:
                 ids = torch.where(greedy, argmax, ids)
-                lp = torch.where(greedy, raw_lp(argmax), lp)
-            out = SampleOutput(ids, lp)
-            if info.top_logprobs_num > 0:
-                vals, top_ids = logprobs_all.topk(info.top_logprobs_num, dim=-1)
+        raw_lse = torch.logsumexp(raw, dim=-1) if info.original_rows is not None or info.return_raw_logprob else None
+
+        def reported(at: torch.Tensor) -> torch.Tensor:
+            """[bs, k] logprobs at token ids `at` [bs, k] under each row's reported distribution."""
+            vals = logits.gather(1, at) - lse.unsqueeze(1)
+            if logprobs_all is not None:
+                sampled = logprobs_all.gather(1, at)
+                vals = torch.where(greedy.unsqueeze(1), vals, sampled) if info.has_greedy else sampled
+            if info.original_rows is not None:
+                vals = torch.where(info.original_rows.unsqueeze(1), raw.gather(1, at) - raw_lse.unsqueeze(1), vals)
+            return vals
+
+        out = SampleOutput(ids, reported(ids.unsqueeze(1)).squeeze(1))
+        if info.top_logprobs_num > 0:
+            k = info.top_logprobs_num
+            vals, top_ids = logits.topk(k, dim=-1)
+            vals = vals - lse.unsqueeze(1)
+            if logprobs_all is not None:
+                s_vals, s_ids = logprobs_all.topk(k, dim=-1)
                 if info.has_greedy:
-                    raw_vals, raw_ids = logits.topk(info.top_logprobs_num, dim=-1)
-                    vals = torch.where(greedy.unsqueeze(1), raw_vals - lse.unsqueeze(1), vals)
-                    top_ids = torch.where(greedy.unsqueeze(1), raw_ids, top_ids)
-                out.top_logprobs, out.top_logprob_ids = vals, top_ids
+                    s_vals = torch.where(greedy.unsqueeze(1), vals, s_vals)
+                    s_ids = torch.where(greedy.unsqueeze(1), top_ids, s_ids)
+                vals, top_ids = s_vals, s_ids
+            if info.original_rows is not None:
+                r_vals, r_ids = raw.topk(k, dim=-1)
+                orig = info.original_rows.unsqueeze(1)
+                vals = torch.where(orig, r_vals - raw_lse.unsqueeze(1), vals)
+                top_ids = torch.where(orig, r_ids, top_ids)
+            out.top_logprobs, out.top_logprob_ids = vals, top_ids
+        if info.token_ids is not None:
+            out.token_ids_logprobs = reported(info.token_ids)
         if info.return_raw_logprob:
-            out.raw_logprobs = raw_lp(out.next_token_ids)
+            out.raw_logprobs = raw.gather(1, ids.unsqueeze(1)).squeeze(1) - raw_lse
         return out

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runner.layers.linear import default_weight_loader, shard_view
+from runner.layers.linear import default_weight_loader, shard_view, tp_hf_shape, tp_narrow
 
 # Present in some older checkpoints; derived, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -55,6 +55,15 @@ class LoadTarget:
 
     def view(self) -> torch.Tensor:
         return shard_view(self.param, self.shard_id)
+
+    def hf_shape(self) -> tuple[int, ...]:
+        """Shape of the HF tensor: the view's, or under tensor parallelism the whole tensor this rank
+        holds a slice of."""
+        return tp_hf_shape(self.param, self.shard_id, tuple(self.view().shape))
+
+    def narrow(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole HF tensor (the tensor itself without tensor parallelism)."""
+        return tp_narrow(self.param, self.shard_id, tensor, tuple(self.view().shape))
 
 
 class WeightNameMap:
@@ -154,7 +163,7 @@ def prepare_tensor(target: LoadTarget, tensor, source: str = "", check_finite: b
         raise WeightUpdateError(f"weight {name!r}{where}: is a meta tensor (no data)")
     if tensor.layout != torch.strided:
         tensor = tensor.to_dense()
-    expected = tuple(target.view().shape)
+    expected = target.hf_shape()
     if tuple(tensor.shape) != expected:
         raise WeightUpdateError(f"weight {name!r}{where}: shape {tuple(tensor.shape)} does not match "
                                 f"the model's {expected}")
@@ -169,7 +178,7 @@ def prepare_tensor(target: LoadTarget, tensor, source: str = "", check_finite: b
         if not (bool(cast.sum(dtype=torch.float32).isfinite()) or bool(torch.isfinite(cast).all())):
             cast_note = "" if cast is tensor else f" after the cast from {tensor.dtype} to {cast.dtype}"
             raise WeightUpdateError(f"weight {name!r}{where}: contains NaN or inf{cast_note}")
-    return tensor
+    return target.narrow(tensor)
 
 
 class WeightPlan:

@@ -40,6 +40,10 @@ class RLConfig:
     wandb_project: str = field(default="rollout-engine", metadata={"help": "wandb project (offline unless "
                                                                            "WANDB_API_KEY/WANDB_MODE say otherwise)"})
     save_final: bool = field(default=False, metadata={"help": "save the trained model to output_dir/final"})
+    deterministic: bool = field(default=False, metadata={"help": "batch-invariant engine and a trainer logprob "
+                                                                "pass through the engine's own model code: "
+                                                                "rollout/trainer logprobs bitwise equal"})
+    dtype: str = field(default="float32", metadata={"help": "engine and policy dtype: float32 | bfloat16"})
     routing_replay: bool = field(default=False, metadata={"help": "MoE policies: the trainer's forward uses the "
                                                                   "experts the rollout routed each token to (R3)"})
 
@@ -59,6 +63,11 @@ class RLConfig:
             (0 < self.engine_mem_fraction < 1, f"--engine-mem-fraction must be in (0, 1), got {self.engine_mem_fraction}"),
             (self.num_engines >= 1, f"--num-engines must be >= 1, got {self.num_engines}"),
             (self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}"),
+            (self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype!r}"),
+            (not (self.deterministic and self.routing_replay),
+             "--deterministic runs the engine's dense model code in the trainer; it cannot be combined "
+             "with --routing-replay"),
+            (not (self.deterministic and self.tp_size != 1), "--deterministic needs --tp-size 1"),
             (self.bucket_mb >= 1, f"--bucket-mb must be >= 1, got {self.bucket_mb}"),
         ]
         for ok, msg in checks:

@@ -17,8 +17,14 @@ def make_engine(cfg):
               mem_fraction_static=cfg.engine_mem_fraction, show_progress=False)
     if cfg.device == "cpu":
         kw["cpu_kv_cache_bytes"] = 256 << 20
+    if getattr(cfg, "deterministic", False):
+        kw["enable_deterministic_inference"] = True
+    if getattr(cfg, "dtype", "float32") != "float32":
+        kw["dtype"] = cfg.dtype
     if cfg.tp_size != 1:
         kw["tp_size"] = cfg.tp_size
+    if getattr(cfg, "routing_replay", False):  # the trainer replays the experts each rollout token used
+        kw["enable_return_routed_experts"] = True
     if cfg.num_engines == 1:
         return Engine(cfg.model, **kw)
     import ray

@@ -6,7 +6,9 @@ One iteration, top to bottom (`GRPOTrainer.step`):
   KV cache.
 The rollout/trainer logprob mismatch is logged every step and corrected by truncated importance
 sampling. Run `python -m trainers.grpo --help`; the defaults train the shipped demo model on the toy
-task on the CPU; `--num-engines N` spreads rollouts over N engines on Ray; `--routing-replay` (MoE
+task on the CPU; `--deterministic` makes the engine batch-invariant and computes the trainer's logprobs
+through the engine's own model code, so the mismatch is exactly 0 (trainers/deterministic.py);
+`--num-engines N` spreads rollouts over N engines on Ray; `--routing-replay` (MoE
 policies, e.g. `--model assets/moe-demo-model`) trains on the experts the rollout routed each token
 to. Does not do multi-GPU training.
 """
@@ -21,10 +23,11 @@ from dataclasses import asdict
 import torch
 
 from trainers.config import RLConfig
+from trainers.deterministic import RunnerPolicy, deterministic_sequence_logprobs
 from trainers.engines import engine_bytes, make_engine
 from trainers.losses import kl_k3, logprob_mismatch, masked_mean, policy_loss
 from trainers.metrics import MetricsLogger
-from trainers.policy import TrainerMemory, load_policy, policy_logprobs
+from trainers.policy import TrainerMemory, checkpoint_named_tensors, load_policy, policy_logprobs
 from trainers.rollouts import collect_experience, eval_prompts, greedy_accuracy
 from trainers.routing_replay import find_routers, num_decoder_layers
 from trainers.tasks import get_task
@@ -45,6 +48,7 @@ class GRPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
         self.engine = make_engine(cfg)
+        self.runner_views: dict[int, RunnerPolicy] = {}  # --deterministic: id(HF model) -> its runner view
         self.policy = self.build_policy()
         self.routed_experts_shape = self.replay_shape() if cfg.routing_replay else None
         self.ref = None
@@ -59,7 +63,17 @@ class GRPOTrainer:
 
     # Hooks PPO overrides.
     def build_policy(self):
-        return load_policy(self.cfg.model, self.cfg.device)
+        return load_policy(self.cfg.model, self.cfg.device, getattr(torch, self.cfg.dtype))
+
+    def logprobs(self, model, exp, replay: bool = False) -> torch.Tensor:
+        """[B, T] logprobs of `model` (the policy or the reference) at the rollout temperature. With
+        --deterministic through the engine's own model code, bitwise what the engine reported."""
+        if not self.cfg.deterministic:
+            return policy_logprobs(model, exp, self.cfg.temperature, replay)
+        if id(model) not in self.runner_views:
+            self.runner_views[id(model)] = RunnerPolicy(model, self.cfg.model)
+        return deterministic_sequence_logprobs(self.runner_views[id(model)], exp.input_ids, exp.attention_mask,
+                                               self.cfg.temperature)
 
     def trainable_parameters(self):
         return self.policy.parameters()
@@ -73,7 +87,7 @@ class GRPOTrainer:
         return num_decoder_layers(self.policy), int(next(iter(routers.values())).top_k)
 
     def sync_source(self):
-        return self.policy
+        return checkpoint_named_tensors(self.policy)  # MoE experts under their per-expert checkpoint names
 
     def engine_bytes(self) -> int:
         return engine_bytes(self.engine)
@@ -103,9 +117,9 @@ class GRPOTrainer:
         mask = exp.completion_mask
         replay = cfg.routing_replay
         with torch.no_grad():
-            exp.old_logprobs = policy_logprobs(self.policy, exp, cfg.temperature, replay)
+            exp.old_logprobs = self.logprobs(self.policy, exp, replay)
             if self.ref is not None:
-                exp.ref_logprobs = policy_logprobs(self.ref, exp, cfg.temperature, replay)
+                exp.ref_logprobs = self.logprobs(self.ref, exp, replay)
             if replay:  # what the mismatch would be without it (one more forward, logged only)
                 own = policy_logprobs(self.policy, exp, cfg.temperature)
                 m["logprob_mismatch_no_replay"] = float(logprob_mismatch(exp.rollout_logprobs, own, mask))
@@ -137,7 +151,7 @@ class GRPOTrainer:
 
     def policy_loss_terms(self, exp) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
-        logp = policy_logprobs(self.policy, exp, cfg.temperature, cfg.routing_replay)
+        logp = self.logprobs(self.policy, exp, cfg.routing_replay)
         loss, metrics = policy_loss(logp, exp.old_logprobs, exp.advantages, exp.completion_mask,
                                     clip_eps_low=cfg.clip_eps, rollout_logp=exp.rollout_logprobs,
                                     tis_cap=cfg.tis_cap or None)

@@ -4,10 +4,14 @@ The policy is a plain transformers model (an implementation independent of the e
 what makes the rollout/trainer logprob mismatch meaningful). Between updates the trainer frees its
 gradients and, with `offload`, moves optimizer state and parameters to host memory so the engine
 can have the device. It never reaches into the engine: weights leave through weight_sync. A MoE
-policy's forward can replay the rollout's expert routing (`policy_logprobs(..., replay=True)`).
+policy's forward can replay the rollout's expert routing (`policy_logprobs(..., replay=True)`), and its
+stacked experts leave under per-expert checkpoint names (`checkpoint_named_tensors`).
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -22,6 +26,41 @@ def load_policy(model_path: str, device: str, dtype: torch.dtype = torch.float32
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager")
     return model.to(device).train()
+
+
+# transformers >= 5 holds each MoE layer's experts stacked in memory (`mlp.experts.gate_up_proj`
+# [num_experts, 2 * intermediate, hidden], gate rows first; `mlp.experts.down_proj` [num_experts, hidden,
+# intermediate]) while checkpoints, and so the engine's loader, name them per expert:
+# model_type -> (checkpoint block name, (gate, up, down) projection names).
+_CHECKPOINT_EXPERTS = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+_STACKED = re.compile(r"(.*\.layers\.\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)")
+
+
+def checkpoint_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's parameters under checkpoint names, for a weight sync: a transformers MoE's stacked
+    experts become per-expert tensors (views, no copy) and Mixtral's router its checkpoint name; every
+    other parameter passes as named_parameters() has it."""
+    spec = _CHECKPOINT_EXPERTS.get(getattr(model.config, "model_type", ""))
+    for name, param in model.named_parameters():
+        match = _STACKED.fullmatch(name) if spec is not None else None
+        if match is None:
+            yield name, param
+            continue
+        layer, what = match.groups()
+        block, (gate, up, down) = spec
+        if what == "gate.weight":
+            yield f"{layer}.{block}.gate.weight", param
+        elif what == "experts.gate_up_proj":
+            half = param.shape[1] // 2
+            for e in range(param.shape[0]):
+                yield f"{layer}.{block}.experts.{e}.{gate}.weight", param[e, :half]
+                yield f"{layer}.{block}.experts.{e}.{up}.weight", param[e, half:]
+        else:
+            for e in range(param.shape[0]):
+                yield f"{layer}.{block}.experts.{e}.{down}.weight", param[e]
 
 
 def policy_logprobs(model: nn.Module, exp: Experience, temperature: float, replay: bool = False) -> torch.Tensor:

@@ -34,7 +34,10 @@ class PPOTrainer(GRPOTrainer):
     def logprobs_and_values(self, exp) -> tuple[torch.Tensor, torch.Tensor]:
         with routing_replay(self.policy, exp.routed_experts if self.cfg.routing_replay else None):
             out = self.policy(input_ids=exp.input_ids, attention_mask=exp.attention_mask, output_hidden_states=True)
-        logp = sequence_logprobs(out.logits, exp.input_ids, self.cfg.temperature)  # [B, T]
+        if self.cfg.deterministic:  # the engine's model code for the logprobs; HF's hidden states for V
+            logp = self.logprobs(self.policy, exp)
+        else:
+            logp = sequence_logprobs(out.logits, exp.input_ids, self.cfg.temperature)  # [B, T]
         v = self.value_head(out.hidden_states[-1].float()).squeeze(-1)  # [B, T]: value after token t
         # Align like the logprobs: index t holds V(state before token t) = head(hidden[t - 1]).
         values = torch.nn.functional.pad(v[:, :-1], (1, 0))

@@ -29,7 +29,15 @@ Source = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tens
 def sync_weights(source: Source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  name_map: Callable[[str], str | None] | None = None,
                  weight_version: str | None = None) -> tuple[bool, str]:
-    """Push `source`'s tensors (HF names after `name_map`) into `target`. Returns (ok, message)."""
+    """Push `source`'s tensors (HF names after `name_map`) into `target`. Returns (ok, message).
+
+    `target` may also be a list of engines: each bucket goes to every engine before the next bucket is
+    built. A list has no rollback: an engine that refuses a bucket is named and the call stops, with the
+    engines before it already holding that bucket. For one version on all engines or none, pass a
+    `rollout.ray.EngineGroup`, which snapshots and restores around every bucket.
+    """
+    if isinstance(target, list | tuple):
+        return _sync_many(source, list(target), bucket_bytes, name_map, weight_version)
     if hasattr(target, "sync_from"):
         return target.sync_from(source, bucket_bytes=bucket_bytes, name_map=name_map,
                                 weight_version=weight_version)
@@ -46,3 +54,24 @@ def sync_weights(source: Source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTE
             num_buckets += 1
             num_tensors += len(bucket)
     return True, f"synced {num_tensors} tensors in {num_buckets} bucket(s)"
+
+
+def _sync_many(source: Source, targets: list, bucket_bytes: int, name_map, weight_version) -> tuple[bool, str]:
+    if not targets:
+        raise ValueError("sync_weights: empty list of targets")
+    bad = [type(t).__name__ for t in targets if not hasattr(t, "update_weights_from_tensor")]
+    if bad:
+        raise TypeError(f"cannot sync weights into {bad[0]}: every target in a list needs update_weights_from_tensor")
+    num_buckets, num_tensors = 0, 0
+    with torch.no_grad():
+        for bucket in iter_buckets(source, bucket_bytes=bucket_bytes, name_map=name_map):
+            payload = bucket.to_dict()
+            for i, target in enumerate(targets):
+                ok, msg = target.update_weights_from_tensor(payload, load_format="flattened_bucket",
+                                                            flush_cache=True, weight_version=weight_version)
+                if not ok:
+                    return False, (f"engine {i} refused bucket {num_buckets} ({len(bucket)} tensors): {msg}; "
+                                   f"engines 0..{i - 1} already hold it")
+            num_buckets += 1
+            num_tensors += len(bucket)
+    return True, f"synced {num_tensors} tensors in {num_buckets} bucket(s) into {len(targets)} engines"

@@ -59,6 +59,9 @@ def _add_dataclass_flags(parser: argparse._ArgumentGroup, cls, skip: set[str]) -
         if tp is bool:
             action = argparse.BooleanOptionalAction if default else "store_true"
             parser.add_argument(_flag(f.name), dest=f.name, action=action, default=default)
+        elif typing.get_origin(tp) is list:  # list[str] / list[int]: one or more values, as SGLang's nargs="+"
+            parser.add_argument(_flag(f.name), dest=f.name, nargs="+", type=typing.get_args(tp)[0],
+                                default=default, help=f"(default: {default})")
         else:
             parser.add_argument(_flag(f.name), dest=f.name, type=tp, default=default,
                                 help=f"(default: {default})")

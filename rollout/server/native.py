@@ -3,8 +3,9 @@
 Generation goes through `Engine.async_generate` (the event loop awaits its own sink); every other engine
 call blocks on the engine lock, so it runs in the server's thread pool. Request bodies are pydantic
 models with `extra="forbid"` and strict types: an unknown or mistyped field is a 400 naming it.
-SGLang generate fields the Engine does not implement (e.g. `logprob_start_len`) are accepted here and
-passed through, so the Engine's TypeError/ValueError becomes the 400 message.
+SGLang generate fields (`logprob_start_len`, `token_ids_logprob`, and ones the Engine does not implement,
+e.g. `lora_path`) are accepted here and passed through, so the Engine's TypeError/ValueError becomes the
+400 message.
 
 What is not here: the OpenAI routes (openai_api.py), /metrics (metrics.py), auth and error plumbing
 (app.py).
@@ -14,12 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import time
 from typing import Any, Literal
 
-import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
@@ -87,10 +86,12 @@ def check_n(request: Request, total: int) -> JSONResponse | None:
 def _strip_logprob_text(out: dict) -> dict:
     """SGLang puts token text in logprob entries only when return_text_in_logprobs is set."""
     meta = out["meta_info"]
-    if "output_token_logprobs" in meta:
-        meta["output_token_logprobs"] = [(lp, t, None) for lp, t, _ in meta["output_token_logprobs"]]
-    if "output_top_logprobs" in meta:
-        meta["output_top_logprobs"] = [[(lp, t, None) for lp, t, _ in step] for step in meta["output_top_logprobs"]]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if key in meta:
+            meta[key] = [(lp, t, None) for lp, t, _ in meta[key]]
+    for key in ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs"):
+        if key in meta:  # a position's list is None where SGLang pads (the first prompt position)
+            meta[key] = [None if step is None else [(lp, t, None) for lp, t, _ in step] for step in meta[key]]
     return out
 
 
@@ -418,8 +419,8 @@ class UpdateWeightVersionReqInput(Body):
 
 @router.post("/update_weight_version")
 async def update_weight_version(obj: UpdateWeightVersionReqInput, request: Request):
-    await _abort_all_first(request, obj.abort_all_requests)
-    request.app.state.engine.weight_version = obj.new_version
+    engine = request.app.state.engine
+    await run_blocking(request, engine.update_weight_version, obj.new_version, obj.abort_all_requests)
     return JSONResponse({"success": True, "message": f"Weight version updated to {obj.new_version}",
                          "new_version": obj.new_version})
 
@@ -440,28 +441,9 @@ async def get_weights_by_name(obj: GetWeightsByNameReqInput, request: Request):
     return JSONResponse(out.tolist() if hasattr(out, "tolist") else out)
 
 
-def weights_checksum(engine) -> dict:
-    """SHA-256 over every model parameter (name, dtype, shape, bytes) in a fixed order, under the engine
-    lock so an update is never read half-way. Equal checksums = bitwise-equal weights."""
-    own = getattr(engine, "get_weights_checksum", None)
-    if own is not None:
-        return own()
-    h = hashlib.sha256()
-    with engine._cv:  # the engine's step/update lock: same package, read-only use
-        params = sorted(engine.runner.model.named_parameters())
-        for name, p in params:
-            t = p.detach().to("cpu").contiguous()
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            # .numpy() on a copy: exporting the parameter's own storage to numpy would pin it
-            # (torch then refuses to resize it, which release/shutdown need).
-            h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())
-        version = engine.weight_version
-    return {"checksum": h.hexdigest(), "num_tensors": len(params), "weight_version": version}
-
-
 @router.api_route("/get_weights_checksum", methods=["GET", "POST"])
 async def get_weights_checksum(request: Request):
     t0 = time.perf_counter()
-    out = await run_blocking(request, weights_checksum, request.app.state.engine)
+    out = await run_blocking(request, request.app.state.engine.get_weights_checksum)
     out.setdefault("seconds", round(time.perf_counter() - t0, 6))
     return JSONResponse(out)

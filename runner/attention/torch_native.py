@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runner import batch_invariant
 from runner.forward_batch import ForwardBatch, get_forward_context
 
 # Captured steps on the CPU round the attended length up to this, so SDPA sees few distinct shapes.
@@ -35,6 +36,7 @@ class TorchNativeMetadata:
     mask: torch.Tensor  # [bs, 1, max_q_len, max_kv_len] bool, True = attend
     q_index: torch.Tensor | None  # [num_tokens] position of each new token in [bs * max_q_len]; None for decode
     max_q_len: int
+    token_req: torch.Tensor | None = None  # [num_tokens] request row of each new token (deterministic mode)
 
 
 class TorchNativeAttnBackend:
@@ -76,6 +78,8 @@ class TorchNativeAttnBackend:
                 torch.arange(n, dtype=torch.int64) + i * max_q for i, n in enumerate(q_lens)
             ]).to(dev)
         self.forward_metadata = TorchNativeMetadata(kv_indices, mask, q_index, max_q)
+        if batch_invariant.is_enabled():
+            self.forward_metadata.token_req = batch_invariant.token_request_index(q_lens, dev)
 
     # ---- captured decode steps (the graph-runner protocol, runner/graph_runner.py) ------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -114,6 +118,9 @@ class TorchNativeAttnBackend:
         bs = md.kv_indices.shape[0]
         hq, d = layer.num_heads, layer.head_dim
         pool = get_forward_context().token_to_kv_pool
+        if batch_invariant.is_enabled():  # per token, fixed KV blocks (runner/batch_invariant.py)
+            return batch_invariant.attention(q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
+                                             md.kv_indices, md.token_req, fb.positions, layer.scaling)
         k = pool.k_buffer[layer.layer_id][md.kv_indices]  # [bs, max_kv, kv_heads, d]
         v = pool.v_buffer[layer.layer_id][md.kv_indices]
         if md.q_index is None:

@@ -3,8 +3,12 @@
 import torch
 import torch.nn.functional as F
 
+from runner import batch_invariant
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
+    if batch_invariant.is_enabled():  # F.silu's bits depend on the tensor size (runner/batch_invariant.py)
+        return batch_invariant.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

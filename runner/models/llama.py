@@ -2,7 +2,12 @@
 
 Parameter names are Hugging Face's except the fused `qkv_proj` and `gate_up_proj`;
 `stacked_params_mapping` tells the loader where each HF shard goes. Does not handle sliding-window
-attention (ModelConfig caps the context at the window instead) or tensor parallelism.
+attention (ModelConfig caps the context at the window instead).
+
+Tensor parallelism is decided at construction: built inside `runner.tp.group.building(tp)`, the
+attention takes this rank's heads (column-parallel q|k|v, row-parallel o_proj), the MLP its slice of the
+intermediate size, and the embedding and LM head their vocabulary rows (runner/layers/linear.py,
+embedding.py). Parameter names stay the same, so the loader and every weight route are unchanged.
 """
 
 from __future__ import annotations
@@ -15,23 +20,40 @@ from runner.forward_batch import ForwardBatch, LogitsOutput
 from runner.layers.activation import silu_and_mul
 from runner.layers.attention import PagedAttention
 from runner.layers.embedding import LMHead, VocabEmbedding
-from runner.layers.linear import Linear, MergedLinear, QKVLinear
+from runner.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    MergedLinear,
+    QKVLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from runner.layers.logits import compute_logits
 from runner.layers.norm import RMSNorm
 from runner.layers.rotary import RotaryEmbedding
+from runner.tp.group import current_tp
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = current_tp()
+        tp_size = 1 if tp is None else tp.size
+        # This rank's heads; a KV head is replicated when there are fewer KV heads than ranks.
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                  config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        if tp is None:
+            self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                                      config.attention_bias)
+            self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        else:
+            self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                              config.num_key_value_heads, config.attention_bias, tp)
+            self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                            config.o_proj_bias, tp)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -56,9 +78,15 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter})
-        self.down_proj = Linear(inter, config.hidden_size)
+        inter, tp = config.intermediate_size, current_tp()
+        if tp is None:
+            self.gate_up_proj = MergedLinear(config.hidden_size, {0: inter, 1: inter})
+            self.down_proj = Linear(inter, config.hidden_size)
+        else:
+            size = inter // tp.size
+            rows = (inter, tp.rank * size, size)
+            self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {0: rows, 1: rows})
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -85,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, current_tp())
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
@@ -124,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied, tp=current_tp())
 
     @torch.no_grad()
     def forward(self, input_ids, positions, fb: ForwardBatch) -> LogitsOutput:

@@ -113,14 +113,14 @@ def test_sync_reaches_every_engine(group, trainer, reference):
         assert_same([(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
                      for o in got], want)
     # The same weights again, from the trainer's checkpoint on disk, on both.
-    ok, msg = group.update_weights_from_disk(str(path), weight_version="v1-disk")
+    ok, msg, _ = group.update_weights_from_disk(str(path), weight_version="v1-disk")
     assert ok, msg
     assert_same(greedy(group), want)
 
 
 def test_update_refused_by_one_engine_leaves_all_on_old_version(group, ckpt, trainer):
     """One engine refuses (its weights are released): the other rolls back; versions and outputs stay old."""
-    ok, msg = group.update_weights_from_disk(str(ckpt), weight_version="base")
+    ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base")
     assert ok, msg
     base_outputs = greedy(group)
     model, _, want = trainer
@@ -145,7 +145,7 @@ def test_killed_engine_is_named_and_nothing_hangs(cluster, ckpt):
         with pytest.raises(EngineGroupError, match="engine 1"):
             g.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert time.monotonic() - t0 < 30
-        ok, msg = g.update_weights_from_disk(str(ckpt))
+        ok, msg, _ = g.update_weights_from_disk(str(ckpt))
         assert not ok and "engine 1" in msg
     finally:
         g.shutdown()

@@ -96,7 +96,7 @@ def test_every_name_in_the_table_is_an_option():
     ("dp_size", 2, "supported: 1"), ("pp_size", 2, "supported: 1"), ("ep_size", 8, "supported: 1"),
     ("nnodes", 2, "supported: 1"), ("node_rank", 1, "supported: 0"), ("quantization", "fp8", "supported: None"),
     ("json_model_override_args", '{"rope_theta": 1}', "supported: None, '' or '{}'"),
-    ("gpu_id_step", 0, "an int >= 1"), ("base_gpu_id", -1, "an int >= 0"), ("tp_size", 2, "tp_size=1"),
+    ("gpu_id_step", 0, "an int >= 1"), ("base_gpu_id", -1, "an int >= 0"),
     ("load_format", "remote_instance", "'auto', 'safetensors' or 'dummy'"),
     ("cpu_offload_gb", -1, ">= 0"),
 ])
@@ -121,6 +121,19 @@ def test_sglang_attention_backend_names_are_refused(tiny_llama):
         Engine(str(tiny_llama), attention_backend="fa3", show_progress=False)
 
 
+def test_launch_server_takes_sglangs_flags(tiny_llama):
+    """`python -m rollout.launch_server` parses SGLang's spelling of these options (list options take one
+    or more values, as SGLang's nargs="+"), and the result builds valid EngineArgs."""
+    from rollout.server.args import parse_args
+
+    server, kw = parse_args(["--model-path", str(tiny_llama), "--trust-remote-code", "--skip-server-warmup",
+                             "--dp-size", "1", "--base-gpu-id", "0", "--port", "31000",
+                             "--custom-weight-loader", DIRECT_LOADER, "--weight-version", "v0"])
+    args = EngineArgs.from_kwargs(**kw)
+    assert server.port == 31000 and args.trust_remote_code and args.skip_server_warmup
+    assert args.custom_weight_loader == [DIRECT_LOADER] and args.weight_version == "v0"
+
+
 def test_unknown_names_are_still_refused(tiny_llama):
     """A name neither SGLang's table nor this engine knows is a TypeError naming it."""
     with pytest.raises(TypeError, match="no_such_option"):
@@ -134,6 +147,8 @@ def test_base_gpu_id_selects_the_cuda_device(tiny_llama):
     assert EngineArgs.from_kwargs(str(tiny_llama), base_gpu_id=3).runner_config().device == "cpu"
     with pytest.raises(ValueError, match="base_gpu_id=1 contradicts device='cuda:0'"):
         EngineArgs.from_kwargs(str(tiny_llama), device="cuda:0", base_gpu_id=1)
+    with pytest.raises(ValueError, match="base_gpu_id=2, gpu_id_step=1 with tp_size=2.*supported: base_gpu_id=0"):
+        EngineArgs.from_kwargs(str(tiny_llama), device="cuda", base_gpu_id=2, tp_size=2)
 
 
 def test_cpu_offload_on_cpu_keeps_weights_on_the_host(ckpt_pair, reference_outputs):
@@ -308,3 +323,34 @@ def _runner_layout(engine: Engine, hf_state: dict[str, torch.Tensor]) -> dict[st
         shard_view(holder, target.shard_id).copy_(hf_state[target.hf_name])
     assert all(torch.isfinite(t).all() for t in out.values())  # every slot filled exactly by HF tensors
     return out
+
+
+# ---- 8. get_server_info --------------------------------------------------------------------------
+def test_get_server_info_has_sglangs_keys(ckpt_pair):
+    """get_server_info() as slime reads it: every option passed comes back under its name, the scheduler
+    info and internal_states are there with values from the checkpoint (weight bytes) and the options
+    (token capacity), weight_version follows updates and the initial `weight_version` option, and
+    version is the installed package's."""
+    import importlib.metadata
+
+    a, b = ckpt_pair("llama")
+    passed = dict(max_total_tokens=2048, max_running_requests=16, chunked_prefill_size=256, random_seed=7,
+                  trust_remote_code=True, skip_server_warmup=True, weight_version="v0")
+    with make_engine(a, **passed) as engine:
+        info = engine.get_server_info()
+        for name, value in passed.items():
+            assert info[name] == value, name
+        assert info["model_path"] == str(a) and info["tp_size"] == 1 and info["dp_size"] == 1
+        assert info["max_total_num_tokens"] == 2048
+        assert info["max_req_input_len"] == min(engine.runner.context_len, 2048) - 1
+        state = info["internal_states"][0]
+        weight_bytes = sum(t.numel() * t.element_size() for t in read_state_dict(a).values())
+        assert state["memory_usage"]["weight"] == pytest.approx(weight_bytes / 2**30)
+        assert state["memory_usage"]["token_capacity"] == 2048
+        assert info["version"] == importlib.metadata.version("rollout-engine")
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params=dict(max_new_tokens=2))
+        assert out["meta_info"]["weight_version"] == "v0" and info["weight_version"] == "v0"
+        assert engine.update_weights_from_disk(str(b), weight_version="v1")[0]
+        info = engine.get_server_info()
+        assert info["weight_version"] == info["internal_states"][0]["weight_version"] == "v1"
+        assert info["internal_states"][0]["num_prompt_tokens"] == 3

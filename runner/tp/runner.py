@@ -1,0 +1,307 @@
+"""TPModelRunner: the ModelRunner surface over N tensor-parallel ranks, rank 0 in this process.
+
+Rank 0 is a TPRankRunner here; ranks 1..N-1 are spawned daemon processes (runner/tp/worker.py). Every
+call that touches the model goes to the workers first, then runs locally, so the collectives inside the
+model line up; then each worker's reply is collected (bounded by the group timeout, and watching the
+process). Sampling, KV bookkeeping and the weight-update group registry stay on rank 0: a forward
+carries the req_to_token rows it reads, a distributed update is received here and forwarded as
+tensors. A weight update commits on every rank or on none (two-phase vote). A rank that dies makes
+every later call fail at once with "tensor-parallel rank N died ..."; the runner then reports its
+weights as unusable so the scheduler fails the batch instead of retrying it.
+
+Everything not overridden here (pools, configs, sample, memory saver, group registry) is rank 0's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import socket
+import time
+
+import torch
+
+from runner.config import RunnerConfig
+from runner.forward_batch import LogitsOutput
+from runner.model_runner import unpack_named_tensors
+from runner.tp import channel
+from runner.tp.group import TPGroup
+from runner.tp.rank_runner import TPRankRunner, encode_batch
+from runner.tp.worker import worker_main
+from runner.weight_loader import WeightUpdateError
+
+DEFAULT_TIMEOUT_S = 60.0  # a collective or a reply that takes longer means a rank is stuck
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPModelRunner:
+    def __init__(self, config: RunnerConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.config, self.tp_size, self.timeout_s = config, config.tp_size, timeout_s
+        self.dead_message = ""
+        self.is_shut_down = False
+        backend = "nccl" if str(config.device).startswith("cuda") else "gloo"
+        port = _free_port()
+        ctx = multiprocessing.get_context("spawn")
+        self.procs, self.conns = [], []
+        for rank in range(1, self.tp_size):
+            worker_cfg = dataclasses.replace(config, device=_rank_device(config.device, rank))
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, name=f"rollout-tp-rank{rank}", daemon=True,
+                               args=(json.dumps(dataclasses.asdict(worker_cfg)), rank, port, backend, timeout_s,
+                                     child_end))
+            proc.start()
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+        try:
+            self.tp = TPGroup(0, self.tp_size, port, backend, timeout_s)
+            self.local = TPRankRunner(config, self.tp)
+            for rank, reply in self._replies("start"):
+                if reply["max_total_num_tokens"] < self.local.max_total_num_tokens:
+                    raise RuntimeError(f"tensor-parallel rank {rank} has room for {reply['max_total_num_tokens']} "
+                                       f"KV tokens, rank 0 for {self.local.max_total_num_tokens}")
+        except BaseException:
+            self._kill_workers()
+            raise
+
+    # ---- everything else is rank 0's --------------------------------------------------------
+    def __getattr__(self, name: str):
+        if name == "local":  # not yet built: no recursion
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    @property
+    def weights_valid(self) -> bool:
+        return not self.dead_message and self.local.weights_valid
+
+    def invalid_weights_message(self) -> str:
+        return self.dead_message or self.local.invalid_weights_message()
+
+    # ---- the channel ------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.dead_message:
+            raise RuntimeError(self.dead_message)
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                self._mark_dead(rank, proc)
+        if self.dead_message:
+            raise RuntimeError(self.dead_message)
+
+    def _mark_dead(self, rank: int, proc) -> None:
+        self.dead_message = (f"tensor-parallel rank {rank} died (exit code {proc.exitcode}); the engine cannot "
+                             f"run the model any more: shut it down and create a new one")
+
+    def _send(self, header: dict, tensors: list[torch.Tensor] = ()) -> None:
+        self._check_alive()
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                channel.send(conn, header, tensors)
+            except OSError:
+                self._fail(rank)
+
+    def _recv(self, rank: int, timeout_s: float | None = None) -> tuple[dict, list[torch.Tensor]]:
+        proc = self.procs[rank - 1]
+        try:
+            return channel.recv(self.conns[rank - 1], timeout_s or self.timeout_s, proc.is_alive,
+                                f"tensor-parallel rank {rank}")
+        except channel.ChannelClosed as e:
+            self._fail(rank, str(e))
+
+    def _fail(self, rank: int, why: str = "") -> None:
+        proc = self.procs[rank - 1]
+        proc.join(timeout=2.0)  # a crash shows as an exit code within moments
+        if not proc.is_alive():
+            self._mark_dead(rank, proc)
+        else:
+            self.dead_message = f"tensor-parallel rank {rank} stopped answering ({why}); shut the engine down"
+        raise RuntimeError(self.dead_message)
+
+    def _replies(self, what: str) -> list[tuple[int, dict]]:
+        out = []
+        for rank in range(1, self.tp_size):
+            reply, _ = self._recv(rank)
+            if not reply["ok"]:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed in {what}: {reply['error']}")
+            out.append((rank, reply))
+        return out
+
+    def _after_local_error(self, e: Exception) -> None:
+        """A local failure during a collective is usually a peer that died: say so."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and all(p.is_alive() for p in self.procs):
+            time.sleep(0.05)
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                self._mark_dead(rank, proc)
+                raise RuntimeError(self.dead_message) from e
+
+    # ---- the hot path -----------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, fb) -> LogitsOutput | None:
+        if fb.forward_mode.is_idle():
+            return None
+        header, tensors = encode_batch(fb, self.local.req_to_token_pool.req_to_token)
+        self._send({"cmd": "forward", "batch": header}, tensors)
+        try:
+            out = self.local.forward(fb)
+        except Exception as e:
+            self._after_local_error(e)
+            for rank in range(1, self.tp_size):  # same refusal on every rank (e.g. weights invalid)
+                self._recv(rank)
+            raise
+        self._replies("forward")
+        return out
+
+    # ---- memory -----------------------------------------------------------------------------
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._memory("release", self.local.check_memory_transition(tags, release=True))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._memory("resume", self.local.check_memory_transition(tags, release=False))
+
+    def _memory(self, cmd: str, tags: list[str]) -> None:
+        self._send({"cmd": cmd, "tags": tags})
+        local_error = None
+        try:
+            getattr(self.local, f"{cmd}_memory_occupation")(tags)
+        except Exception as e:
+            local_error = e
+        self._replies(f"{cmd}_memory_occupation")
+        if local_error is not None:
+            raise local_error
+
+    # ---- weights ----------------------------------------------------------------------------
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None) -> int:
+        if load_format == "direct" or load_format in self.local.custom_loaders:
+            raise WeightUpdateError(f"load_format={load_format!r} is not supported with tp_size={self.tp_size}: "
+                                    f"send Hugging Face names (load_format=None or 'flattened_bucket')")
+        self.local._require_weights_resident()
+        named = unpack_named_tensors(named_tensors, load_format, list(self.local.custom_loaders))
+        for name, tensor in named:
+            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                raise WeightUpdateError(f"weight {name!r}: expected (str, torch.Tensor with data), got "
+                                        f"({type(name).__name__}, {type(tensor).__name__})")
+        named = [(n, _plain(t)) for n, t in named]
+        return self._update({"cmd": "update_tensor", "names": [n for n, _ in named]}, [t for _, t in named],
+                            lambda: self.local.update_weights_from_tensor(named))
+
+    def update_weights_from_disk(self, model_path) -> int:
+        self.local._require_weights_resident()
+        return self._update({"cmd": "update_disk", "path": str(model_path)}, [],
+                            lambda: self.local.update_weights_from_disk(model_path))
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None, load=None) -> int:
+        # Received on rank 0 only; forwarded to the other ranks as a tensor update.
+        return self.local.update_weights_from_distributed(names, dtypes, shapes, group_name, load_format,
+                                                          load=load or self.update_weights_from_tensor)
+
+    def _update(self, header: dict, tensors: list[torch.Tensor], local_call) -> int:
+        """Two-phase: every rank checks and writes, votes; all commit or all restore."""
+        self._send(header, tensors)
+        decided = False
+
+        def vote() -> str | None:
+            nonlocal decided
+            refusals = self._collect_votes()
+            self._decide(not refusals)
+            decided = True
+            return refusals[0] if refusals else None
+
+        self.local.vote_fn = vote
+        try:
+            num = local_call()
+        except Exception:
+            if not decided:
+                self._collect_votes()
+                self._decide(False)
+            for rank in range(1, self.tp_size):
+                self._recv(rank)
+            raise
+        finally:
+            self.local.vote_fn = None
+        self._replies("the weight update")
+        return num
+
+    def _collect_votes(self) -> list[str]:
+        refusals = []
+        for rank in range(1, self.tp_size):
+            v, _ = self._recv(rank)
+            if v["vote"] != "ok":
+                refusals.append(f"tensor-parallel rank {rank} refused the update ({v['error']}); every rank "
+                                f"restored its weights")
+        return refusals
+
+    def _decide(self, commit: bool) -> None:
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                channel.send(conn, {"commit": commit})
+            except OSError:
+                self._fail(rank)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The full HF tensor, assembled from every rank's slice, truncated as ModelRunner does."""
+        shard, spec = self.local.weight_shard(name)
+        if spec is None:
+            return self.local.get_weights_by_name(name, truncate_size)
+        self.local.get_weights_by_name(name, 1)  # its checks (invalid weights) first
+        self._send({"cmd": "get_shard", "name": name})
+        parts = [(spec, shard)]
+        for rank in range(1, self.tp_size):
+            reply, tensors = self._recv(rank)
+            if not reply["ok"]:
+                raise WeightUpdateError(f"tensor-parallel rank {rank}: {reply['error']}")
+            parts.append((reply["spec"], tensors[0]))
+        dim, _, _, full = spec
+        shape = list(shard.shape)
+        shape[dim] = full
+        whole = torch.zeros(shape, dtype=shard.dtype)
+        for (d, start, size, _), part in parts:
+            whole.narrow(d, start, size).copy_(part.narrow(d, 0, size).to("cpu"))
+        return whole.reshape(-1)[:truncate_size].float().tolist() if whole.dim() == 1 else \
+            whole[: max(1, truncate_size)].float().tolist()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        if not self.dead_message:
+            try:
+                self._send({"cmd": "shutdown"})
+                for rank in range(1, self.tp_size):
+                    self._recv(rank, timeout_s=10.0)
+            except RuntimeError:
+                pass  # a dead rank has nothing to free
+        self.local.shutdown()
+        self._kill_workers()
+        self.tp.close()
+
+    def _kill_workers(self) -> None:
+        for proc in self.procs:
+            proc.join(timeout=5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        for conn in self.conns:
+            conn.close()
+
+
+def _rank_device(device: str, rank: int) -> str:
+    """cuda -> cuda:rank (one GPU per rank); cpu stays cpu."""
+    if str(device).startswith("cuda"):
+        return f"cuda:{rank}"
+    return device
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A dense, local tensor the pipe can carry (DTensors gathered, sparse densified)."""
+    full = getattr(t, "full_tensor", None)
+    if callable(full):
+        t = full()
+    return t.to_dense() if t.layout != torch.strided else t
