@@ -3,7 +3,7 @@
 The floor is every linear layer of one decode step (per layer qkv, o, gate|up, down; then the LM
 head) as oneDNN-prepacked weights applied to a [batch, in_features] activation, back to back: what a
 step would cost if everything but the weight-bound matmuls were free. The engine figure is
-`ModelRunner.forward` + `sample` (greedy) of one decode step of `batch` requests of `prompt_len +
+`ModelRunner.forward` + `sample` (greedy, or `--temperature 1`) of one decode step of `batch` requests of `prompt_len +
 step` tokens, driven directly (no scheduler), with the captured decode step on and off. Both run in
 the same process on the same thread count, so their ratio holds up on a shared machine better than
 either number does; the load average is printed beside them. `--profile` adds a torch.profiler table
@@ -43,8 +43,8 @@ def linear_shapes(cfg: dict) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     return layer, (cfg["vocab_size"], hidden)
 
 
-def floor_ms(cfg: dict, batch: int, dtype: torch.dtype, iters: int) -> float:
-    """Median ms of the chain of every prepacked linear of one decode step."""
+def floor_step(cfg: dict, batch: int, dtype: torch.dtype):
+    """A callable running the chain of every prepacked linear of one decode step."""
     layer, head = linear_shapes(cfg)
     gen = torch.Generator().manual_seed(0)
     ops = []  # (packed weight, input) per linear, distinct weights per layer so nothing stays in cache
@@ -57,7 +57,27 @@ def floor_ms(cfg: dict, batch: int, dtype: torch.dtype, iters: int) -> float:
         for w, x in ops:
             torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    return _median_ms(step, iters)
+    return step
+
+
+def interleaved_ms(floor, loop: DecodeLoop, steps: int) -> tuple[float, float, float]:
+    """(floor ms, engine ms, median per-pair ratio) with floor and engine steps alternating, so a
+    neighbour's burst of load hits both sides of a pair: the ratio is what to compare across runs."""
+    loop.reset()
+    for _ in range(3):
+        loop.step()
+        floor()
+    fl, en = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        floor()
+        t1 = time.perf_counter()
+        loop.step()
+        t2 = time.perf_counter()
+        fl.append(t1 - t0)
+        en.append(t2 - t1)
+    ratio = statistics.median(e / f for e, f in zip(en, fl, strict=True))
+    return statistics.median(fl) * 1e3, statistics.median(en) * 1e3, ratio
 
 
 def _median_ms(fn, iters: int, warmup: int = 3) -> float:
@@ -75,7 +95,7 @@ class DecodeLoop:
     """A ModelRunner with `batch` requests prefilled, stepping decode like the scheduler does."""
 
     def __init__(self, model_dir: Path, dtype: str, batch: int, prompt_len: int, steps: int, capture: bool,
-                 runner_kwargs: dict) -> None:
+                 runner_kwargs: dict, temperature: float = 0.0) -> None:
         from runner.model_runner import ModelRunner, RunnerConfig
         from runner.sampler import SamplingBatchInfo
 
@@ -88,7 +108,7 @@ class DecodeLoop:
         self.init_s = time.perf_counter() - t0
         self.batch, self.prompt_len = batch, prompt_len
         vocab = self.runner.model_config.vocab_size
-        self.info = SamplingBatchInfo.from_lists([0.0] * batch, [1.0] * batch, [-1] * batch, [0.0] * batch,
+        self.info = SamplingBatchInfo.from_lists([temperature] * batch, [1.0] * batch, [-1] * batch, [0.0] * batch,
                                                  list(range(batch)), [0] * batch, vocab, "cpu")
         self.rows = [self.runner.req_to_token_pool.alloc() for _ in range(batch)]
         self.reset()
@@ -114,21 +134,14 @@ class DecodeLoop:
 
         r, bs = self.runner, self.batch
         locs = r.token_to_kv_pool.alloc(bs)
-        for i, row in enumerate(self.rows):
-            r.req_to_token_pool.write(row, self.seq_lens[i], locs[i:i + 1])
         self.seq_lens = [s + 1 for s in self.seq_lens]
         seq = torch.tensor(self.seq_lens)
-        fb = ForwardBatch(ForwardMode.DECODE, bs, self.next_ids, seq - 1, torch.tensor(self.rows), seq, locs,
+        rows = torch.tensor(self.rows)
+        r.req_to_token_pool.req_to_token[rows, seq - 1] = locs  # one indexed write, as rollout/kv_manager.py
+        fb = ForwardBatch(ForwardMode.DECODE, bs, self.next_ids, seq - 1, rows, seq, locs,
                           list(self.seq_lens), sampling_info=self.info)
         self.next_ids = r.sample(r.forward(fb), fb).next_token_ids
         self.next_ids.tolist()  # the scheduler's one host read per step
-
-
-def engine_ms(loop: DecodeLoop, steps: int) -> float:
-    loop.reset()
-    for _ in range(3):
-        loop.step()
-    return _median_ms(loop.step, steps - 3, warmup=0)
 
 
 def profile(loop: DecodeLoop, steps: int, label: str, rows: int) -> None:
@@ -155,6 +168,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per mode (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--modes", default="eager,captured", help="comma list of eager, captured")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (the floor's own sampler cost); 1.0 = the sampled path bench/throughput.py runs")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
@@ -164,27 +179,31 @@ def main(argv=None) -> dict:
     try:
         model_dir = args.model or write_preset(args.preset, args.dtype, args.save_dir or tmp / "ckpt")
         cfg = json.loads((model_dir / "config.json").read_text())
-        res = dict(model=str(args.model or args.preset), dtype=args.dtype, batch=args.batch,
+        res = dict(model=str(args.model or args.preset), dtype=args.dtype, batch=args.batch, temperature=args.temperature,
                    threads=torch.get_num_threads(), load_avg_1m_start=os.getloadavg()[0])
-        res["floor_ms"] = floor_ms(cfg, args.batch, _DTYPES[args.dtype], max(5, args.steps // 2))
+        floor = floor_step(cfg, args.batch, _DTYPES[args.dtype])
+        res["floor_ms"] = _median_ms(floor, max(5, args.steps // 2))
         print(f"floor (prepacked linears, [{args.batch}, hidden]): {res['floor_ms']:.2f} ms/step", flush=True)
         for mode in args.modes.split(","):
-            loop = DecodeLoop(model_dir, args.dtype, args.batch, args.prompt_len, args.steps, mode == "captured", {})
+            loop = DecodeLoop(model_dir, args.dtype, args.batch, args.prompt_len, args.steps, mode == "captured", {},
+                              args.temperature)
             gr = loop.runner.graph_runner
-            ms = engine_ms(loop, args.steps)
+            floor_now, ms, ratio = interleaved_ms(floor, loop, args.steps)
             res[f"{mode}_ms"] = ms
-            res[f"{mode}_ratio"] = ms / res["floor_ms"]
+            res[f"{mode}_floor_ms"] = floor_now
+            res[f"{mode}_ratio"] = ratio
             extra = ""
             if gr is not None and hasattr(gr, "capture_seconds"):
                 res[f"{mode}_capture_s"] = dict(gr.capture_seconds)
                 extra = f"  capture: {json.dumps({k: round(v, 2) for k, v in gr.capture_seconds.items()})} s"
-            print(f"engine {mode}: {ms:.2f} ms/step = {ms / res['floor_ms']:.2f}x floor  "
-                  f"(runner init {loop.init_s:.1f} s){extra}  load {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"engine {mode}: {ms:.2f} ms/step, floor {floor_now:.2f} ms alongside: {ratio:.2f}x floor "
+                  f"(median of pairs; runner init {loop.init_s:.1f} s){extra}  load {os.getloadavg()[0]:.1f}",
+                  flush=True)
             if args.profile:
                 profile(loop, 5, mode, 25)
             del loop
         # The floor again at the end: the machine may have changed under us.
-        res["floor_ms_end"] = floor_ms(cfg, args.batch, _DTYPES[args.dtype], max(5, args.steps // 2))
+        res["floor_ms_end"] = _median_ms(floor, max(5, args.steps // 2))
         res["load_avg_1m_end"] = os.getloadavg()[0]
         print(f"floor again: {res['floor_ms_end']:.2f} ms/step; load {res['load_avg_1m_start']:.1f} -> "
               f"{res['load_avg_1m_end']:.1f}")

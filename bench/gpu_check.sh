@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a bare H200 machine (see ../shared/GPU.md), ~8 minutes, flashinfer JIT included (the per-step timeouts bound it at ~10.5):
+# One-shot GPU check for a bare H200 machine, ~8 minutes, flashinfer JIT included (the per-step timeouts bound it at ~10.5):
 #   1. install the carried wheels (build/gpu_wheels/: flashinfer-python 0.6.13, apache-tvm-ffi,
 #      torch-memory-saver 0.0.10, and the small pure-python dependencies) into /tmp/site, no network;
 #   2. run the gpu-marked tests (tests/gpu) with torch_memory_saver's preload hook;

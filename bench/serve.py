@@ -1,11 +1,13 @@
 """Load test of the HTTP server, with the same workload through the in-process Engine as the peer.
 
-    python bench/serve.py [--model assets/demo-model] [--num-requests 1000] [--concurrency 64]
+    python bench/serve.py [--model assets/demo-model] [--num-requests 1000] [--concurrency 64] [--client raw]
 
 Starts `python -m rollout.launch_server` in a subprocess (so client and server do not share a GIL),
 sends `--num-requests` streaming /generate requests with at most `--concurrency` in flight (httpx,
-asyncio), and reports output tok/s, p50/p99 end-to-end latency and time to first token, and whether
-every request finished. Then it runs the identical workload through `Engine.async_generate(stream=True)`
+asyncio; or `--client raw`: a bare asyncio HTTP/1.1 client that parses only each stream's last event, so
+that the client's own cost, ~230 us of CPU per SSE event with httpx, does not cap the measurement), and reports output tok/s, p50/p99 end-to-end latency and time to first token, whether every
+request finished, and the CPU seconds the run cost the client process and the server process apiece
+(on a shared machine the split says which side pays for the HTTP overhead). Then it runs the identical workload through `Engine.async_generate(stream=True)`
 in this process and prints the HTTP overhead as the ratio of the two throughputs. Every wait is bounded.
 """
 
@@ -16,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import signal
 import statistics
 import subprocess
@@ -41,7 +44,22 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def summary(name: str, wall: float, results: list[tuple[float, float, int, str]], n: int) -> dict:
+def own_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of another process (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def summary(name: str, wall: float, results: list[tuple[float, float, int, str]], n: int, **cpu) -> dict:
     lat = [r[0] for r in results]
     ttft = [r[1] for r in results]
     tokens = sum(r[2] for r in results)
@@ -49,7 +67,8 @@ def summary(name: str, wall: float, results: list[tuple[float, float, int, str]]
     out = dict(name=name, requests=n, finished=done, tokens=tokens, seconds=round(wall, 3),
                tok_per_s=round(tokens / wall, 1), p50_latency_ms=round(1e3 * statistics.median(lat), 1),
                p99_latency_ms=round(1e3 * pct(lat, 0.99), 1), p50_ttft_ms=round(1e3 * statistics.median(ttft), 1),
-               p99_ttft_ms=round(1e3 * pct(ttft, 0.99), 1))
+               p99_ttft_ms=round(1e3 * pct(ttft, 0.99), 1),
+               **{k: None if v is None else round(v, 2) for k, v in cpu.items()}, load_avg=os.getloadavg()[0])
     print(json.dumps(out), flush=True)
     return out
 
@@ -77,6 +96,43 @@ async def run_http(url: str, reqs: list[dict], concurrency: int, timeout_s: floa
         return time.perf_counter() - t0, results
 
 
+async def run_raw(url: str, reqs: list[dict], concurrency: int, timeout_s: float):
+    """`concurrency` keep-alive connections, each sending the next request once its stream ended. Reads
+    the chunked SSE body and JSON-decodes only the last event (the counterpart of the in-process peer,
+    which receives ready dicts)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    pending = iter(reqs)  # shared: each connection takes the next request
+    results = []
+
+    async def connection():
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            for body in pending:
+                payload = json.dumps({**body, "stream": True}).encode()
+                t0 = time.perf_counter()
+                writer.write(b"POST /generate HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload))
+                head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
+                    raise RuntimeError(f"unexpected response head: {head[:200]!r}")
+                ttft, last, buf = None, None, b""
+                while size := int((await reader.readline()).strip(), 16):
+                    buf += (await reader.readexactly(size + 2))[:-2]
+                    ttft = ttft or time.perf_counter() - t0
+                    *events, buf = buf.split(b"\n\n")
+                    last = next((e for e in reversed(events) if e != b"data: [DONE]"), last)
+                await reader.readline()  # the empty trailer after the last chunk
+                out = json.loads(last[6:])
+                results.append((time.perf_counter() - t0, ttft, len(out["output_ids"]),
+                                out["meta_info"]["finish_reason"]["type"]))
+        finally:
+            writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*(connection() for _ in range(concurrency))), timeout_s)
+    return time.perf_counter() - t0, results
+
+
 async def run_engine(engine, reqs: list[dict], concurrency: int, timeout_s: float):
     sem = asyncio.Semaphore(concurrency)
 
@@ -101,6 +157,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--client", choices=("httpx", "raw"), default="httpx",
+                   help="HTTP client: httpx (a typical client, parses every event) or a bare asyncio one")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on each phase, seconds")
     p.add_argument("--engine-args", default="--max-total-tokens 16384 --max-running-requests 64",
                    help="extra launch_server flags, also applied to the in-process Engine")
@@ -120,10 +178,14 @@ def main() -> None:
         else:
             raise RuntimeError(f"server exited with {proc.wait()}")
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(run_http(url, reqs[: args.concurrency], args.concurrency, args.timeout))  # warm-up
+        run = run_http if args.client == "httpx" else run_raw
+        asyncio.run(run(url, reqs[: args.concurrency], args.concurrency, args.timeout))  # warm-up
         httpx.post(url + "/flush_cache", timeout=30)
-        wall, results = asyncio.run(run_http(url, reqs, args.concurrency, args.timeout))
-        http = summary("http", wall, results, len(reqs))
+        server0, client0 = proc_cpu_s(proc.pid), own_cpu_s()
+        wall, results = asyncio.run(run(url, reqs, args.concurrency, args.timeout))
+        client_s, server1 = own_cpu_s() - client0, proc_cpu_s(proc.pid)
+        http = summary(f"http ({args.client} client)", wall, results, len(reqs), client_cpu_s=client_s,
+                       server_cpu_s=None if server0 is None or server1 is None else server1 - server0)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -138,8 +200,9 @@ def main() -> None:
     with Engine(**kw) as engine:
         asyncio.run(run_engine(engine, reqs[: args.concurrency], args.concurrency, args.timeout))
         engine.flush_cache()
+        cpu0 = own_cpu_s()
         wall, results = asyncio.run(run_engine(engine, reqs, args.concurrency, args.timeout))
-        inproc = summary("engine", wall, results, len(reqs))
+        inproc = summary("engine", wall, results, len(reqs), engine_cpu_s=own_cpu_s() - cpu0)
     print(json.dumps({"http_over_engine_throughput": round(http["tok_per_s"] / inproc["tok_per_s"], 3),
                       "all_finished": http["finished"] == inproc["finished"] == len(reqs)}), flush=True)
 

@@ -157,6 +157,55 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, ou
     return min(runs, key=lambda r: r["seconds"])
 
 
+
+def run_engine_group(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int,
+                     temperature: float, warmup: list[list[int]], repeat: int, engine_kwargs: dict,
+                     num_engines: int) -> dict:
+    """The same workload over `num_engines` engines on a local Ray cluster (rollout.ray.launch_engines).
+
+    The group sends each prompt (with its n samples) to the least-loaded engine. The cluster gets this
+    machine's cores, split evenly over the engines (Ray sets each actor's thread count from its CPUs).
+    CPU seconds are not measured: the work runs in the actors' processes, not in this one."""
+    import ray
+
+    from rollout.ray import launch_engines
+
+    num_seqs = len(prompts) * n
+    seq_len = len(prompts[0]) + output_len
+    max_pos = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    kwargs = dict(device="cpu", dtype=dtype, max_running_requests=max(num_seqs, 16),
+                  context_length=min(seq_len + 16, max_pos),
+                  max_total_tokens=num_seqs * (seq_len + 1) + 1024, random_seed=0)  # as run_engine
+    kwargs.update(engine_kwargs or {})
+    sp = dict(max_new_tokens=output_len, temperature=temperature, ignore_eos=True, n=n)
+    cores = os.cpu_count() or num_engines
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=max(cores, num_engines), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    try:
+        group = launch_engines(num_engines, str(model_dir), num_cpus_per_engine=max(1, cores // num_engines),
+                               **kwargs)
+        with group:
+            if warmup:
+                group.generate(input_ids=warmup, sampling_params={**sp, "max_new_tokens": min(8, output_len)})
+            runs = []
+            for _ in range(repeat):
+                group.flush_cache()
+
+                def call() -> int:
+                    outs = group.generate(input_ids=prompts, sampling_params=sp)
+                    return sum(o["meta_info"]["completion_tokens"] for o in outs)
+
+                run = _timed(call)
+                run["cpu_seconds"] = None
+                assert run["tokens"] == num_seqs * output_len, f"engine group generated {run['tokens']} tokens"
+                runs.append(run)
+    finally:
+        if started:
+            ray.shutdown()
+    return min(runs, key=lambda r: r["seconds"])
+
 # vLLM runs in a child process (its own venv, its own torch); it reads a job file and writes a result file.
 _VLLM_WORKER = r"""
 import json, sys, time
@@ -257,9 +306,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-timeout", type=float, default=1800.0)
     p.add_argument("--tp-size", type=int, default=1, help="also run the engine with tensor parallelism over "
                    "this many ranks (gloo on the CPU) and report its tok/s as a ratio to one engine, same run")
+    p.add_argument("--num-engines", type=int, default=1, help="also run N engines on a local Ray cluster "
+                   "(rollout.ray) on the same workload, reported as a ratio to one engine in this run")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
-    for name in ("batch", "prompt_len", "output_len", "n", "repeat"):
+    for name in ("batch", "prompt_len", "output_len", "n", "repeat", "num_engines"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -290,6 +341,9 @@ def main(argv=None) -> dict:
         if args.tp_size > 1:
             tp_kwargs = {**args.engine_kwargs, "tp_size": args.tp_size}
             backends.append((f"engine-tp{args.tp_size}", lambda: run_engine(*common, args.repeat, tp_kwargs)))
+        if args.num_engines > 1:
+            backends.append((f"engines-x{args.num_engines}",
+                             lambda: run_engine_group(*common, args.repeat, args.engine_kwargs, args.num_engines)))
         if args.deterministic:
             det_kwargs = {**args.engine_kwargs, "enable_deterministic_inference": True}
             backends.append(("engine-det", lambda: run_engine(*common, args.repeat, det_kwargs)))
@@ -312,7 +366,7 @@ def main(argv=None) -> dict:
         for row in rows.values():
             if "seconds" in row:
                 row["tokens_per_s"] = row["tokens"] / row["seconds"]
-                row["tokens_per_cpu_s"] = row["tokens"] / row["cpu_seconds"]
+                row["tokens_per_cpu_s"] = row["tokens"] / row["cpu_seconds"] if row["cpu_seconds"] else None
                 row["ratio_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"] if hf else None
         if "seconds" in rows.get("engine", {}) and "seconds" in rows.get("engine-det", {}):
             # The cost of batch invariance: deterministic over default throughput, measured in this run.
@@ -324,6 +378,11 @@ def main(argv=None) -> dict:
             # Worker ranks run in child processes: their CPU time is not in tokens_per_cpu_s.
             tp_row["ratio_vs_engine"] = tp_row["tokens_per_s"] / rows["engine"]["tokens_per_s"]
             print(f"tp_size={args.tp_size} / one engine throughput: {tp_row['ratio_vs_engine']:.3f}x", flush=True)
+        group_row = rows.get(f"engines-x{args.num_engines}", {})
+        if "seconds" in rows.get("engine", {}) and "seconds" in group_row:
+            group_row["ratio_vs_engine"] = group_row["tokens_per_s"] / rows["engine"]["tokens_per_s"]
+            print(f"{args.num_engines} engines (Ray) / one engine throughput: {group_row['ratio_vs_engine']:.3f}x",
+                  flush=True)
         result = dict(workload=workload, results=rows)
         if args.json:
             args.json.write_text(json.dumps(result, indent=2))
@@ -344,8 +403,9 @@ def print_table(workload: dict, rows: dict) -> None:
             print(f"{name:<10}{'failed':>10}  (see the log above)")
             continue
         ratio = f"{row['ratio_vs_hf']:.2f}x" if row.get("ratio_vs_hf") else "-"
+        per_cpu = f"{row['tokens_per_cpu_s']:.1f}" if row.get("tokens_per_cpu_s") else "-"
         print(f"{name:<10}{row['seconds']:>10.2f}{row['tokens_per_s']:>12.1f}{ratio:>8}"
-              f"{row['tokens_per_cpu_s']:>12.1f}{row['load_avg_1m']:>6.1f}")
+              f"{per_cpu:>12}{row['load_avg_1m']:>6.1f}")
 
 
 if __name__ == "__main__":

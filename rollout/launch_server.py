@@ -6,6 +6,8 @@ stops accepting, finishes open responses, then the engine is shut down (in-fligh
 finish_reason abort).
 
 `ServerThread` runs the same server in a background thread of this process (tests, benchmarks).
+uvicorn picks uvloop and httptools when they are installed (`pip install uvicorn[standard]`): on the
+tiny-model streaming benchmark they cut the server's CPU by roughly a fifth (one run each, loaded machine).
 """
 
 from __future__ import annotations

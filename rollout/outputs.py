@@ -184,5 +184,15 @@ class AsyncStream(_StreamBase):
             raise
         return self._on_item(item)
 
+    def ready_nowait(self) -> list[dict]:
+        """Every output already delivered, without waiting (the HTTP server writes them as one batch).
+        A stream chunk is a cumulative snapshot, so only the newest one of each request is built: a later
+        chunk or the request's final output supersedes it and loses nothing."""
+        items = []
+        while not self._sink.queue.empty():
+            items.append(self._sink.queue.get_nowait())
+        newest = {req.index: i for i, (_, req) in enumerate(items)}
+        return [self._on_item(item) for i, item in enumerate(items) if newest[item[1].index] == i or item[0] == "final"]
+
     async def aclose(self) -> None:
         self._close()

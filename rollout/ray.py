@@ -34,7 +34,9 @@ FORWARDED = frozenset({
     "generate", "update_weights_from_tensor", "update_weights_from_disk", "release_memory_occupation",
     "resume_memory_occupation", "flush_cache", "get_server_info", "pause_generation", "continue_generation",
     "abort_request", "init_weights_update_group", "update_weights_from_distributed",
-    "destroy_weights_update_group", "get_weights_by_name",
+    "destroy_weights_update_group", "get_weights_by_name", "start_expert_distribution_record",
+    "stop_expert_distribution_record", "dump_expert_distribution_record", "update_weight_version",
+    "get_weights_checksum",
 })
 
 
@@ -329,6 +331,23 @@ class EngineGroup:
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         return self._get([self.handles[0].call.remote("get_weights_by_name", (name, truncate_size), {})],
                          "get_weights_by_name")[0]
+
+    def start_expert_distribution_record(self) -> None:
+        self._all("start_expert_distribution_record")
+
+    def stop_expert_distribution_record(self) -> None:
+        self._all("stop_expert_distribution_record")
+
+    def dump_expert_distribution_record(self, output_dir: str | None = None) -> list:
+        """One dump per engine (engine i's counts at index i); each engine writes its own file."""
+        return self._all("dump_expert_distribution_record", output_dir)
+
+    def get_weights_checksum(self) -> dict:
+        """Engine 0's checksum dict, after checking every engine holds the same bits."""
+        sums = self._all("get_weights_checksum")
+        if len({s["checksum"] for s in sums}) != 1:
+            raise EngineGroupError(f"engines hold different weights: checksums {[s['checksum'] for s in sums]}")
+        return sums[0]
 
     @property
     def weight_version(self) -> str:

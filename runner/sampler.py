@@ -187,14 +187,59 @@ def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.T
     return torch.log_softmax(scaled, dim=-1)
 
 
+# Chunk width of first_argmax: a multiple of the SIMD width; 128 measured best of 64/128/256 here.
+_ARGMAX_CHUNK = 128
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of [bs, vocab] (first index of the max; NaN counts as the max), in passes that vectorise.
+
+    torch's CPU argmax kernel is scalar: at [16, 32768] it took 0.22 ms against 0.06 ms for this, at
+    [16, 151936] 1.0 ms against 0.15 ms. The max of each 128-wide chunk (amax, vectorised, propagates
+    NaN), then the first chunk holding the overall max, then argmax inside that chunk only: the first
+    chunk that holds the max holds its first occurrence, so the result is argmax's, ties included."""
+    bs, vocab = x.shape
+    c = _ARGMAX_CHUNK
+    main = vocab - vocab % c
+    if x.device.type != "cpu" or not x.is_contiguous() or main == 0:
+        return x.argmax(dim=-1)
+    chunks = x.as_strided((bs, main // c, c), (vocab, c, 1))  # the first `main` columns, [bs, n_chunks, c]
+    chunk_max = chunks.amax(dim=-1)  # [bs, n_chunks]
+    best = chunk_max.argmax(dim=-1)  # [bs] first chunk holding the row max
+    rows = torch.arange(bs, device=x.device)
+    ids = best * c + chunks[rows, best].argmax(dim=-1)
+    if main < vocab:  # the ragged tail wins only with a strictly larger value (or the first NaN)
+        tail = x[:, main:]
+        tail_ids = tail.argmax(dim=-1)
+        head_max, tail_max = chunk_max[rows, best], tail[rows, tail_ids]
+        take_tail = (tail_max > head_max) | (tail_max.isnan() & ~head_max.isnan())
+        ids = torch.where(take_tail, tail_ids + main, ids)
+    return ids
+
+
+def logsumexp_at_argmax(x: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """`torch.logsumexp(x, -1)` of [bs, vocab] given its argmax [bs].
+
+    On the CPU log_softmax is one fused pass, about twice as fast as logsumexp's amax/sub/exp/sum/log
+    chain (0.15 vs 0.28 ms at [16, 32768], 0.7 vs 1.4 ms at [16, 151936]). At the argmax,
+    log_softmax = -log(sum(exp(x - max))) has no cancellation, so max - that is the logsumexp to
+    rounding. Rows whose max is infinite keep logsumexp's answer (the max itself)."""
+    if x.device.type != "cpu":
+        return torch.logsumexp(x, dim=-1)
+    at = argmax.unsqueeze(1)
+    top = x.gather(1, at).squeeze(1)  # [bs]
+    lse = top - torch.log_softmax(x, dim=-1).gather(1, at).squeeze(1)
+    return torch.where(top.isinf(), top, lse)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         # logits: [bs, vocab] fp32. Full-vocab passes are the cost here, so greedy rows and the raw
         # logprob work on [bs] gathers against one logsumexp instead of a second log_softmax.
         raw = logits
         logits = apply_logit_processors(logits, info)
-        argmax = logits.argmax(dim=-1)  # [bs]; also the argmax after temperature and truncation
-        lse = torch.logsumexp(logits, dim=-1)  # [bs]
+        argmax = first_argmax(logits)  # [bs]; also the argmax after temperature and truncation
+        lse = logsumexp_at_argmax(logits, argmax)  # [bs]
         greedy = info.temperatures == 0
         logprobs_all = None
         if info.is_all_greedy:

@@ -155,29 +155,8 @@ def generate_stats(model, tokenizer, num_samples: int, do_sample: bool, seed: in
     return {k: v / len(completions) for k, v in stats.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "assets" / "demo-model"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learn-steps", type=int, default=250)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--unlearn-lr", type=float, default=1e-5)
-    parser.add_argument("--max-unlearn-steps", type=int, default=200)
-    parser.add_argument("--target-acc", type=float, default=0.3)
-    args = parser.parse_args()
-
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed)
-    num_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})"
-    )
-
-    start = time.time()
-
+def warm_start(model, tokenizer, args, start: float) -> int:
+    """The two-stage supervised warm start shared by the demo models; returns the unlearn steps taken."""
     # Stage 1: learn addition (full batch, clean labels) until the model is nearly perfect.
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = 20
@@ -206,6 +185,33 @@ def main() -> None:
         train_step(model, opt, input_ids, labels)
         unlearn_steps += 1
     print(f"unlearn: {unlearn_steps} steps  expected sampled acc {acc:.3f}  ({time.time() - start:.0f}s)")
+    return unlearn_steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "assets" / "demo-model"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learn-steps", type=int, default=250)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--unlearn-lr", type=float, default=1e-5)
+    parser.add_argument("--max-unlearn-steps", type=int, default=200)
+    parser.add_argument("--target-acc", type=float, default=0.3)
+    args = parser.parse_args()
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, args.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})"
+    )
+
+    start = time.time()
+
+    unlearn_steps = warm_start(model, tokenizer, args, start)
     model.eval()
 
     exact = exact_sampled_accuracy(model, tokenizer)

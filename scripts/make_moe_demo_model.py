@@ -32,7 +32,7 @@ from make_demo_model import (  # noqa: E402
     build_tokenizer,
     exact_sampled_accuracy,
     generate_stats,
-    train_step,
+    warm_start,
 )
 
 NUM_EXPERTS = 8
@@ -93,29 +93,7 @@ def main() -> None:
     print(f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})")
     start = time.time()
 
-    # Stage 1: learn addition (full batch, clean labels) until nearly perfect.
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = 20
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / args.learn_steps))))
-    input_ids, labels = addition_batch(tokenizer, offset=0)
-    for step in range(args.learn_steps):
-        train_step(model, opt, input_ids, labels)
-        sched.step()
-        if step % 50 == 49 or step == args.learn_steps - 1:
-            acc = exact_sampled_accuracy(model, tokenizer)
-            print(f"learn   step {step:4d}  expected sampled acc {acc:.3f}  ({time.time() - start:.0f}s)")
-
-    # Stage 2: a partial fine-tune towards "a + b + 1", stopped at --target-acc (see make_demo_model.py).
-    opt = torch.optim.AdamW(model.parameters(), lr=args.unlearn_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    input_ids, labels = addition_batch(tokenizer, offset=1)
-    unlearn_steps = 0
-    while (acc := exact_sampled_accuracy(model, tokenizer)) > args.target_acc:
-        if unlearn_steps == args.max_unlearn_steps:
-            raise RuntimeError(f"accuracy still {acc:.3f} after {unlearn_steps} unlearn steps; raise --unlearn-lr")
-        train_step(model, opt, input_ids, labels)
-        unlearn_steps += 1
-    print(f"unlearn: {unlearn_steps} steps  expected sampled acc {acc:.3f}  ({time.time() - start:.0f}s)")
+    unlearn_steps = warm_start(model, tokenizer, args, start)  # the Llama demo's two stages
     model.eval()
 
     exact = exact_sampled_accuracy(model, tokenizer)

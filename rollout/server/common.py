@@ -11,6 +11,11 @@ import functools
 import json
 import math
 
+try:  # ~10x faster than json on the per-token stream chunks (the `server` extra installs it)
+    import orjson
+except ImportError:  # pragma: no cover - the stdlib path below is the fallback
+    orjson = None
+
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -26,20 +31,31 @@ def _finite(x):
     return x
 
 
-def dumps(obj) -> str:
+def dumpb(obj) -> bytes:
+    """Compact UTF-8 JSON; floats as their shortest round-trip form (orjson and json agree on the value);
+    NaN/inf as null; non-string keys as strings, as json.dumps does."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+        except TypeError:  # what orjson does not know (e.g. a >64-bit int): the stdlib path decides
+            pass
     try:
-        return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+        return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode("utf-8")
     except ValueError:
-        return json.dumps(_finite(obj), allow_nan=False, separators=(",", ":"))
+        return json.dumps(_finite(obj), allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def dumps(obj) -> str:
+    return dumpb(obj).decode("utf-8")
 
 
 class JSONResponse(Response):
-    """Floats as repr (exact round trip, so logprobs over HTTP equal the engine's bit for bit)."""
+    """Floats in shortest round-trip form (so logprobs over HTTP equal the engine's bit for bit)."""
 
     media_type = "application/json"
 
     def render(self, content) -> bytes:
-        return dumps(content).encode("utf-8")
+        return dumpb(content)
 
 
 def error_response(message: str, status_code: int = 400, param: str | None = None,

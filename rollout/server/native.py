@@ -5,7 +5,12 @@ call blocks on the engine lock, so it runs in the server's thread pool. Request 
 models with `extra="forbid"` and strict types: an unknown or mistyped field is a 400 naming it.
 SGLang generate fields (`logprob_start_len`, `token_ids_logprob`, and ones the Engine does not implement,
 e.g. `lora_path`) are accepted here and passed through, so the Engine's TypeError/ValueError becomes the
-400 message.
+400 message. MoE: `return_routed_experts` (SGLang's base64 int32 in meta_info, built by the Engine) and
+the three expert-distribution endpoints call the Engine's methods; a dense model answers 400.
+
+Streaming costs one JSON encode and one socket write per token and sequence, so whatever the engine
+delivered while the previous write went out is sent in one write, each sequence's stale cumulative
+snapshots dropped (see `sse`). Non-streamed requests do no per-token work here at all.
 
 What is not here: the OpenAI routes (openai_api.py), /metrics (metrics.py), auth and error plumbing
 (app.py).
@@ -23,7 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from rollout.server.common import JSONResponse, dumps, engine_error, error_response, run_blocking
+from rollout.server.common import JSONResponse, dumpb, engine_error, error_response, run_blocking
 from rollout.server.tensor_codec import decode_buckets, decode_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -54,6 +59,7 @@ class GenerateReqInput(Body):
     lora_path: str | list[str | None] | None = None
     custom_logit_processor: str | list[str | None] | None = None
     return_hidden_states: bool | None = None
+    return_routed_experts: bool = False  # MoE: meta_info["routed_experts"], base64 int32 (SGLang's format)
     session_params: dict | None = None
     priority: int | None = None
     return_bytes: bool | None = None
@@ -65,8 +71,8 @@ class GenerateReqInput(Body):
 
     def passthrough(self) -> dict:
         names = ("logprob_start_len", "token_ids_logprob", "input_embeds", "image_data", "lora_path",
-                 "custom_logit_processor", "return_hidden_states", "session_params", "priority", "return_bytes",
-                 "return_entropy")
+                 "custom_logit_processor", "return_hidden_states", "return_routed_experts", "session_params", "priority",
+                 "return_bytes", "return_entropy")
         return {n: getattr(self, n) for n in names if getattr(self, n) not in (None, False)}
 
 
@@ -111,13 +117,24 @@ async def await_unless_disconnected(request: Request, coro):
             task.cancel()
 
 
+def coalesce(chunks: list[dict]) -> list[dict]:
+    """Chunks are cumulative snapshots: of each sequence ("index") keep only the newest (the last)."""
+    newest = {c["index"]: i for i, c in enumerate(chunks)}
+    return [c for i, c in enumerate(chunks) if newest[c["index"]] == i]
+
+
 async def sse(chunks, post=lambda c: c):
-    """Server-sent events: one `data: <json>` per chunk, then `data: [DONE]`. Closing this generator (the
-    client went away mid-stream) closes `chunks`, which aborts the engine request and frees its KV."""
+    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`. Whatever the engine delivered
+    while the previous write was going out is sent as one write, keeping only each sequence's newest
+    snapshot (a cumulative chunk supersedes the older ones; SGLang's stream_interval skips the same way):
+    a client that keeps up sees every token, one that falls behind costs the server no extra encode.
+    Closing this generator (the client went away mid-stream) closes `chunks`, which aborts the engine
+    request and frees its KV."""
     try:
         async for chunk in chunks:
-            yield f"data: {dumps(post(chunk))}\n\n"
-        yield "data: [DONE]\n\n"
+            batch = coalesce([chunk, *chunks.ready_nowait()])
+            yield b"".join(b"data: " + dumpb(post(c)) + b"\n\n" for c in batch)
+        yield b"data: [DONE]\n\n"
     finally:
         await chunks.aclose()
 
@@ -190,10 +207,13 @@ async def get_model_info(request: Request):
 @router.get("/get_server_info")
 async def get_server_info(request: Request):
     engine = request.app.state.engine
-    state = await run_blocking(request, engine.get_server_info)
+    """SGLang's shape: one flat dict of every server arg (the engine's and this server's, api_key left
+    out) beside the scheduler info and internal_states; Engine.get_server_info() already is that shape."""
+    info = await run_blocking(request, engine.get_server_info)
     server = {k: v for k, v in dataclasses.asdict(request.app.state.server_args).items() if k != "api_key"}
-    return JSONResponse({**dataclasses.asdict(engine.args), **server, "internal_states": [state],
-                         "weight_version": engine.weight_version, "version": request.app.version})
+    info = {**info, **server}
+    info.setdefault("version", request.app.version)
+    return JSONResponse(info)
 
 
 def load_snapshot(engine) -> dict:
@@ -288,6 +308,37 @@ async def _memory(request: Request, method: str):
     return JSONResponse({"success": True, "message": f"{method}({obj.tags}) done"})
 
 
+# ---- expert distribution (MoE; SGLang's paths) ------------------------------------------------
+async def _expert_record(request: Request, method: str):
+    fn = getattr(request.app.state.engine, method, None)
+    if fn is None:
+        return error_response(f"{method}: this engine has no expert distribution recorder", 400)
+    try:
+        return await run_blocking(request, fn)
+    except Exception as e:
+        return engine_error(e)
+
+
+@router.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+async def start_expert_distribution_record(request: Request):
+    out = await _expert_record(request, "start_expert_distribution_record")
+    return out if isinstance(out, Response) else Response("Start recording the expert distribution.\n")
+
+
+@router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+async def stop_expert_distribution_record(request: Request):
+    out = await _expert_record(request, "stop_expert_distribution_record")
+    return out if isinstance(out, Response) else Response("Stop recording the expert distribution.\n")
+
+
+@router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+async def dump_expert_distribution_record(request: Request):
+    """SGLang writes the record to a server-side file and answers with a line of text; over HTTP the
+    record itself is more use, so this answers with it as JSON ({"logical_count": [layer][expert], ...})."""
+    out = await _expert_record(request, "dump_expert_distribution_record")
+    return out if isinstance(out, Response) else JSONResponse(out)
+
+
 # ---- weights ----------------------------------------------------------------------------------
 def _result(res) -> JSONResponse:
     """Engine (ok, msg) or (ok, msg, num_paused) -> SGLang's {"success", "message"[, ...]}, 200 or 400."""
@@ -316,7 +367,7 @@ async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: R
     engine = request.app.state.engine
     await _abort_all_first(request, obj.abort_all_requests)
     res = await run_blocking(request, engine.update_weights_from_disk, obj.model_path, load_format=obj.load_format,
-                             weight_version=obj.weight_version)
+                             weight_version=obj.weight_version, flush_cache=obj.flush_cache)
     # SGLang always reports how many requests were paused across the update.
     return _result(res if len(res) > 2 else (*res, 0))
 

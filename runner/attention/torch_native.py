@@ -121,8 +121,12 @@ class TorchNativeAttnBackend:
         if batch_invariant.is_enabled():  # per token, fixed KV blocks (runner/batch_invariant.py)
             return batch_invariant.attention(q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
                                              md.kv_indices, md.token_req, fb.positions, layer.scaling)
-        k = pool.k_buffer[layer.layer_id][md.kv_indices]  # [bs, max_kv, kv_heads, d]
-        v = pool.v_buffer[layer.layer_id][md.kv_indices]
+        # index_select on the flat slot list, not advanced indexing with the 2-D index: the same
+        # gather, ~4x faster on the CPU at decode shapes (16 x 64 slots: 11 us vs 48 us).
+        flat = md.kv_indices.reshape(-1)  # a view for eager plans; one copy per layer for graph slices
+        kv_shape = (bs, md.kv_indices.shape[1], layer.num_kv_heads, d)
+        k = pool.k_buffer[layer.layer_id].index_select(0, flat).view(kv_shape)  # [bs, max_kv, kv_heads, d]
+        v = pool.v_buffer[layer.layer_id].index_select(0, flat).view(kv_shape)
         if md.q_index is None:
             qp = q.view(bs, 1, hq, d)
         else:

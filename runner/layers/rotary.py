@@ -55,6 +55,11 @@ class RotaryEmbedding(nn.Module):
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
+    @staticmethod
+    def apply_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply` on one tensor of heads, e.g. q and k heads side by side: [num_tokens, heads, head_dim]."""
+        return x * cos + rotate_half(x) * sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

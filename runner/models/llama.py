@@ -65,13 +65,19 @@ class LlamaAttention(nn.Module):
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0].apply(q, k, *cos_sin)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # [num_tokens, num_heads, head_dim]
+            k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary[0].apply(q, k, *cos_sin)
+        else:
+            # q and k heads rotated as one tensor: half the elementwise launches, the same value per
+            # element (per-op overhead is a large part of a small model's decode step).
+            qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = self.rotary[0].apply_one(qk, *cos_sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [num_tokens, heads, head_dim] views
         return self.o_proj(self.attn(q, k, v, fb))
 
 

@@ -107,6 +107,7 @@ def test_sync_reaches_every_engine(group, trainer, reference):
     ok, msg = sync_weights(model, group, bucket_bytes=64 << 10, weight_version="v1")
     assert ok, msg
     assert group.weight_version == "v1"
+    assert group.get_weights_checksum()["weight_version"] == "v1"  # raises if the engines' bits differ
     for i in range(len(group)):  # each engine on its own, not just the spread
         got = group._get([group.handles[i].call.remote("generate", (), dict(
             input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True))], "generate")[0]

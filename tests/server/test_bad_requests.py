@@ -68,3 +68,19 @@ def test_api_key(server):
             assert r.status_code == 401 and "invalid API key" in r.json()["error"]["message"]
             r = c.post("/generate", json=GOOD, headers={"Authorization": "Bearer s3cret"})
             assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+
+
+def test_json_encoding_round_trips_and_is_strict():
+    """dumpb: floats come back bit-identical, NaN/inf become null, int keys become strings, and what orjson
+    cannot encode (a >64-bit int) falls back to the stdlib encoder: the same document either way."""
+    import json
+    import math
+
+    from rollout.server.common import dumpb
+
+    floats = [0.1, -1e-5, 1 / 3, 5e-324, 1.7976931348623157e308, -0.0, -12.345678901234567]
+    back = json.loads(dumpb({"lp": floats}))["lp"]
+    assert all(a == b and math.copysign(1, a) == math.copysign(1, b) for a, b in zip(back, floats))
+    assert json.loads(dumpb([float("nan"), float("-inf"), (1, None)])) == [None, None, [1, None]]
+    assert json.loads(dumpb({1: "a", "b": {2: [3]}})) == {"1": "a", "b": {"2": [3]}}
+    assert json.loads(dumpb({"big": 2**70, "é": "ü"})) == {"big": 2**70, "é": "ü"}

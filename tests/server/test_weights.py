@@ -75,6 +75,19 @@ def test_update_from_disk(wclient, ckpts, expected):
     assert _observe(wclient) == expected[1]  # a failed update changes nothing
 
 
+def test_update_from_disk_passes_flush_cache(wclient, ckpts):
+    """flush_cache from the /update_weights_from_disk body reaches the engine: false keeps the prefix cache
+    (a repeated prompt hits it), the default true empties it (no hit)."""
+    body = dict(input_ids=[13, 40, 41, 42] * 3, sampling_params=dict(temperature=0, max_new_tokens=2))
+    cached = []
+    for flush in (False, True):
+        wclient.post("/generate", json=body)  # the prompt is in the prefix cache now
+        r = wclient.post("/update_weights_from_disk", json={"model_path": str(ckpts[0]), "flush_cache": flush})
+        assert r.status_code == 200, r.text
+        cached.append(wclient.post("/generate", json=body).json()["meta_info"]["cached_tokens"])
+    assert cached[0] > 0 and cached[1] == 0, cached
+
+
 def test_update_from_tensor_plain_and_bucketed(wclient, ckpts, expected):
     """/update_weights_from_tensor with named tensors, then with flattened buckets: B's outputs each time."""
     sd = read_state_dict(ckpts[1])

@@ -209,7 +209,7 @@ def test_iter_buckets_is_lazy():
 
 
 def test_package_is_a_leaf():
-    """weight_sync imports none of runner, rollout or trainers (DESIGN.md: it is a leaf both ends use)."""
+    """weight_sync imports none of runner, rollout or trainers (it is a leaf both ends use)."""
     import ast
     from pathlib import Path
 
