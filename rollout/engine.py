@@ -310,9 +310,13 @@ class Engine(WeightsAPI):
                 raise RuntimeError("engine is shut down")
             if not self.runner.weights_valid:
                 raise RuntimeError(self.runner.invalid_weights_message())
-            if not self.runner.memory_saver.is_resident("weights") or not self.runner.memory_saver.is_resident(
-                    "kv_cache"):
-                raise RuntimeError("memory is released: call resume_memory_occupation() before generate")
+            resident = self.runner.memory_saver.is_resident("weights") and \
+                self.runner.memory_saver.is_resident("kv_cache")
+            if not resident and not self._paused:
+                # While paused (an RL loop between rollouts) requests queue and start after resume and
+                # continue_generation(); otherwise nothing would ever run them: say so.
+                raise RuntimeError("memory is released: call resume_memory_occupation() before generate "
+                                   "(or pause_generation() first to queue requests until then)")
             dup = [r.rid for r in reqs if r.rid in self._reqs]
             if dup or len({r.rid for r in reqs}) != len(reqs):
                 raise ValueError(f"request id(s) already in flight: {dup or 'duplicates in this call'}")

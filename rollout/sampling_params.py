@@ -88,6 +88,9 @@ class SamplingParams:
             raise ValueError(f"sampling param max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens:
             raise ValueError(f"sampling param min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"sampling param min_new_tokens={self.min_new_tokens} exceeds "
+                             f"max_new_tokens={self.max_new_tokens} (it must be in [0, max_new_tokens])")
         if self.temperature < 0:
             raise ValueError(f"sampling param temperature must be >= 0, got {self.temperature}")
         if self.temperature < _GREEDY_BELOW:  # as SGLang: dividing by ~0 would overflow the logits

@@ -294,3 +294,29 @@ def test_paused_update_without_release_retracts_and_recomputes(ckpt_pair):
         assert f["meta_info"]["weight_version"] == "v2"
         assert f["meta_info"]["finish_reason"]["type"] == "length"
         assert f["meta_info"]["num_retractions"] == 1
+
+
+def test_generate_while_released_is_refused_unless_paused_then_it_queues(ckpt_pair):
+    """Released and not paused: generate raises naming the fix. Paused: it queues, then equals a normal run."""
+    import threading
+
+    a, _ = ckpt_pair("llama")
+    ids = [[5, 9, 14, 3], [7, 7, 2]]
+    params = dict(temperature=0, max_new_tokens=6)
+    with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
+        want = [o["output_ids"] for o in engine.generate(input_ids=ids, sampling_params=params)]
+        engine.flush_cache()
+        engine.release_memory_occupation()
+        with pytest.raises(RuntimeError, match="resume_memory_occupation"):
+            engine.generate(input_ids=ids, sampling_params=params)
+        engine.pause_generation(mode="retract")
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(engine.generate(input_ids=ids, sampling_params=params)))
+        t.start()
+        t.join(timeout=1.0)
+        assert t.is_alive() and not got  # queued, not run on released memory
+        engine.resume_memory_occupation()
+        engine.continue_generation()
+        t.join(timeout=60)
+        assert not t.is_alive()
+        assert [o["output_ids"] for o in got[0]] == want

@@ -41,6 +41,8 @@ BAD_CALLS = {
     "float max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(max_new_tokens=4.0)), ValueError,
                              "max_new_tokens"),
     "n zero": (dict(input_ids=PROMPT, sampling_params=_sp(n=0)), ValueError, "sampling param n"),
+    "min_new_tokens above max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(min_new_tokens=9)),
+                                            ValueError, "min_new_tokens=9"),
     "stop not strings": (dict(input_ids=PROMPT, sampling_params=_sp(stop=[1, 2])), ValueError, "stop"),
     "stop empty string": (dict(input_ids=PROMPT, sampling_params=_sp(stop=[""])), ValueError, "stop"),
     "stop_token_ids outside vocab": (dict(input_ids=PROMPT, sampling_params=_sp(stop_token_ids=[VOCAB_SIZE])),
