@@ -6,10 +6,11 @@ of engines:
 
 - placement: least-loaded routing that keeps all n samples of one prompt on one engine (one prefill,
   then prefix-cache hits), outputs returned in input order;
-- one version on all engines or on none: before a weight update the group snapshots the tensors the
-  update touches (from one engine: in a group every engine holds the same committed weights), applies
-  the update everywhere, and if any engine refuses it restores the snapshot on the engines that took
-  it, then reports which engine failed and why;
+- one version on all engines or on none: before a weight update (or a whole `sync_weights` of many
+  buckets) every engine snapshots the tensors it touches, in its own process; the update goes
+  everywhere, and if any engine refuses any part of it every engine restores its snapshot, and the
+  error names the engine and why. The cost is one host copy of the touched weights per engine while
+  the update runs;
 - failure detection: a dead actor (killed, OOM) surfaces as `EngineGroupError` naming the engine,
   within `call_timeout_s`, never as a hang.
 
@@ -70,10 +71,40 @@ class EngineActor:
         return self.engine.runner.name_map.hf_names()
 
     def snapshot_weights(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
-        """Copies of the current values of `names` (HF names), taken between scheduler steps."""
+        """Full copies (host) of the current values of `names` (HF names), taken between scheduler steps."""
+        runner = self.engine.runner
         with self.engine._cv:
-            return [(n, self.engine.runner.name_map.resolve(n).view().detach().to("cpu", copy=True))
-                    for n in names]
+            if not runner.memory_saver.is_resident("weights"):
+                # Released storage cannot be read: refuse the update here (the engine would refuse it too).
+                raise RuntimeError("weights are released on this engine; resume_memory_occupation first")
+            if getattr(runner, "config", None) is not None and getattr(runner.config, "tp_size", 1) > 1:
+                # Each rank holds a slice: read the reassembled HF tensor through the public API.
+                return [(n, torch.tensor(runner.get_weights_by_name(n, truncate_size=1 << 62))) for n in names]
+            return [(n, runner.name_map.resolve(n).view().detach().to("cpu", copy=True)) for n in names]
+
+    # A transaction spans several update calls (a sync of many buckets): the snapshot stays here, in the
+    # actor's process, so rolling back moves no bytes between processes.
+    def begin(self, names: list[str] | None) -> str:
+        names = self.hf_weight_names() if names is None else names
+        # Weights released without backup and not yet reloaded hold nothing worth keeping (the engine
+        # refuses to serve them): rolling back then means marking them invalid again, not restoring.
+        snapshot = self.snapshot_weights(names) if self.engine.runner.weights_valid else None
+        self._txn = (snapshot, self.engine.weight_version)
+        return self._txn[1]
+
+    def rollback(self) -> tuple[bool, str]:
+        snapshot, version = self._txn
+        self._txn = None
+        if snapshot is None:
+            with self.engine._cv:
+                self.engine.runner.invalidate_weights("a group weight sync failed and was rolled back; load a "
+                                                      "full set of weights")
+                self.engine.weight_version = version
+            return True, "weights marked invalid again (there was nothing valid to restore)"
+        return self.engine.update_weights_from_tensor(snapshot, flush_cache=True, weight_version=version)
+
+    def commit(self) -> None:
+        self._txn = None
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -228,49 +259,91 @@ class EngineGroup:
         return flat[0] if single and len(flat) == 1 else flat
 
     # ---- weights: one version everywhere or nowhere -------------------------------------------
-    def _atomic_update(self, what: str, names: list[str] | None, args: tuple, kwargs: dict) -> tuple[bool, str]:
-        try:  # a dead engine fails the update before anything is written anywhere
-            old_versions = self._all("weight_version")
-            if len(set(old_versions)) != 1:
-                return False, (f"{what} refused: engines disagree on the current weight version "
-                               f"{old_versions}; update them all from one source first")
-            if names is None:
-                names = self._get([self.handles[0].hf_weight_names.remote()], "hf_weight_names")[0]
-            snapshot = None
-            if len(self.handles) > 1:
-                snapshot = self._get([self.handles[0].snapshot_weights.remote(names)], "snapshot_weights")[0]
-        except EngineGroupError as e:
-            return False, f"{what} refused: {e}"
-        refs = [h.call.remote(what, args, kwargs) for h in self.handles]
+    def _begin(self, what: str, names: list[str] | None) -> str:
+        """Every engine snapshots what the update touches (in its own process). Returns the version."""
+        versions = self._all("weight_version")
+        if len(set(versions)) != 1:
+            raise EngineGroupError(f"engines disagree on the current weight version {versions}; update them "
+                                   f"all from one source first")
+        if len(self.handles) > 1:
+            self._get([h.begin.remote(names) for h in self.handles], f"{what}: snapshot")
+        return versions[0]
+
+    def _apply_everywhere(self, what: str, args: tuple, kwargs: dict) -> list[tuple[int, str]]:
+        """Run one update method on every engine at once; the (engine, reason) pairs that failed."""
         ray = _ray()
-        results: list = []
-        for ref in refs:
+        refs = [h.call.remote(what, args, kwargs) for h in self.handles]
+        failed = []
+        for i, ref in enumerate(refs):
             try:
                 res = ray.get(ref, timeout=self.call_timeout_s)
-                results.append((bool(res[0]), str(res[1])))
+                if not res[0]:
+                    failed.append((i, str(res[1])))
             except Exception as e:  # dead actor, timeout, raised: the engine did not commit (or is gone)
-                results.append((False, f"{type(e).__name__}: {_last_line(e)}"))
-        failed = [(i, msg) for i, (ok, msg) in enumerate(results) if not ok]
+                failed.append((i, f"{type(e).__name__}: {_last_line(e)}"))
+        return failed
+
+    def _end(self, what: str, failed: list[tuple[int, str]], old_version: str) -> tuple[bool, str]:
+        """Commit everywhere, or roll every engine back to its snapshot (engines that refused are unchanged:
+        each engine's own update is atomic, and rolling them back too is harmless)."""
+        ray = _ray()
+        if len(self.handles) == 1:
+            return (True, f"{what}: committed") if not failed else (False, f"{what} failed: engine 0: {failed[0][1]}")
         if not failed:
-            return True, f"{what}: committed on all {len(self.handles)} engines ({results[0][1]})"
-        took = [i for i, (ok, _) in enumerate(results) if ok]
+            self._get([h.commit.remote() for h in self.handles], f"{what}: commit")
+            return True, f"{what}: committed on all {len(self.handles)} engines"
+        dead = {i for i, msg in failed if "ActorDiedError" in msg or "RayActorError" in msg}
         restore_errors = []
-        for i in took:
+        for i, h in enumerate(self.handles):
+            if i in dead:
+                continue
             try:
-                ok, msg = ray.get(self.handles[i].call.remote(
-                    "update_weights_from_tensor", (snapshot,), {"flush_cache": True,
-                                                                "weight_version": old_versions[0]}),
-                    timeout=self.call_timeout_s)
+                ok, msg = ray.get(h.rollback.remote(), timeout=self.call_timeout_s)
             except Exception as e:
-                ok, msg = False, f"{type(e).__name__}: {e}"
+                ok, msg = False, f"{type(e).__name__}: {_last_line(e)}"
             if not ok:
                 restore_errors.append(f"engine {i}: {msg}")
         reason = "; ".join(f"engine {i}: {msg}" for i, msg in failed)
         if restore_errors:
             return False, (f"{what} failed ({reason}) and rolling back failed ({'; '.join(restore_errors)}): "
                            f"the group is inconsistent; reload all engines from one checkpoint")
-        rolled = f"; engines {took} rolled back to version {old_versions[0]!r}" if took else ""
-        return False, f"{what} failed on {len(failed)} engine(s): {reason}{rolled}"
+        return False, (f"{what} failed on {len(failed)} engine(s): {reason}; every other engine rolled back "
+                       f"to version {old_version!r}")
+
+    def _atomic_update(self, what: str, names: list[str] | None, args: tuple, kwargs: dict) -> tuple[bool, str]:
+        try:  # a dead engine fails the update before anything is written anywhere
+            old_version = self._begin(what, names)
+        except EngineGroupError as e:
+            return False, f"{what} refused: {e}"
+        return self._end(what, self._apply_everywhere(what, args, kwargs), old_version)
+
+    def sync_from(self, source, bucket_bytes: int, name_map=None, weight_version: str | None = None
+                  ) -> tuple[bool, str]:
+        """`weight_sync.sync_weights(source, group)` lands here: every bucket to every engine, and the whole
+        sync commits on all engines or rolls all of them back (not just the failing bucket)."""
+        from weight_sync.bucket import iter_buckets
+
+        try:
+            old_version = self._begin("sync_weights", None)
+        except EngineGroupError as e:
+            return False, f"sync_weights refused: {e}"
+        failed: list[tuple[int, str]] = []
+        num_buckets = num_tensors = 0
+        try:
+            with torch.no_grad():
+                for bucket in iter_buckets(source, bucket_bytes=bucket_bytes, name_map=name_map):
+                    failed = self._apply_everywhere("update_weights_from_tensor", (bucket.to_dict(),), dict(
+                        load_format="flattened_bucket", flush_cache=True, weight_version=weight_version))
+                    if failed:
+                        failed = [(i, f"bucket {num_buckets}: {msg}") for i, msg in failed]
+                        break
+                    num_buckets += 1
+                    num_tensors += len(bucket)
+        except Exception as e:  # the source itself failed (bad name map, duplicate names): roll back
+            failed = [(-1, f"reading the source: {type(e).__name__}: {e}")]
+        ok, msg = self._end("sync_weights", failed, old_version)
+        return ok, (f"synced {num_tensors} tensors in {num_buckets} bucket(s) into {len(self.handles)} engines"
+                    if ok else msg)
 
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
                                    weight_version: str | None = None) -> tuple[bool, str]:

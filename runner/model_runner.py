@@ -238,7 +238,7 @@ class ModelRunner:
             self.graph_runner = CpuGraphRunner(self)
 
     # ---- the hot path --------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> LogitsOutput | None:
         if fb.forward_mode.is_idle():
             return None

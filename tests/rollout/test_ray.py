@@ -120,7 +120,7 @@ def test_sync_reaches_every_engine(group, trainer, reference):
 
 
 def test_update_refused_by_one_engine_leaves_all_on_old_version(group, ckpt, trainer):
-    """One engine refuses (its weights are released): the other rolls back; versions and outputs stay old."""
+    """One engine cannot take the update (its weights are released): no engine changes; versions and outputs stay old."""
     ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base")
     assert ok, msg
     base_outputs = greedy(group)
@@ -132,8 +132,22 @@ def test_update_refused_by_one_engine_leaves_all_on_old_version(group, ckpt, tra
     finally:
         ray.get(group.handles[1].call.remote("resume_memory_occupation", (["weights"],), {}), timeout=60)
     assert not ok
-    assert "engine 1" in msg and "rolled back" in msg, msg
+    assert "engine 1" in msg and "released" in msg, msg
     assert group.weight_version == "base"
+    assert_same(greedy(group), base_outputs)
+
+
+def test_sync_failing_in_a_later_bucket_rolls_every_engine_back(group, ckpt, trainer):
+    """A many-bucket sync whose last bucket is refused: every engine is back on the old weights and version."""
+    ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base2")
+    assert ok, msg
+    base_outputs = greedy(group)
+    model, _, _ = trainer
+    last = list(model.state_dict())[-1]
+    ok, msg = sync_weights(model, group, bucket_bytes=32 << 10, weight_version="half",
+                           name_map=lambda n: "model.bogus.weight" if n == last else n)
+    assert not ok and "model.bogus.weight" in msg and "rolled back" in msg, msg
+    assert group.weight_version == "base2"
     assert_same(greedy(group), base_outputs)
 
 
