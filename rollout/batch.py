@@ -7,6 +7,7 @@ device once per step and one scatter turns them into [bs, vocab] counts (no loop
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,44 @@ def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device) 
     if any(r.return_logprob and r.token_ids_logprob for r in reqs):
         info.token_ids = _padded([r.token_ids_logprob or [] for r in reqs], 0, device)
     return info
+
+
+class SamplingInfoCache:
+    """sampling_info() with reuse: consecutive steps over the same requests (the same objects, in the same
+    order, with the same sampling parameters and logprob options) share every per-request tensor and
+    rebuild only `steps`, the output position being sampled.
+
+    Reused only when nothing in the info depends on the tokens so far: no penalties (their counts change
+    each step) and no min_new_tokens ban (it lifts as the output grows; an info built without one stays
+    valid, since a request's output never shrinks while it is in flight).
+    """
+
+    def __init__(self, vocab_size: int, eos_ids: list[int], device) -> None:
+        self.vocab_size, self.eos_ids, self.device = vocab_size, eos_ids, device
+        self._keys: list[tuple] = []  # holds the requests, so none is freed and its id reused meanwhile
+        self._info: SamplingBatchInfo | None = None
+
+    @staticmethod
+    def _key(r: Req) -> tuple:
+        # Everything sampling_info() reads of a request but its tokens. Req compares by identity; the
+        # sampling params by identity first, then by value (an equal replacement gives an equal info).
+        return (r, r.sampling_params, r.seed, r.top_logprobs_num, r.return_logprob, r.return_original_logprob,
+                r.token_ids_logprob)
+
+    def __call__(self, reqs: list[Req]) -> SamplingBatchInfo:
+        keys = [self._key(r) for r in reqs]
+        last = self._info
+        if (last is not None and last.banned_mask is None and last.seen_mask is None and last.output_counts is None
+                and keys == self._keys):
+            steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=self.device)
+            info = dataclasses.replace(last, steps=steps)
+        else:
+            info = sampling_info(reqs, self.vocab_size, self.eos_ids, self.device)
+        self._keys, self._info = keys, info
+        return info
+
+    def clear(self) -> None:
+        self._keys, self._info = [], None
 
 
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
@@ -150,14 +189,16 @@ def extend_batch(items: list[tuple[Req, int, int]], out_cache_loc: torch.Tensor,
 
 def decode_batch(reqs: list[Req], out_cache_loc: torch.Tensor, device) -> ForwardBatch:
     seq_lens = [r.seq_len for r in reqs]
-    as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    # One host->device tensor for the four index rows (each row a contiguous view): [4, bs]
+    rows = torch.tensor([[r.output_ids[-1] for r in reqs], [s - 1 for s in seq_lens],
+                         [r.req_pool_idx for r in reqs], seq_lens], dtype=torch.int64, device=device)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=len(reqs),
-        input_ids=as_t([r.output_ids[-1] for r in reqs]),
-        positions=as_t([s - 1 for s in seq_lens]),
-        req_pool_indices=as_t([r.req_pool_idx for r in reqs]),
-        seq_lens=as_t(seq_lens),
+        input_ids=rows[0],
+        positions=rows[1],
+        req_pool_indices=rows[2],
+        seq_lens=rows[3],
         out_cache_loc=out_cache_loc.to(device),
         seq_lens_cpu=seq_lens,
     )

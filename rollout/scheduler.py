@@ -16,22 +16,35 @@ counter-based, so the others' tokens do not change), and the per-request host wo
 weights are invalid) fails the batch at once.
 
 The scheduler decides; rollout.kv_manager.KVManager does every write to the pools and the prefix
-cache. Plain Python over Req objects; all tensor work happens in the runner.
+cache. Plain Python over Req objects; all tensor work happens in the runner (the scheduler only picks
+its own thread's intra-op thread count, see SINGLE_THREAD_MAX_WEIGHTS).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from rollout.batch import decode_batch, extend_batch, prompt_logprob_rows, sampling_info
+import torch
+
+from rollout.batch import SamplingInfoCache, decode_batch, extend_batch, prompt_logprob_rows
 from rollout.kv_manager import KVManager
 from rollout.request import FinishReason, Req
 from runner.sampler import prompt_logprobs
 
 logger = logging.getLogger(__name__)
+
+# CPU models with fewer weight elements than this step on one intra-op thread when the scheduler runs
+# off the main thread. With OpenMP (libgomp), a second thread that opens parallel regions while the
+# main thread's team still exists runs with more managed threads than cores, so its workers barely
+# spin and every parallel region pays a futex wake-up: on 2 cores the tiny bench preset (150k
+# weights) took 175 ms on 2 threads against 75 ms on 1, while qwen2-40m (40M) still gained from 2
+# (1.59 s against 1.90 s). Between the two, 2M: ops with under ~10k weights per row of work do not
+# repay the wake-up.
+SINGLE_THREAD_MAX_WEIGHTS = 2_000_000
 
 
 @dataclass
@@ -109,6 +122,8 @@ class Scheduler:
         self._admit_counter = 0
         self.last_step_was_chunk = False
         self._failed: list[Req] = []
+        self._sampling_info: SamplingInfoCache | None = None  # built at the first forward
+        self._threads_set_for: int | None = None  # the thread whose intra-op threads step() has set
 
     # Read-only views for callers that inspect the cache (tests, server info); writes go through self.kv.
     @property
@@ -198,6 +213,8 @@ class Scheduler:
         self.running.clear()
         self.chunked_req = None
         self._failed.clear()
+        if self._sampling_info is not None:
+            self._sampling_info.clear()
         self.kv.reset()
 
     def flush_cache(self) -> bool:
@@ -210,6 +227,8 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one forward. Returns the requests that got a token or finished this step."""
+        if self._threads_set_for != threading.get_ident():
+            self._set_step_threads()
         if self.waiting or self.chunked_req:
             interleave = self.last_step_was_chunk and self.running  # don't stall decodes on a long prompt
             if not interleave:
@@ -221,6 +240,24 @@ class Scheduler:
         if self.running:
             return self._run_decode() + failed
         return failed
+
+    def _set_step_threads(self) -> None:
+        """Once per stepping thread: one intra-op thread for a small CPU model off the main thread (see
+        SINGLE_THREAD_MAX_WEIGHTS). Only this thread's setting changes: torch.set_num_threads sets the
+        calling thread's OpenMP team size and also the default of threads created later, so a helper
+        thread puts that default back (the main thread's own setting is never touched)."""
+        self._threads_set_for = threading.get_ident()
+        model = getattr(self.runner, "model", None)
+        if (threading.current_thread() is threading.main_thread() or model is None
+                or getattr(self.runner.device, "type", None) != "cpu"):
+            return
+        weights = sum(p.numel() for p in model.parameters())
+        before = torch.get_num_threads()
+        if weights < SINGLE_THREAD_MAX_WEIGHTS and before > 1:
+            torch.set_num_threads(1)
+            restore = threading.Thread(target=torch.set_num_threads, args=(before,), name="restore-num-threads")
+            restore.start()
+            restore.join(timeout=10)
 
     def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
         budget = self.config.chunked_prefill_size
@@ -360,7 +397,10 @@ class Scheduler:
 
     # ---- forward with failure attribution ---------------------------------------------------
     def _forward_sample(self, fb, reqs: list[Req], prompt_rows=None) -> list[_Sampled]:
-        fb.sampling_info = sampling_info(reqs, self.runner.model_config.vocab_size, self.eos_ids, self.runner.device)
+        if self._sampling_info is None:
+            self._sampling_info = SamplingInfoCache(self.runner.model_config.vocab_size, self.eos_ids,
+                                                    self.runner.device)
+        fb.sampling_info = self._sampling_info(reqs)
         logits_out = self.runner.forward(fb)
         out = self.runner.sample(logits_out, fb)
         ids, logprobs = out.next_token_ids.tolist(), out.logprobs.tolist()  # the one device->host read

@@ -52,7 +52,13 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """A uniform in [0, 1) per row, a pure function of (seed, step). seeds, steps: [bs] int64."""
-    h = splitmix64(splitmix64(seeds) ^ steps)
+    return uniform_from_seed_mix(splitmix64(seeds), steps)
+
+
+def uniform_from_seed_mix(seed_mix: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """seeded_uniform given `splitmix64(seeds)` [bs], which depends on the request only: a batch info
+    reused across decode steps keeps it, so each step pays one mix, not two."""
+    h = splitmix64(seed_mix ^ steps)
     return (_shr(h, 40).to(torch.float64) + 0.5) / float(1 << 24)
 
 
@@ -82,6 +88,7 @@ class SamplingBatchInfo:
     logit_bias: torch.Tensor | None = None  # [bs, vocab] fp32
     original_rows: torch.Tensor | None = None  # [bs] bool: report log_softmax(raw logits) for these rows
     token_ids: torch.Tensor | None = None  # [bs, k] int64: ids whose logprobs each row reports (padded)
+    seed_mix: torch.Tensor | None = None  # [bs] int64 splitmix64(seeds), filled by the Sampler on first use
 
     @classmethod
     def from_lists(cls, temperatures, top_ps, top_ks, min_ps, seeds, steps, vocab_size: int, device,
@@ -235,35 +242,49 @@ def logsumexp_at_argmax(x: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         # logits: [bs, vocab] fp32. Full-vocab passes are the cost here, so greedy rows and the raw
-        # logprob work on [bs] gathers against one logsumexp instead of a second log_softmax.
+        # logprob work on [bs] gathers against one logsumexp instead of a second log_softmax; a batch
+        # without greedy rows needs neither that logsumexp nor (on the CPU, unless a draw lands on a
+        # masked token) the argmax.
         raw = logits
         logits = apply_logit_processors(logits, info)
-        argmax = first_argmax(logits)  # [bs]; also the argmax after temperature and truncation
-        lse = logsumexp_at_argmax(logits, argmax)  # [bs]
-        greedy = info.temperatures == 0
+        any_greedy = info.is_all_greedy or info.has_greedy
+        argmax = lse = greedy = None
+        if any_greedy or logits.device.type != "cpu":  # the device would need a sync to decide lazily
+            argmax = first_argmax(logits)  # [bs]; also the argmax after temperature and truncation
+        if any_greedy:
+            lse = logsumexp_at_argmax(logits, argmax)  # [bs]
+            greedy = info.temperatures == 0
         logprobs_all = None
         if info.is_all_greedy:
             ids = argmax
         else:
             logprobs_all = processed_logprobs(logits, info)  # [bs, vocab]
             cdf = logprobs_all.exp().cumsum_(dim=-1)  # [bs, vocab]
-            u = seeded_uniform(info.seeds, info.steps).to(cdf.dtype)
+            if info.seed_mix is None:
+                info.seed_mix = splitmix64(info.seeds)
+            u = uniform_from_seed_mix(info.seed_mix, info.steps).to(cdf.dtype)
             target = (u * cdf[:, -1]).unsqueeze(1)
             ids = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
             del cdf
             # Rounding at the very top of the CDF could land on a masked tail token: take argmax then.
-            chosen = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
-            ids = torch.where(chosen > float("-inf"), ids, argmax)
+            chosen_ok = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1) > float("-inf")
+            if argmax is None and not bool(chosen_ok.all()):  # CPU: reading [bs] bools costs nothing
+                argmax = first_argmax(logits)
+            if argmax is not None:
+                ids = torch.where(chosen_ok, ids, argmax)
             if info.has_greedy:
                 ids = torch.where(greedy, argmax, ids)
         raw_lse = torch.logsumexp(raw, dim=-1) if info.original_rows is not None or info.return_raw_logprob else None
 
         def reported(at: torch.Tensor) -> torch.Tensor:
             """[bs, k] logprobs at token ids `at` [bs, k] under each row's reported distribution."""
-            vals = logits.gather(1, at) - lse.unsqueeze(1)
-            if logprobs_all is not None:
-                sampled = logprobs_all.gather(1, at)
-                vals = torch.where(greedy.unsqueeze(1), vals, sampled) if info.has_greedy else sampled
+            if logprobs_all is None:
+                vals = logits.gather(1, at) - lse.unsqueeze(1)
+            elif info.has_greedy:
+                vals = torch.where(greedy.unsqueeze(1), logits.gather(1, at) - lse.unsqueeze(1),
+                                   logprobs_all.gather(1, at))
+            else:
+                vals = logprobs_all.gather(1, at)
             if info.original_rows is not None:
                 vals = torch.where(info.original_rows.unsqueeze(1), raw.gather(1, at) - raw_lse.unsqueeze(1), vals)
             return vals
@@ -271,8 +292,9 @@ class Sampler:
         out = SampleOutput(ids, reported(ids.unsqueeze(1)).squeeze(1))
         if info.top_logprobs_num > 0:
             k = info.top_logprobs_num
-            vals, top_ids = logits.topk(k, dim=-1)
-            vals = vals - lse.unsqueeze(1)
+            if any_greedy:
+                vals, top_ids = logits.topk(k, dim=-1)
+                vals = vals - lse.unsqueeze(1)
             if logprobs_all is not None:
                 s_vals, s_ids = logprobs_all.topk(k, dim=-1)
                 if info.has_greedy:

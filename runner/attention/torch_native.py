@@ -53,30 +53,33 @@ class TorchNativeAttnBackend:
         bs = fb.batch_size
         seq_lens = fb.seq_lens_cpu
         max_kv = max(seq_lens)
-        if fb.forward_mode.is_decode():
-            q_lens, prefix_lens = [1] * bs, [s - 1 for s in seq_lens]
-        else:
-            q_lens, prefix_lens = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        is_decode = fb.forward_mode.is_decode()
+        q_lens = [1] * bs if is_decode else fb.extend_seq_lens_cpu
         max_q = max(q_lens)
         dev = self.device
         seq_t = fb.seq_lens.view(bs, 1)
         kv_pos = torch.arange(max_kv, device=dev).view(1, max_kv)
-        rows = self.req_to_token[fb.req_pool_indices, :max_kv]
-        kv_indices = torch.where(kv_pos < seq_t, rows, torch.zeros_like(rows))
-        if max_q == 1 and fb.forward_mode.is_decode():
-            mask = (kv_pos < seq_t).view(bs, 1, 1, max_kv)
+        valid = kv_pos < seq_t  # [bs, max_kv]
+        # Slice the columns first, so only [bs, max_kv] is copied whatever the context length;
+        # slots past a row's length are stale, so they read slot 0 (masked out anyway).
+        kv_indices = self.req_to_token[:, :max_kv].index_select(0, fb.req_pool_indices).mul_(valid)
+        q_index = None
+        if max_q == 1 and is_decode:
+            mask = valid.view(bs, 1, 1, max_kv)
         else:
-            prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=dev).view(bs, 1, 1)
+            prefix_t = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device=dev).view(bs, 1, 1)
             q_pos = torch.arange(max_q, device=dev).view(1, max_q, 1) + prefix_t  # absolute query positions
-            mask = (kv_pos.view(1, 1, max_kv) <= q_pos) & (kv_pos.view(1, 1, max_kv) < seq_t.view(bs, 1, 1))
+            mask = (kv_pos.view(1, 1, max_kv) <= q_pos) & valid.view(bs, 1, max_kv)
             # Padded query rows would attend to nothing and give NaN; let them see key 0 (output dropped).
             mask[:, :, 0] = True
             mask = mask.unsqueeze(1)
-        q_index = None
         if max_q > 1:
-            q_index = torch.cat([
-                torch.arange(n, dtype=torch.int64) + i * max_q for i, n in enumerate(q_lens)
-            ]).to(dev)
+            # Token j of request i goes to row i * max_q + j: arange over the tokens plus, per request,
+            # i * max_q minus its first token's index (a fixed number of ops whatever the batch size).
+            lens_t = torch.tensor(q_lens, dtype=torch.int64)
+            starts = torch.cumsum(lens_t, 0) - lens_t
+            shift = torch.arange(bs, dtype=torch.int64) * max_q - starts
+            q_index = (torch.arange(int(lens_t.sum())) + shift.repeat_interleave(lens_t)).to(dev)
         self.forward_metadata = TorchNativeMetadata(kv_indices, mask, q_index, max_q)
         if batch_invariant.is_enabled():
             self.forward_metadata.token_req = batch_invariant.token_request_index(q_lens, dev)
