@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import types
 import weakref
 
 import torch
@@ -131,7 +132,12 @@ class CpuGraphRunner:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 8 * limit)
-        self._compiled = torch.compile(self._decode, dynamic=False, fullgraph=True)
+        # Dynamo keeps compiled entries (and counts recompiles against its limit) per code object. A
+        # private copy of `_decode`'s code per runner keeps engines in one process from filling each
+        # other's entries: otherwise the fifth engine or so silently falls back to eager.
+        code = CpuGraphRunner._decode.__code__.replace()
+        self._decode_fn = types.MethodType(types.FunctionType(code, globals(), "_decode"), self)
+        self._compiled = torch.compile(self._decode_fn, dynamic=False, fullgraph=True)
         self.captured: set[int] = set()
         self.capture_seconds: dict[int, float] = {}  # padded size -> first-call (compile) seconds
         self.num_replays = 0
@@ -195,7 +201,7 @@ class CpuGraphRunner:
 
     def reset(self) -> None:
         """Forget every compiled step (the next batch of each size recompiles)."""
-        torch._dynamo.reset_code(self._decode.__func__.__code__)
-        self._compiled = torch.compile(self._decode, dynamic=False, fullgraph=True)
+        torch._dynamo.reset_code(self._decode_fn.__func__.__code__)
+        self._compiled = torch.compile(self._decode_fn, dynamic=False, fullgraph=True)
         self.captured.clear()
         self.capture_seconds.clear()
