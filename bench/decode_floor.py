@@ -22,12 +22,14 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from bench.throughput import PRESETS, write_preset
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

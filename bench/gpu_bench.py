@@ -25,11 +25,13 @@ import gc
 import json
 import multiprocessing as mp
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from bench.throughput import PRESETS
 
 SHAPES = {
