@@ -501,6 +501,10 @@ class ModelRunner:
                 pool = self.token_to_kv_pool
                 pool.k_buffer[:, 0].zero_()
                 pool.v_buffer[:, 0].zero_()
+                # The request->slot table lives in the same region (torch_memory_saver hands it back
+                # undefined); graph padding rows read row 0, so an out-of-range slot must never be there.
+                # No request holds a row across a release (it is refused unless they are retracted).
+                self.req_to_token_pool.req_to_token.zero_()
             if tag == "weights" and self.memory_saver.has_cpu_backup("weights"):
                 self._repack(None)  # without backup, shadows come back module by module with updates
 

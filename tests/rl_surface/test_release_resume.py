@@ -153,10 +153,13 @@ def test_resumed_kv_memory_content_does_not_matter(ckpt_pair):
             real_resume(tag)
             for buf in saver.regions[tag].buffers:
                 buf.fill_(float("nan"))
+            # torch_memory_saver also hands the request->slot table back undefined.
+            engine.runner.req_to_token_pool.req_to_token.fill_(1 << 40)
 
         saver.resume = resume_into_garbage
         engine.release_memory_occupation(["kv_cache"])
         engine.resume_memory_occupation(["kv_cache"])
+        assert int(engine.runner.req_to_token_pool.req_to_token.abs().max()) == 0
         assert run(engine) == outputs
 
 
