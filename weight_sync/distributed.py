@@ -107,6 +107,11 @@ def destroy_weight_update_group(group: WeightUpdateGroup) -> None:
         return
     group.destroyed = True
     pg, group.process_group, group.store = group.process_group, None, None
+    shutdown_process_group(pg)
+
+
+def shutdown_process_group(pg) -> None:
+    """Shut a standalone process group down (`shutdown`, else `abort`, whichever this torch has)."""
     for method in ("shutdown", "abort"):
         fn = getattr(pg, method, None)
         if fn is not None:

@@ -20,6 +20,8 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
+from weight_sync.distributed import shutdown_process_group
+
 
 class TPGroup:
     def __init__(self, rank: int, size: int, port: int, backend: str, timeout_s: float,
@@ -55,14 +57,7 @@ class TPGroup:
 
     def close(self) -> None:
         pg, self.pg, self.store = self.pg, None, None
-        for method in ("shutdown", "abort"):
-            fn = getattr(pg, method, None)
-            if fn is not None:
-                try:
-                    fn()
-                    break
-                except RuntimeError:  # already broken (a dead peer): dropping it frees it too
-                    continue
+        shutdown_process_group(pg)  # a dead peer's broken group is dropped too
 
 
 _building = threading.local()
