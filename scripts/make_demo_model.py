@@ -188,26 +188,31 @@ def warm_start(model, tokenizer, args, start: float) -> int:
     return unlearn_steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "assets" / "demo-model"))
+def parse_args(description: str, out_dir: str, learn_steps: int, lr: float, max_unlearn_steps: int):
+    """The command line both demo-model scripts share (only the defaults differ)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "assets" / out_dir))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learn-steps", type=int, default=250)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--learn-steps", type=int, default=learn_steps)
+    parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--unlearn-lr", type=float, default=1e-5)
-    parser.add_argument("--max-unlearn-steps", type=int, default=200)
+    parser.add_argument("--max-unlearn-steps", type=int, default=max_unlearn_steps)
     parser.add_argument("--target-acc", type=float, default=0.3)
     args = parser.parse_args()
-
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    return args
+
+
+def describe(model, tokenizer) -> None:
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})")
+
+
+def main() -> None:
+    args = parse_args(__doc__, "demo-model", learn_steps=250, lr=1e-3, max_unlearn_steps=200)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, args.seed)
-    num_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})"
-    )
+    describe(model, tokenizer)
 
     start = time.time()
 

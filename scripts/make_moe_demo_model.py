@@ -16,7 +16,6 @@ deliberately does not do: download anything, or train the model to be good.
     python scripts/make_moe_demo_model.py        # writes assets/moe-demo-model/ (~1.7 MB)
 """
 
-import argparse
 import json
 import math
 import sys
@@ -30,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_demo_model import (  # noqa: E402
     addition_batch,
     build_tokenizer,
+    describe,
     exact_sampled_accuracy,
     generate_stats,
+    parse_args,
     warm_start,
 )
 
@@ -76,21 +77,10 @@ def expert_load(model, tokenizer) -> list[list[int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "assets" / "moe-demo-model"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learn-steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--unlearn-lr", type=float, default=1e-5)
-    parser.add_argument("--max-unlearn-steps", type=int, default=300)
-    parser.add_argument("--target-acc", type=float, default=0.3)
-    args = parser.parse_args()
-
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    args = parse_args(__doc__, "moe-demo-model", learn_steps=300, lr=2e-3, max_unlearn_steps=300)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, args.seed)
-    num_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {num_params / 1e6:.2f}M params, vocab {model.config.vocab_size} (tokenizer {len(tokenizer)})")
+    describe(model, tokenizer)
     start = time.time()
 
     unlearn_steps = warm_start(model, tokenizer, args, start)  # the Llama demo's two stages

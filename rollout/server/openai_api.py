@@ -137,12 +137,18 @@ def _token_text(engine, tid: int, text: str | None) -> str:
 
 
 async def _generate(request: Request, prompts: list, sampling: dict, num_top: int | None, rid):
-    """One engine call for every choice; returns the outputs in choice order (prompt-major, then n)."""
+    """One engine call for every choice: the outputs in choice order (prompt-major, then n), or the
+    error Response to send (499 for a client gone mid-request, the engine's error otherwise)."""
     engine = request.app.state.engine
     key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
-    out = await await_unless_disconnected(request, engine.async_generate(
-        **{key: prompts}, sampling_params=sampling, return_logprob=num_top is not None,
-        top_logprobs_num=num_top or 0, rid=rid))
+    try:
+        out = await await_unless_disconnected(request, engine.async_generate(
+            **{key: prompts}, sampling_params=sampling, return_logprob=num_top is not None,
+            top_logprobs_num=num_top or 0, rid=rid))
+    except asyncio.CancelledError:
+        return Response(status_code=499)
+    except Exception as e:
+        return engine_error(e)
     return out if isinstance(out, list) else [out]
 
 
@@ -314,12 +320,9 @@ async def completions(req: CompletionRequest, request: Request):
     sampling = req.sampling_params(req.max_tokens)
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        try:
-            outs = await _generate(request, prompts, sampling, req.logprobs, req.rid)
-        except asyncio.CancelledError:
-            return Response(status_code=499)
-        except Exception as e:
-            return engine_error(e)
+        outs = await _generate(request, prompts, sampling, req.logprobs, req.rid)
+        if isinstance(outs, Response):
+            return outs
         choices = []
         for i, o in enumerate(outs):
             reason, matched = _finish(o["meta_info"])
@@ -433,12 +436,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                    else req.max_tokens)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        try:
-            outs = await _generate(request, prompts, sampling, num_top, req.rid)
-        except asyncio.CancelledError:
-            return Response(status_code=499)
-        except Exception as e:
-            return engine_error(e)
+        outs = await _generate(request, prompts, sampling, num_top, req.rid)
+        if isinstance(outs, Response):
+            return outs
         choices = []
         for i, o in enumerate(outs):
             reason, matched = _finish(o["meta_info"])
