@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from rollout import Engine  # noqa: E402
-from runner.checkpoint import CheckpointIndex  # noqa: E402
+from runner.weights.checkpoint import CheckpointIndex  # noqa: E402
 from weight_sync import iter_buckets  # noqa: E402
 
 TAGS = ("weights", "kv_cache", "cuda_graph")

@@ -22,7 +22,7 @@ import torch
 
 from rollout.radix_cache import RadixCache
 from rollout.request import Req
-from runner.kv_pool import ReqToTokenPool, TokenToKVPool
+from runner.memory.kv_pool import ReqToTokenPool, TokenToKVPool
 
 
 class KVManager:

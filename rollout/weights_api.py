@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from runner.weight_loader import WeightUpdateError
+from runner.weights.loader import WeightUpdateError
 
 logger = logging.getLogger(__name__)
 

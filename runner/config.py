@@ -24,7 +24,7 @@ import torch
 # The dtypes a model (and its KV cache) can run in, by the names the options take.
 MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16}
-# Memory regions that release/resume act on (runner.memory_saver).
+# Memory regions that release/resume act on (runner.memory.memory_saver).
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
@@ -221,7 +221,7 @@ class RunnerConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     attention_backend: str | None = None
     disable_cuda_graph: bool = False
-    # Captured decode sizes (runner/graph_runner.py): on CUDA [1, 2, 4, 8, 16, 24, ...] up to
+    # Captured decode sizes (runner/graphs/graph_runner.py): on CUDA [1, 2, 4, 8, 16, 24, ...] up to
     # cuda_graph_max_bs (None: 256, capped at max_running_requests), or exactly `cuda_graph_bs`. On the CPU the
     # compiled decode step is opt-in: only the sizes in `cuda_graph_bs`, compiled at init.
     cuda_graph_max_bs: int | None = None
@@ -230,7 +230,7 @@ class RunnerConfig:
     enable_weights_cpu_backup: bool = False
     tp_size: int = 1
     random_seed: int = 0
-    cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/cpu_prepack.py)
+    cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/layers/prepack.py)
     # SGLang's names (see rollout/engine_args.py): dotted paths of fn(model, named_tensors) that
     # update_weights_from_tensor may name as its load_format; GB of weights kept on the host.
     custom_weight_loader: list[str] | None = None

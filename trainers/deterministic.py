@@ -25,7 +25,7 @@ from runner.config import ModelConfig
 from runner.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 from runner.models import get_model_class
 from runner.sampler import SamplingBatchInfo, processed_logprobs
-from runner.weight_loader import WeightNameMap
+from runner.weights.loader import WeightNameMap
 
 
 class _OwnKV:

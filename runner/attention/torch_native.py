@@ -6,7 +6,7 @@ boolean mask that is causal over the cached prefix plus the new tokens, and the 
 flattened new tokens into the padded query layout. Every layer then does one gather and one batched
 SDPA. Decode is the extend case with one new token per request.
 
-For a captured decode step (runner/graph_runner.py) the plan is written into static buffers sized
+For a captured decode step (runner/graphs/graph_runner.py) the plan is written into static buffers sized
 once for the largest captured batch (`init_cuda_graph_state`), so every tensor the step reads has
 the same shape at each replay of one padded batch size: [bs] request rows and lengths, and a
 [bs, graph_kv_len] index and mask. `graph_kv_len` is the whole context when a device graph needs
@@ -84,7 +84,7 @@ class TorchNativeAttnBackend:
         if batch_invariant.is_enabled():
             self.forward_metadata.token_req = batch_invariant.token_request_index(q_lens, dev)
 
-    # ---- captured decode steps (the graph-runner protocol, runner/graph_runner.py) ------------
+    # ---- captured decode steps (the graph-runner protocol, runner/graphs/graph_runner.py) ------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         max_kv = self.req_to_token.shape[1]
         self.graph_max_bs = max_bs

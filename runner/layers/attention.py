@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from runner.forward_batch import ForwardBatch, get_forward_context
+from runner.layers.ops import opaque_attention
 
 
 class PagedAttention(nn.Module):
@@ -26,9 +27,7 @@ class PagedAttention(nn.Module):
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         if torch.compiler.is_compiling():
             # The paged cache and the step's plan change every step: keep them out of the captured
-            # graph behind one opaque op that writes K/V and attends (runner/cpu_graph_runner.py).
-            from runner.cpu_graph_runner import opaque_attention
-
+            # graph behind one opaque op that writes K/V and attends (runner/layers/ops.py).
             return opaque_attention(self, q, k, v, fb.out_cache_loc).reshape(q.shape[0], self.num_heads * self.head_dim)
         ctx = get_forward_context()
         ctx.token_to_kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner import batch_invariant
-from runner.layers.linear import default_weight_loader, packed_linear
+from runner.layers.linear import default_weight_loader
+from runner.layers.ops import opaque_linear, packed_linear
 
 
 def _vocab_rows(vocab_size: int, tp) -> tuple[int, int, int]:
@@ -45,7 +46,7 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    packed = None  # see runner.cpu_prepack
+    packed = None  # see runner.layers.prepack
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None, tp=None) -> None:
         super().__init__()
@@ -61,8 +62,6 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # see Linear.forward
-            from runner.cpu_graph_runner import opaque_linear
-
             return opaque_linear(self, hidden)
         if batch_invariant.is_enabled():  # fixed-shape row tiles (runner/batch_invariant.py)
             logits = batch_invariant.linear(hidden, self.weight)

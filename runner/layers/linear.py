@@ -19,13 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner import batch_invariant
-
-
-def packed_linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """Linear over a oneDNN-prepacked weight (see runner.cpu_prepack).
-    x: [num_tokens, in_features] dense -> [num_tokens, out_features] dense."""
-    weight, bias = packed
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+from runner.layers.ops import opaque_linear, packed_linear
 
 
 def shard_view(param: torch.Tensor, shard_id: str | int | None) -> torch.Tensor:
@@ -75,7 +69,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 class Linear(nn.Module):
     """y = x W^T (+ b). Parameters named like HF's so most weights load by identity."""
 
-    packed = None  # set by runner.cpu_prepack: a oneDNN copy of the weight (CPU fp32 fast path)
+    packed = None  # set by runner.layers.prepack: a oneDNN copy of the weight (CPU fp32 fast path)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -89,9 +83,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # Inside a captured step the prepacked copy is read at run time through an opaque op,
-            # so a repack after a weight update needs no recapture (runner/cpu_graph_runner.py).
-            from runner.cpu_graph_runner import opaque_linear
-
+            # so a repack after a weight update needs no recapture (runner/layers/ops.py).
             return opaque_linear(self, x)
         if batch_invariant.is_enabled():  # fixed-shape row tiles (runner/batch_invariant.py)
             return batch_invariant.linear(x, self.weight, self.bias)

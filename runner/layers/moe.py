@@ -6,7 +6,7 @@ sorted by expert id, each expert multiplies its contiguous group, and the result
 summed with the routing weights. With `F.grouped_mm` (one call per projection, group offsets on the
 device) nothing is read back to the host; where its layout rules do not hold it falls back to one
 matmul per expert, which reads the group sizes once per layer. Inside a compiled decode step
-(runner/cpu_graph_runner.py) the grouping runs behind one opaque op, `rollout::fused_experts`.
+(runner/graphs/cpu_graph_runner.py) the grouping runs behind one opaque op, `rollout::fused_experts`.
 
 Per-expert Hugging Face tensors (`experts.{e}.gate_proj.weight`, ...) load into the stacked tensors
 through the ordinary loader: each stacked parameter carries `view_shard(data, (expert_id, part))`,
@@ -102,7 +102,7 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]; topk_weights: [num_tokens, top_k] fp32; topk_ids: [num_tokens, top_k]
         if torch.compiler.is_compiling():
-            # Inside a captured decode step (runner/cpu_graph_runner.py) the data-dependent grouping
+            # Inside a captured decode step (runner/graphs/cpu_graph_runner.py) the data-dependent grouping
             # runs behind one opaque op; the weights stay graph inputs, so in-place updates are seen.
             return _fused_experts_op(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

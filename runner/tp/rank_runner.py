@@ -23,7 +23,7 @@ from runner.forward_batch import ForwardBatch, ForwardMode
 from runner.layers.linear import tp_slice
 from runner.model_runner import ModelRunner
 from runner.tp.group import TPGroup, building
-from runner.weight_loader import WeightUpdateError, WeightWriter
+from runner.weights.loader import WeightUpdateError, WeightWriter
 
 
 class VotingWriter(WeightWriter):

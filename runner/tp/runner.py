@@ -24,12 +24,12 @@ import torch
 
 from runner.config import RunnerConfig
 from runner.forward_batch import LogitsOutput
-from runner.model_runner import unpack_named_tensors
 from runner.tp import channel
 from runner.tp.group import TPGroup
 from runner.tp.rank_runner import TPRankRunner, encode_batch
 from runner.tp.worker import worker_main
-from runner.weight_loader import WeightUpdateError
+from runner.weights.loader import WeightUpdateError
+from runner.weights.routes import unpack_named_tensors
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective or a reply that takes longer means a rank is stuck
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-import runner.weight_loader as weight_loader
-from runner.checkpoint import CheckpointIndex
+import runner.weights.loader as weight_loader
+from runner.weights.checkpoint import CheckpointIndex
 from tests.rl_surface.conftest import assert_same_tensors, make_engine, read_state_dict, run, snapshot
 from weight_sync.disk import save_hf_checkpoint
 

@@ -20,7 +20,7 @@ import torch
 from rollout.engine_args import EngineArgs, FrontendConfig, SGLangCompatConfig
 from rollout.scheduler import SchedulerConfig
 from runner.config import RunnerConfig
-from runner.weight_loader import WeightWriter
+from runner.weights.loader import WeightWriter
 from tests.rl_surface.conftest import make_engine, read_state_dict, run
 from weight_sync import iter_buckets
 from weight_sync.distributed import (

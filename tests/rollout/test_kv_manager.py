@@ -9,7 +9,7 @@ import torch
 from rollout.kv_manager import KVManager
 from rollout.request import Req
 from rollout.sampling_params import SamplingParams
-from runner.kv_pool import ReqToTokenPool, TokenToKVPool
+from runner.memory.kv_pool import ReqToTokenPool, TokenToKVPool
 
 NUM_SLOTS = 20
 

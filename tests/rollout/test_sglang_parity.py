@@ -23,7 +23,7 @@ from tests.rl_surface.conftest import (
     snapshot,
 )
 
-DIRECT_LOADER = "runner.weight_loader.load_weights_direct"  # SGLang: ..._model_load_weights_direct
+DIRECT_LOADER = "runner.weights.loader.load_weights_direct"  # SGLang: ..._model_load_weights_direct
 K0 = "model.layers.0.self_attn.k_proj.weight"
 QKV0 = "model.layers.0.self_attn.qkv_proj.weight"
 

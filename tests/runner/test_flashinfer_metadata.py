@@ -21,7 +21,7 @@ from runner.attention import flashinfer_metadata as md
 from runner.attention.flashinfer import FlashInferAttnBackend, decode_uses_tensor_cores
 from runner.attention.torch_native import TorchNativeAttnBackend
 from runner.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
-from runner.kv_pool import ReqToTokenPool, TokenToKVPool
+from runner.memory.kv_pool import ReqToTokenPool, TokenToKVPool
 from tests.runner.driver import RunnerDriver, make_runner
 
 HQ, HKV, D = 4, 2, 8

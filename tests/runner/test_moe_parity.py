@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from runner.layers import moe as moe_layer
 from runner.layers.moe import FusedExperts, select_experts
-from runner.weight_loader import WeightUpdateError
+from runner.weights.loader import WeightUpdateError
 from tests.checkpoints import load_hf_model
 from tests.moe_checkpoints import NUM_EXPERTS, TOP_K, expert_counts, hf_routed_experts, make_moe_checkpoint
 from tests.rl_surface.conftest import make_engine, read_state_dict, run

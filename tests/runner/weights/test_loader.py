@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runner.checkpoint import CheckpointIndex
+from runner.weights.checkpoint import CheckpointIndex
 from tests.checkpoints import load_hf_model
 from tests.runner.driver import RunnerDriver, make_runner
 
@@ -78,7 +78,7 @@ def test_dummy_format_reads_no_tensors(ckpt_factory, tmp_path, monkeypatch):
         raise AssertionError("dummy load read the checkpoint")
 
     monkeypatch.setattr("runner.model_runner.CheckpointIndex", forbidden)
-    monkeypatch.setattr("runner.checkpoint.CheckpointIndex", forbidden)
+    monkeypatch.setattr("runner.weights.checkpoint.CheckpointIndex", forbidden)
     runner = make_runner(tmp_path, load_format="dummy")
     hf_state = load_hf_model(src).state_dict()
     for name, tensor in hf_state.items():

@@ -1,6 +1,6 @@
 """The CPU analog of CUDA graphs: the decode forward compiled once per padded batch size.
 
-`CpuGraphRunner` keeps the graph-runner contract of runner/graph_runner.py. For each captured batch
+`CpuGraphRunner` keeps the graph-runner contract of runner/graphs/graph_runner.py. For each captured batch
 size the model's decode forward is compiled by torch.compile (inductor, static shapes, whole graph).
 Compiling costs seconds per size (measured on this shared 2-core machine: 5 s warm / 17 s cold for a
 2-layer test model, 8-55 s for 8 layers, 130 s for 24 layers; inductor's on-disk cache shortens a
@@ -12,27 +12,19 @@ the backend's static buffers and calls the compiled step; other batches run eage
 
 What is compiled and what is not. Inductor fuses everything between the matmuls (embedding, RMSNorm
 with the residual add, rotary, SiLU-and-mul, the fp32 casts) into a few C++ loops: at the per-op
-overhead of eager PyTorch that is most of the step on small models. Two things stay opaque ops
-called from the compiled code, read at run time:
-- `rollout::linear`: the module's oneDNN-prepacked weight (runner/cpu_prepack.py) or its dense one.
-  Repacks after a weight update are seen without recapture, and the dense parameters are graph
-  inputs, so in-place weight writes (every update route, release/resume with backup) are too.
-- `rollout::decode_attention`: writes this step's K/V into the paged pool and attends through the
-  backend's plan; the pool and the per-step KV length never become graph shapes.
+overhead of eager PyTorch that is most of the step on small models. The linears and the paged
+attention stay opaque ops called from the compiled code, read at run time (`rollout::linear`,
+`rollout::decode_attention`; they live in runner/layers/ops.py, below the layers and this runner).
 It does not compile prefill (varying token counts) or the sampler.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import types
-import weakref
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from runner.forward_batch import (
     ForwardBatch,
@@ -40,80 +32,20 @@ from runner.forward_batch import (
     ForwardMode,
     LogitsOutput,
     forward_context,
-    get_forward_context,
 )
-from runner.graph_runner import StaticDecodeInputs, capture_batch_sizes, is_replayable, padded_size
+from runner.graphs.graph_runner import StaticDecodeInputs, capture_batch_sizes, is_replayable, padded_size
+from runner.layers.attention import PagedAttention
+from runner.layers.embedding import LMHead
+from runner.layers.linear import Linear
+from runner.layers.ops import register_opaque
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BS = 32  # CPU default for cuda_graph_max_bs: decode batches beyond it run eagerly
 
-# ---- the opaque ops ----------------------------------------------------------------------------
-# Modules are found by a small integer key (a graph constant), through weak references so a
-# dropped model is not kept alive.
-_MODULES: dict[int, weakref.ref] = {}
-_next_key = itertools.count()
-
-
-def register_opaque(module: nn.Module) -> None:
-    if getattr(module, "opaque_key", None) is None:
-        module.opaque_key = next(_next_key)
-        _MODULES[module.opaque_key] = weakref.ref(module)
-
-
-def _module(key: int) -> nn.Module:
-    module = _MODULES[key]()
-    if module is None:
-        raise RuntimeError(f"captured step refers to a dropped module (key {key}); the graph runner was not reset")
-    return module
-
-
-@torch.library.custom_op("rollout::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
-    module = _module(key)
-    if module.packed is not None:
-        from runner.layers.linear import packed_linear
-
-        return packed_linear(x, module.packed)
-    return F.linear(x, weight, getattr(module, "bias", None))
-
-
-@_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-@torch.library.custom_op("rollout::decode_attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_cache_loc: torch.Tensor,
-                  key: int) -> torch.Tensor:
-    layer = _module(key)
-    ctx = get_forward_context()
-    ctx.token_to_kv_pool.set_kv(layer.layer_id, out_cache_loc, k, v)
-    return ctx.attn_backend.forward_decode(q, layer, None).clone()  # a fresh tensor, as custom ops must return
-
-
-@_attention_op.register_fake
-def _(q, k, v, out_cache_loc, key):
-    return torch.empty_like(q)
-
-
-def opaque_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _linear_op(x, module.weight, module.opaque_key)
-
-
-def opaque_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out_cache_loc: torch.Tensor) -> torch.Tensor:
-    # q: [bs, num_heads, head_dim] -> [bs, num_heads, head_dim]
-    return _attention_op(q, k, v, out_cache_loc, layer.opaque_key)
-
-
 # ---- the graph runner ----------------------------------------------------------------------------
 class CpuGraphRunner:
     def __init__(self, runner) -> None:
-        from runner.layers.attention import PagedAttention
-        from runner.layers.embedding import LMHead
-        from runner.layers.linear import Linear
-
         self.runner = runner
         cfg = runner.config
         if cfg.cuda_graph_bs:

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollout import Engine
-from runner import cpu_prepack
+from runner.layers import prepack
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 SP = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -22,7 +22,7 @@ def _run(engine):
 
 
 def _packed(engine) -> list[bool]:
-    flags = [m.packed is not None for m in cpu_prepack.packable_modules(engine.runner.model)]
+    flags = [m.packed is not None for m in prepack.packable_modules(engine.runner.model)]
     assert flags, "no packable module: the test would prove nothing"
     return flags
 
@@ -30,7 +30,7 @@ def _packed(engine) -> list[bool]:
 @pytest.fixture(autouse=True)
 def pack_tiny_layers(monkeypatch):
     """The tiny test models are below the size threshold; pack every linear here."""
-    monkeypatch.setattr(cpu_prepack, "MIN_PACK_NUMEL", 0)
+    monkeypatch.setattr(prepack, "MIN_PACK_NUMEL", 0)
 
 
 def test_prepacked_equals_plain_linear(ckpt_factory):
@@ -68,13 +68,13 @@ def test_bf16_prepacked_matches_plain_bf16(ckpt_factory):
     """bf16 is prepacked too (AVX512-BF16/AMX CPUs): its logits stay within bf16 rounding of F.linear's."""
     from tests.runner.driver import RunnerDriver, make_runner
 
-    if not cpu_prepack.is_supported(torch.device("cpu"), torch.bfloat16):
+    if not prepack.is_supported(torch.device("cpu"), torch.bfloat16):
         pytest.skip("this CPU has no oneDNN bf16 support")
     path = ckpt_factory("qwen2")
     logits = []
-    for prepack in (True, False):
-        runner = make_runner(path, dtype="bfloat16", cpu_prepack=prepack)
-        assert all(_packed_runner(runner)) == prepack
+    for packed in (True, False):
+        runner = make_runner(path, dtype="bfloat16", cpu_prepack=packed)
+        assert all(_packed_runner(runner)) == packed
         drv = RunnerDriver(runner)
         logits.append(drv.extend([drv.new_request()], [PROMPTS[2]], return_all_logits=True).all_logits)
     assert (logits[0] - logits[1]).abs().max() < 0.1  # logits have std ~2.4; bf16 has 8 mantissa bits
@@ -82,4 +82,4 @@ def test_bf16_prepacked_matches_plain_bf16(ckpt_factory):
 
 
 def _packed_runner(runner) -> list[bool]:
-    return [m.packed is not None for m in cpu_prepack.packable_modules(runner.model)]
+    return [m.packed is not None for m in prepack.packable_modules(runner.model)]

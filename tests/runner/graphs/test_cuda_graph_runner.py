@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.cuda_graph_runner import CudaGraphRunner
+from runner.graphs.cuda_graph_runner import CudaGraphRunner
 from tests.runner.driver import RunnerDriver, make_runner
 
 

@@ -1,5 +1,5 @@
 """The captured-decode seam: what `ModelRunner.forward` branches to, and what the attention backends
-owe it. Implementations: runner/cuda_graph_runner.py (CUDA graphs) and runner/cpu_graph_runner.py
+owe it. Implementations: runner/graphs/cuda_graph_runner.py (CUDA graphs) and runner/graphs/cpu_graph_runner.py
 (a compiled static-shape decode step on the CPU). This file holds the contract and the pieces both
 share (batch sizes, padding into static buffers); it captures nothing itself.
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from runner.memory_saver import (
+from runner.memory.memory_saver import (
     HostBackup,
     PortableMemorySaver,
     TorchMemorySaver,

@@ -1,6 +1,6 @@
 """CUDA-graph decode: one graph per padded batch size, replayed behind `ModelRunner.forward`.
 
-`CudaGraphRunner` keeps the graph-runner contract of runner/graph_runner.py. At init it captures the
+`CudaGraphRunner` keeps the graph-runner contract of runner/graphs/graph_runner.py. At init it captures the
 decode step for the padded batch sizes `capture_batch_sizes(cuda_graph_max_bs)` (1, 2, 4, 8, then
 steps of 8), largest first, all into one shared graph memory pool, inside the memory saver's
 `cuda_graph` region (`memory_saver.graph_capture`; pauseable with torch_memory_saver in preload mode).
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from runner.forward_batch import ForwardBatch, ForwardContext, ForwardMode, LogitsOutput, forward_context
-from runner.graph_runner import (
+from runner.graphs.graph_runner import (
     PAD_REQ_ROW,
     StaticDecodeInputs,
     capture_batch_sizes,

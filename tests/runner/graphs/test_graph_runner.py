@@ -1,4 +1,4 @@
-"""The captured decode step (runner/graph_runner.py, runner/cpu_graph_runner.py) is an accelerator only:
+"""The captured decode step (runner/graphs/graph_runner.py, runner/graphs/cpu_graph_runner.py) is an accelerator only:
 with capture on and off the engine generates what HF generates, and a captured step stays correct
 across every weight-update route, release/resume and retraction. Sizes are few and small (each
 capture compiles for seconds); `cuda_graph_bs` captures them at init."""
@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from rollout import Engine
-from runner import cpu_prepack
 from runner.forward_batch import ForwardBatch, ForwardMode
-from runner.graph_runner import PAD_REQ_ROW, StaticDecodeInputs, capture_batch_sizes, padded_size
+from runner.graphs.graph_runner import PAD_REQ_ROW, StaticDecodeInputs, capture_batch_sizes, padded_size
+from runner.layers import prepack
 from tests.rollout.oracle import hf_generate, random_prompts
 from weight_sync import iter_buckets
 
@@ -129,7 +129,7 @@ def test_captured_step_survives_every_weight_route(ckpt_factory, monkeypatch):
     """After tensor, flattened-bucket, disk and distributed updates, release/resume with and without
     CPU backup, the captured engine equals a fresh eager engine on the expected weights, without
     recompiling (the graph reads the parameters and the prepacked copies at run time)."""
-    monkeypatch.setattr(cpu_prepack, "MIN_PACK_NUMEL", 0)  # tiny layers: pack every linear, so repacks count
+    monkeypatch.setattr(prepack, "MIN_PACK_NUMEL", 0)  # tiny layers: pack every linear, so repacks count
     a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
     sd_a, sd_b = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     with Engine(str(a), disable_cuda_graph=True, **KW) as ref_a, Engine(str(b), disable_cuda_graph=True, **KW) as ref_b:
@@ -138,7 +138,7 @@ def test_captured_step_survives_every_weight_route(ckpt_factory, monkeypatch):
     kw = dict(KW, cuda_graph_bs=[4], enable_memory_saver=True, enable_weights_cpu_backup=True)
     with Engine(str(a), **kw) as engine:
         gr = engine.runner.graph_runner
-        assert all(m.packed is not None for m in cpu_prepack.packable_modules(engine.runner.model))
+        assert all(m.packed is not None for m in prepack.packable_modules(engine.runner.model))
         _assert_same(_run(engine), want_a)
         graphs, replays = _num_graphs(), gr.num_replays
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.kv_pool import KVPoolExhaustedError, ReqToTokenPool, TokenToKVPool
+from runner.memory.kv_pool import KVPoolExhaustedError, ReqToTokenPool, TokenToKVPool
 
 
 def _pool(size: int = 16) -> TokenToKVPool:
@@ -85,7 +85,7 @@ def test_req_to_token_pool():
 
 def test_freed_slots_are_copied_not_aliased():
     """Freeing a view of a req_to_token row, then reusing that row, must not change what was freed."""
-    from runner.kv_pool import TokenToKVPool
+    from runner.memory.kv_pool import TokenToKVPool
 
     pool = TokenToKVPool(8, torch.float32, 1, 1, 2, "cpu")
     locs = pool.alloc(8)

@@ -265,7 +265,7 @@ def plan_direct_load(name_map: WeightNameMap, named_tensors: Iterable[tuple[str,
 def load_weights_direct(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy whole tensors into `model`'s parameters by their own names, unchecked (SGLang's
     `_model_load_weights_direct`). Name it in `custom_weight_loader` as
-    "runner.weight_loader.load_weights_direct"; the runner makes the call all-or-nothing."""
+    "runner.weights.loader.load_weights_direct"; the runner makes the call all-or-nothing."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in named_tensors:

@@ -1,0 +1,86 @@
+"""The layers' opaque ops: calls a compiled (captured) CPU decode step makes without tracing into them.
+
+torch.compile traces everything between the matmuls; these stay opaque, read at run time:
+- `rollout::linear`: the module's oneDNN-prepacked weight (runner/layers/prepack.py) or its dense one.
+  Repacks after a weight update are seen without recapture, and the dense parameters are graph
+  inputs, so in-place weight writes (every update route, release/resume with backup) are too.
+- `rollout::decode_attention`: writes this step's K/V into the paged pool and attends through the
+  backend's plan; the pool and the per-step KV length never become graph shapes.
+Modules are found by a small integer key (a graph constant) given by `register_opaque`, which the
+CPU graph runner (runner/graphs/cpu_graph_runner.py) calls on every Linear, LMHead and PagedAttention.
+
+This module sits below both the layers and the graph runner (it imports neither), so they can use it
+without an import circle. It does not decide when a step is compiled; that is the graph runner's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.forward_batch import get_forward_context
+
+# Weak references, so a dropped model is not kept alive by a key a captured step still holds.
+_MODULES: dict[int, weakref.ref] = {}
+_next_key = itertools.count()
+
+
+def packed_linear(x: torch.Tensor, packed) -> torch.Tensor:
+    """Linear over a oneDNN-prepacked weight (see runner.layers.prepack).
+    x: [num_tokens, in_features] dense -> [num_tokens, out_features] dense."""
+    weight, bias = packed
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def register_opaque(module: nn.Module) -> None:
+    if getattr(module, "opaque_key", None) is None:
+        module.opaque_key = next(_next_key)
+        _MODULES[module.opaque_key] = weakref.ref(module)
+
+
+def _module(key: int) -> nn.Module:
+    module = _MODULES[key]()
+    if module is None:
+        raise RuntimeError(f"captured step refers to a dropped module (key {key}); the graph runner was not reset")
+    return module
+
+
+@torch.library.custom_op("rollout::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
+    module = _module(key)
+    if module.packed is not None:
+        return packed_linear(x, module.packed)
+    return F.linear(x, weight, getattr(module, "bias", None))
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, key: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("rollout::decode_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_cache_loc: torch.Tensor,
+                  key: int) -> torch.Tensor:
+    layer = _module(key)
+    ctx = get_forward_context()
+    ctx.token_to_kv_pool.set_kv(layer.layer_id, out_cache_loc, k, v)
+    return ctx.attn_backend.forward_decode(q, layer, None).clone()  # a fresh tensor, as custom ops must return
+
+
+@_attention_op.register_fake
+def _(q, k, v, out_cache_loc, key):
+    return torch.empty_like(q)
+
+
+def opaque_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _linear_op(x, module.weight, module.opaque_key)
+
+
+def opaque_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out_cache_loc: torch.Tensor) -> torch.Tensor:
+    # q: [bs, num_heads, head_dim] -> [bs, num_heads, head_dim]
+    return _attention_op(q, k, v, out_cache_loc, layer.opaque_key)
