@@ -184,6 +184,7 @@ def extend_batch(items: list[tuple[Req, int, int]], out_cache_loc: torch.Tensor,
         extend_prefix_lens_cpu=[s for _, s, _ in items],
         extend_seq_lens_cpu=[n for _, _, n in items],
         return_all_logits=return_all_logits,
+        lora_ids=_lora_ids([r for r, _, _ in items]),
     )
 
 
@@ -201,4 +202,11 @@ def decode_batch(reqs: list[Req], out_cache_loc: torch.Tensor, device) -> Forwar
         seq_lens=rows[3],
         out_cache_loc=out_cache_loc.to(device),
         seq_lens_cpu=seq_lens,
+        lora_ids=_lora_ids(reqs),
     )
+
+
+def _lora_ids(reqs: list[Req]) -> list[int | None] | None:
+    """Each request's LoRA adapter uid (None: base model), or None when the batch uses none."""
+    ids = [r.lora_id for r in reqs]
+    return ids if any(i is not None for i in ids) else None

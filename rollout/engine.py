@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rollout.engine_args import EngineArgs
+from rollout.lora_api import LoRAAPI
 from rollout.outputs import AsyncSink, AsyncStream, SyncSink, SyncStream, build_output
 from rollout.request import FinishReason, Req
 from rollout.sampling_params import SamplingParams
@@ -49,7 +50,7 @@ def _version() -> str:
         return "0+unknown"
 
 
-class Engine(WeightsAPI):
+class Engine(WeightsAPI, LoRAAPI):
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.args = EngineArgs.from_kwargs(model_path, **kwargs)
         logging.getLogger("rollout").setLevel(self.args.log_level.upper())
@@ -65,6 +66,7 @@ class Engine(WeightsAPI):
         self._paused = False
         self._shutdown = False
         self._reqs: dict[str, Req] = {}  # in flight, by rid
+        self._lora_unloading: set[int] = set()  # LoRA adapter uids waiting for their requests to unload
         self._thread = threading.Thread(target=run_scheduler_loop, args=(self,), name="rollout-scheduler",
                                         daemon=True)
         self._thread.start()
@@ -170,7 +172,7 @@ class Engine(WeightsAPI):
 
     def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream,
                    return_routed_experts=False, logprob_start_len=None, token_ids_logprob=None,
-                   return_original_logprob=None):
+                   return_original_logprob=None, lora_path=None):
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
         if prompt is not None:
@@ -218,6 +220,7 @@ class Engine(WeightsAPI):
             raise ValueError("return_routed_experts=True needs an engine built with enable_return_routed_experts=True "
                              "(a mixture-of-experts model): the routing of every KV slot is kept only then")
         check_bool("stream")(stream)
+        lora_names = self._lora_names(lora_path, num)
         starts, id_lists, original = self._logprob_options(ids_list, logprob_start_len, token_ids_logprob,
                                                            return_original_logprob)
         total = sum(sp.n for sp in sps)
@@ -243,7 +246,8 @@ class Engine(WeightsAPI):
                 seed = base_seed if j == 0 else hash((base_seed, j)) & ((1 << 63) - 1)
                 req = Req(rids[len(reqs)], list(ids), sp, seed, logprob_flags[i], tops[i], stream, index=len(reqs),
                           return_routed_experts=routed_flags[i], logprob_start_len=starts[i],
-                          token_ids_logprob=id_lists[i], return_original_logprob=original)
+                          token_ids_logprob=id_lists[i], return_original_logprob=original,
+                          lora_name=lora_names[i])
                 req.created_time = now
                 reqs.append(req)
         return reqs, single and sps[0].n == 1
@@ -317,6 +321,7 @@ class Engine(WeightsAPI):
                 # continue_generation(); otherwise nothing would ever run them: say so.
                 raise RuntimeError("memory is released: call resume_memory_occupation() before generate "
                                    "(or pause_generation() first to queue requests until then)")
+            self._bind_loras(reqs)  # under the lock: an unload cannot slip in between
             dup = [r.rid for r in reqs if r.rid in self._reqs]
             if dup or len({r.rid for r in reqs}) != len(reqs):
                 raise ValueError(f"request id(s) already in flight: {dup or 'duplicates in this call'}")
@@ -334,7 +339,8 @@ class Engine(WeightsAPI):
                  show_progress: bool | None = None, return_routed_experts: bool | list[bool] = False,
                  logprob_start_len: int | list[int] | None = None,
                  token_ids_logprob: list[int] | list[list[int]] | None = None,
-                 return_original_logprob: bool | None = None, **unsupported):
+                 return_original_logprob: bool | None = None, lora_path: str | list[str | None] | None = None,
+                 **unsupported):
         """Blocking generation. One dict for a single prompt with n=1, else a list (n dicts per prompt).
         stream=True returns an iterator of chunk dicts (of every request of the call, each with "index").
         return_routed_experts=True (MoE, engine built with enable_return_routed_experts): the final
@@ -348,12 +354,14 @@ class Engine(WeightsAPI):
         "output_token_ids_logprobs". max_new_tokens=0 only scores the prompt. The distribution is the one
         sampled from (after penalties, logit_bias, temperature and top-k/top-p/min-p truncation; prompt
         positions get temperature only), or with return_original_logprob=True (default: the
-        SGLANG_RETURN_ORIGINAL_LOGPROB environment variable) the log-softmax of the raw logits."""
+        SGLANG_RETURN_ORIGINAL_LOGPROB environment variable) the log-softmax of the raw logits.
+        lora_path: the name of a loaded LoRA adapter for every prompt, or one name (or None, the base model)
+        per prompt (rollout/lora_api.py)."""
         if unsupported:
             raise TypeError(f"generate got unsupported argument(s) {sorted(unsupported)}")
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                        rid, stream, return_routed_experts, logprob_start_len, token_ids_logprob,
-                                       return_original_logprob)
+                                       return_original_logprob, lora_path)
         sink = SyncSink(self._thread.is_alive)
         self._submit(reqs, sink)
         if stream:
@@ -379,11 +387,12 @@ class Engine(WeightsAPI):
                              stream: bool = False, rid=None, return_routed_experts: bool | list[bool] = False,
                              logprob_start_len: int | list[int] | None = None,
                              token_ids_logprob: list[int] | list[list[int]] | None = None,
-                             return_original_logprob: bool | None = None):
+                             return_original_logprob: bool | None = None,
+                             lora_path: str | list[str | None] | None = None):
         """asyncio twin of generate: many coroutines share the engine, each awaiting its own results."""
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                        rid, stream, return_routed_experts, logprob_start_len, token_ids_logprob,
-                                       return_original_logprob)
+                                       return_original_logprob, lora_path)
         sink = AsyncSink(asyncio.get_running_loop())
         self._submit(reqs, sink)
         if stream:

@@ -62,7 +62,7 @@ class KVManager:
         if self.tree is not None:
             # Keep at least one token to compute: its logits give the next token.
             limit = req.seq_len - 1 if max_prefix is None else min(req.seq_len - 1, max_prefix)
-            slots, node = self.tree.match_prefix(req.fill_ids[:limit])
+            slots, node = self.tree.match_prefix(req.fill_ids[:limit], req.lora_id)
             self.tree.inc_lock_ref(node)
             req.last_node = node
             if len(slots):
@@ -98,9 +98,9 @@ class KVManager:
             return
         row = self.req_pool.req_to_token[req.req_pool_idx, : req.num_computed].to("cpu")
         key = req.fill_ids[: req.num_computed]
-        already = self.tree.insert(key, row)
+        already = self.tree.insert(key, row, req.lora_id)
         self.kv_pool.free(row[req.num_cached : already])  # computed twice: the tree keeps its copy
-        slots, node = self.tree.match_prefix(key)
+        slots, node = self.tree.match_prefix(key, req.lora_id)
         self.req_pool.write(req.req_pool_idx, 0, slots.to(self.device))
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
@@ -115,7 +115,7 @@ class KVManager:
         row = self.req_pool.req_to_token[req.req_pool_idx, : req.num_allocated].to("cpu")
         computed = row[: req.num_computed]
         if self.tree is not None:
-            already = self.tree.insert(req.fill_ids[: req.num_computed], computed)
+            already = self.tree.insert(req.fill_ids[: req.num_computed], computed, req.lora_id)
             self.kv_pool.free(computed[req.num_cached : already])
             if req.last_node is not None:
                 self.tree.dec_lock_ref(req.last_node)
@@ -150,6 +150,11 @@ class KVManager:
         n = min(req.num_computed, req.seq_len - 1)
         slots = self.req_pool.req_to_token[req.req_pool_idx, :n].cpu()
         return self.routed_experts[slots]  # advanced indexing: a copy, safe after the slots are reused
+
+    def drop_lora_cache(self, lora_id: int) -> None:
+        """An adapter was unloaded: free its prefix-cache entries (no request uses them any more)."""
+        if self.tree is not None:
+            self.tree.drop_namespace(lora_id)
 
     # ---- whole-pool operations ------------------------------------------------------------------
     def flush(self) -> bool:

@@ -7,6 +7,10 @@ attend over can never be evicted under them; unlocked leaves are evicted least-r
 when the pool needs room. The tree never allocates KV itself: it takes slots from requests on insert
 and returns them to the pool on eviction. Plain Python over lists; no tensors on the hot path except
 the slot tensors it stores.
+
+Namespaces: KV computed under a LoRA adapter is not the base model's KV for the same tokens, so each
+adapter (by its load uid, runner/lora/manager.py) has its own root; `None` is the base model's. Every
+namespace shares one LRU and one pool. `drop_namespace` frees an unloaded adapter's entries at once.
 """
 
 from __future__ import annotations
@@ -50,15 +54,40 @@ class RadixCache:
         """Drop every node (the caller frees the pool wholesale). Refused while anything is locked."""
         self.root = TreeNode()
         self.root.lock_ref = 1
+        self.roots: dict = {None: self.root}  # namespace (LoRA adapter uid, None = base) -> its root
         self.evictable_size = 0
         self.protected_size = 0
+
+    def _root(self, namespace) -> TreeNode:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = TreeNode()
+            root.lock_ref = 1
+        return root
+
+    def drop_namespace(self, namespace) -> int:
+        """Free every entry of `namespace` (none may be locked: no request uses it). Returns slots freed."""
+        root = self.roots.pop(namespace, None)
+        if root is None or namespace is None:
+            if namespace is None and root is not None:
+                self.roots[None] = root
+            return 0
+        freed, stack = 0, list(root.children.values())
+        while stack:
+            node = stack.pop()
+            assert node.lock_ref == 0, "drop_namespace under a locked entry"
+            self._free_slots(node.value)
+            freed += len(node.key)
+            stack.extend(node.children.values())
+        self.evictable_size -= freed
+        return freed
 
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached prefix of `key`: (its KV slots, the node where it ends)."""
-        node, values, pos = self.root, [], 0
+    def match_prefix(self, key: list[int], namespace=None) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of `key` in `namespace`: (its KV slots, the node where it ends)."""
+        node, values, pos = self._root(namespace), [], 0
         node.last_access = next(_clock)
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -83,10 +112,10 @@ class RadixCache:
         child.key, child.value = child.key[n:], child.value[n:]
         return upper
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert key -> slots. Returns how many leading tokens were already cached: the caller still
-        owns those slots of `value` and must free them (the tree keeps its own copy)."""
-        node, pos = self.root, 0
+    def insert(self, key: list[int], value: torch.Tensor, namespace=None) -> int:
+        """Insert key -> slots into `namespace`. Returns how many leading tokens were already cached: the
+        caller still owns those slots of `value` and must free them (the tree keeps its own copy)."""
+        node, pos = self._root(namespace), 0
         node.last_access = next(_clock)
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -103,7 +132,7 @@ class RadixCache:
         return pos
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:  # up to (not including) its namespace's root
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
@@ -111,7 +140,7 @@ class RadixCache:
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 1:
                 self.evictable_size += len(node.key)
                 self.protected_size -= len(node.key)
@@ -131,15 +160,15 @@ class RadixCache:
             self.evictable_size -= len(leaf.key)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return freed
 
     def _leaves(self) -> list[TreeNode]:
-        out, stack = [], [self.root]
+        out, stack = [], list(self.roots.values())
         while stack:
             node = stack.pop()
-            if not node.children and node is not self.root:
+            if not node.children and node.parent is not None:
                 out.append(node)
             stack.extend(node.children.values())
         return out

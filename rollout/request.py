@@ -50,6 +50,10 @@ class Req:
     # [rows, num_layers, top_k] int32 on the host, set as it finishes when asked: the experts of every
     # position it computed or read from the prefix cache (rollout.kv_manager keeps them per KV slot)
     routed_experts: Any = None
+    # LoRA: the adapter's name and load uid (runner/lora/manager.py); None = the base model. The uid keys the
+    # prefix cache and the runner's batch, so an adapter replaced under the same name is another adapter.
+    lora_name: str | None = None
+    lora_id: int | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)

@@ -94,6 +94,15 @@ class _PrefixTrie:
         return n
 
 
+def _match_in_batch(trie: _PrefixTrie, req: Req) -> int:
+    """Prompt tokens req shares with requests already in the batch, on the same adapter (KV under another
+    adapter, or the base, is not reusable: the first key element is the adapter's namespace)."""
+    ids = req.fill_ids[: req.seq_len - 1]
+    if req.lora_id is None:
+        return trie.match_and_insert(ids)
+    return max(0, trie.match_and_insert([("lora", req.lora_id), *ids]) - 1)
+
+
 class Scheduler:
     def __init__(self, runner, config: SchedulerConfig, eos_ids: list[int], stop_checker) -> None:
         self.runner = runner
@@ -116,6 +125,9 @@ class Scheduler:
             self.kv.enable_routed_experts(self.recorder.num_layers, self.recorder.top_k)
             self.recorder.set_capture_routed_experts(True)
         self.max_running = min(config.max_running_requests or req_pool.size, req_pool.size)
+        runner_cfg = getattr(runner, "config", None)
+        self.max_loras_per_batch = getattr(runner_cfg, "max_loras_per_batch", 1) if getattr(
+            runner_cfg, "enable_lora", False) else 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -263,9 +275,13 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         items: list[tuple[Req, int, int]] = []
         trie = _PrefixTrie()
+        # LoRA: a batch holds at most max_loras_per_batch adapters; requests on another one wait.
+        loras = {r.lora_id for r in self.running if r.lora_id is not None}
         if self.chunked_req is not None:
             req = self.chunked_req
-            trie.match_and_insert(req.fill_ids[: req.seq_len - 1])
+            if req.lora_id is not None:
+                loras.add(req.lora_id)
+            _match_in_batch(trie, req)
             if not self._take_chunk(req, items, budget) or self.chunked_req is req:
                 return items
             budget -= items[-1][2]
@@ -274,8 +290,11 @@ class Scheduler:
             if len(self.running) + len(items) >= self.max_running or not self.kv.num_free_rows():
                 break
             req = self.waiting.popleft()
+            if req.lora_id is not None and req.lora_id not in loras and len(loras) >= self.max_loras_per_batch:
+                deferred.append(req)
+                continue
             self._admit(req)
-            shared = trie.match_and_insert(req.fill_ids[: req.seq_len - 1])
+            shared = _match_in_batch(trie, req)
             if req.max_cached_prefix is not None:  # it could not use more of the cache anyway
                 shared = min(shared, req.max_cached_prefix)
             threshold = max(1, min(self.config.in_batch_prefix_threshold, req.seq_len - 1))
@@ -286,6 +305,8 @@ class Scheduler:
                 continue
             if not self._take_chunk(req, items, budget):
                 break
+            if req.lora_id is not None:
+                loras.add(req.lora_id)
             budget -= items[-1][2]
             if self.chunked_req is req:
                 break

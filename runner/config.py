@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -239,8 +240,20 @@ class RunnerConfig:
     # whatever its batch, chunking, cache hits or retraction. Turns off the prepacked CPU linears and
     # the compiled CPU decode step (both use kernels whose bits depend on the row count).
     enable_deterministic_inference: bool = False
+    # LoRA (runner/lora/), SGLang's names. enable_lora None: on iff lora_paths is given. max_lora_rank and
+    # lora_target_modules are inferred from the initial adapters when not given; max_loaded_loras (None:
+    # max(max_loras_per_batch, len(lora_paths))) adapters stay resident on the device.
+    enable_lora: bool | None = None
+    max_lora_rank: int | None = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    lora_target_modules: list[str] | None = None
+    lora_paths: Any = None
 
     def __post_init__(self) -> None:
+        from runner.lora.options import validate_lora_options  # reads adapter_config.json files only
+
+        validate_lora_options(self)
         if self.enable_deterministic_inference:
             if self.attention_backend not in (None, "torch_native"):
                 raise ValueError(f"attention_backend={self.attention_backend!r} is not batch-invariant; "

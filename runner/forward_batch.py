@@ -56,6 +56,8 @@ class ForwardBatch:
     replace_embeds: torch.Tensor | None = None  # [num_replaced, hidden]
     replace_positions: torch.Tensor | None = None  # [num_replaced] int64
     sampling_info: SamplingBatchInfo | None = None
+    # LoRA (runner/lora/): per request, the uid of its adapter or None for the base model; None: no adapters
+    lora_ids: list[int | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +83,7 @@ class ForwardContext:
     attn_backend: Any
     token_to_kv_pool: Any
     req_to_token_pool: Any
+    lora_mask: torch.Tensor | None = None  # [num_tokens, num_adapters] scaling; None: no adapter this step
 
 
 _FORWARD_CONTEXT: ForwardContext | None = None
@@ -91,6 +94,11 @@ def get_forward_context() -> ForwardContext:
         raise RuntimeError("no forward context: the model runs only inside ModelRunner.forward "
                            "(or a graph runner's capture/replay)")
     return _FORWARD_CONTEXT
+
+
+def current_lora_mask() -> torch.Tensor | None:
+    """The step's LoRA mask (runner/lora/manager.py), or None (no step, or no adapter in it)."""
+    return None if _FORWARD_CONTEXT is None else _FORWARD_CONTEXT.lora_mask
 
 
 @contextmanager

@@ -75,6 +75,7 @@ class ModelRunner:
     def initialize(self) -> None:
         self.sampler = Sampler()
         self.load_model()
+        self.init_lora_manager()
         self.configure_kv_cache_dtype()
         self.init_memory_pool()
         self.init_attention_backend()
@@ -102,6 +103,17 @@ class ModelRunner:
                 if p is not None:
                     self._modules_of_param.setdefault(id(p), []).append(m)
         self._repack(None)
+
+    def init_lora_manager(self) -> None:
+        """enable_lora: adapter slots on every adapted projection (runner/lora/), then lora_paths loaded."""
+        self.lora_manager = None
+        if not self.config.enable_lora:
+            return
+        from runner.lora.manager import LoRAManager
+
+        self.lora_manager = LoRAManager(self)
+        for src in self.config.lora_paths or ():
+            self.lora_manager.load(src["lora_name"], src["lora_path"], pinned=src["pinned"])
 
     def _repack(self, hf_names: set[str] | None) -> None:
         """Refresh the prepacked shadows of the modules whose weights `hf_names` touched (None = all)."""
@@ -191,12 +203,15 @@ class ModelRunner:
         if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
             # Freed storages would be read (or written) out of bounds.
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
-        if fb.forward_mode.is_decode() and self.graph_runner is not None and self.graph_runner.can_run(fb):
+        lora_mask = self.lora_manager.prepare(fb) if self.lora_manager is not None else None
+        if (fb.forward_mode.is_decode() and lora_mask is None and self.graph_runner is not None
+                and self.graph_runner.can_run(fb)):  # captured steps hold no adapter: those run eager
             return self.graph_runner.replay(fb)
         # The eager step runs in inference mode: no version counters or view tracking, ~6% of a tiny
         # model's step. Not the captured one above: compiled graphs guard on the autograd mode.
         with (torch.inference_mode(),
-              forward_context(ForwardContext(self.attn_backend, self.token_to_kv_pool, self.req_to_token_pool)),
+              forward_context(ForwardContext(self.attn_backend, self.token_to_kv_pool, self.req_to_token_pool,
+                                             lora_mask)),
               batch_invariant.mode(self.config.enable_deterministic_inference)):
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb.input_ids, fb.positions, fb)
@@ -265,6 +280,41 @@ class ModelRunner:
         """The first `truncate_size` rows (elements for 1-D) of an HF-named weight; a tied
         lm_head.weight reads as the embedding it shares."""
         return routes.get_weights_by_name(self, name, truncate_size)
+
+    # ---- LoRA adapters (runner/lora/) ----------------------------------------------------------
+    def _require_lora(self):
+        if self.lora_manager is None:
+            raise ValueError("LoRA is off: create the engine with enable_lora=True (and max_lora_rank, "
+                             "lora_target_modules, or lora_paths)")
+        return self.lora_manager
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, tensors=None,
+                          config_dict: dict | None = None, load_format: str | None = None,
+                          pinned: bool = False) -> int:
+        """Load a PEFT adapter from a directory or from (tensors, config_dict); load_format None (a dict or
+        pairs of PEFT names) or "flattened_bucket". Everything is checked before a byte is written; returns
+        the adapter's uid."""
+        manager = self._require_lora()
+        if tensors is not None:
+            pairs = routes.unpack_named_tensors(tensors, load_format)
+            names = [n for n, _ in pairs]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"adapter tensors {dup[:3]} given more than once")
+            tensors = dict(pairs)
+        elif lora_path is None:
+            raise ValueError("load_lora_adapter needs lora_path or tensors")
+        return manager.load(lora_name, lora_path, tensors, config_dict, pinned).uid
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._require_lora().unload(lora_name)
+
+    def lora_adapters(self) -> dict[str, dict]:
+        """name -> {"uid", "path", "pinned", "r"} of every loaded adapter ({} with LoRA off)."""
+        if self.lora_manager is None:
+            return {}
+        return {a.name: {"uid": a.uid, "path": a.path, "pinned": a.pinned, "r": a.config.r}
+                for a in self.lora_manager.adapters.values()}
 
     # ---- memory (runner/memory/): release / resume / shutdown ---------------------------------
     def check_memory_transition(self, tags: list[str] | None, release: bool) -> list[str]:

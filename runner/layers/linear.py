@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner import batch_invariant
+from runner.forward_batch import current_lora_mask
 from runner.layers.ops import opaque_linear, packed_linear
 
 
@@ -70,6 +71,7 @@ class Linear(nn.Module):
     """y = x W^T (+ b). Parameters named like HF's so most weights load by identity."""
 
     packed = None  # set by runner.layers.prepack: a oneDNN copy of the weight (CPU fp32 fast path)
+    lora = None  # set by runner.lora.manager: this projection's adapter slots (runner/lora/layer.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -85,11 +87,21 @@ class Linear(nn.Module):
             # Inside a captured step the prepacked copy is read at run time through an opaque op,
             # so a repack after a weight update needs no recapture (runner/layers/ops.py).
             return opaque_linear(self, x)
+        return self._add_lora(x, self._base(x))
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if batch_invariant.is_enabled():  # fixed-shape row tiles (runner/batch_invariant.py)
             return batch_invariant.linear(x, self.weight, self.bias)
         if self.packed is not None and x.dim() == 2:
             return packed_linear(x, self.packed)
         return F.linear(x, self.weight, self.bias)
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus each row's adapter term when this step has adapters (runner/lora/layer.py)."""
+        if self.lora is None:
+            return y
+        mask = current_lora_mask()
+        return y if mask is None else self.lora.apply(x, y, mask)
 
 
 class MergedLinear(Linear):
@@ -163,7 +175,8 @@ class RowParallelLinear(Linear):
                 p.tp_slices = {None: (1, start, size, in_features)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The LoRA term of this rank's input columns goes in before the all-reduce, which sums it too.
         if self.bias is None:
             return self.tp.all_reduce(super().forward(x))
         # Not the packed call: its fused bias would be added once per rank.
-        return self.tp.all_reduce(F.linear(x, self.weight)) + self.bias
+        return self.tp.all_reduce(self._add_lora(x, F.linear(x, self.weight))) + self.bias

@@ -53,6 +53,8 @@ def release(runner, tags: list[str] | None = None) -> None:
             runner._drop_packs()  # shadows of the weights go with them
         if tag == "kv_cache":
             runner.token_to_kv_pool.clear()
+        if tag == "weights" and getattr(runner, "lora_manager", None) is not None:
+            runner.lora_manager.on_weights_released(saver.has_cpu_backup("weights"))
         if tag == "weights" and not saver.has_cpu_backup("weights"):
             runner.weights_valid = False
             runner.invalid_weights = set(runner.name_map.hf_names())
@@ -75,6 +77,8 @@ def resume(runner, tags: list[str] | None = None) -> None:
             # undefined); graph padding rows read row 0, so an out-of-range slot must never be there.
             # No request holds a row across a release (it is refused unless they are retracted).
             runner.req_to_token_pool.req_to_token.zero_()
+        if tag == "weights" and getattr(runner, "lora_manager", None) is not None:
+            runner.lora_manager.on_weights_resumed()
         if tag == "weights" and saver.has_cpu_backup("weights"):
             runner._repack(None)  # without backup, shadows come back module by module with updates
 
@@ -87,6 +91,8 @@ def free_all(runner) -> None:
     runner.invalid_reason = "the engine was shut down"
     runner._drop_packs()
     tensors = [*runner.model.parameters(), *runner.model.buffers()]
+    if getattr(runner, "lora_manager", None) is not None:  # adapter slots are not model parameters
+        tensors += [t for m in runner.lora_manager.modules.values() for t in m.tensors()]
     for holder in (runner.token_to_kv_pool, runner.req_to_token_pool, runner.graph_runner, runner.attn_backend):
         tensors += [v for v in vars(holder).values() if isinstance(v, torch.Tensor)] if holder else []
     for t in tensors:

@@ -1,0 +1,10 @@
+"""LoRA: PEFT adapters served beside the base model, many adapters (and the base) in one batch.
+
+    config.py    SGLang's LoRA options (lora_paths forms, target modules) and PEFT's adapter_config.json
+    options.py   RunnerConfig's LoRA fields validated and completed before anything is built
+    adapter.py   PEFT tensors -> per-module slot buffers, every check done before anything is written
+    layer.py     one adapted projection: slot buffers and the batched masked LoRA matmul
+    manager.py   LoRAManager: loaded adapters, their device slots, each step's mask and gathered slots
+
+Requests, the prefix cache namespaces and waiting for requests before an unload are rollout's.
+"""

@@ -1,0 +1,219 @@
+"""LoRAManager: the runner's loaded adapters, their device slots, and each step's LoRA batch.
+
+Built by ModelRunner when enable_lora: it attaches a LoRAModule (runner/lora/layer.py) to every adapted
+projection of the model and allocates `max_loaded_loras` slots in each, inside the memory saver's
+`weights` region (released and resumed with the weights, host backup included). Adapters are
+addressed by name; each load gets a fresh `uid`, which is what requests and the prefix cache key on, so
+an adapter replaced under the same name never shares KV with its predecessor.
+
+`load` checks everything first (runner/lora/adapter.py), then writes a free slot that no step reads
+until the adapter is registered, so a refused or failed load changes nothing. `prepare(fb)` turns the
+batch's per-request adapter uids into the step's mask and gathers the batch's slots (cached while the
+adapter set stays the same). Deciding which requests may share a batch, and waiting for requests before
+an unload, are the scheduler's and the Engine's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from runner.lora.adapter import read_adapter_dir, stage_adapter
+from runner.lora.config import AdapterConfig
+from runner.lora.layer import LoRAModule, LoRATarget
+
+logger = logging.getLogger(__name__)
+TENSOR_PATH = "__tensor__"  # SGLang's lora_path of an adapter loaded from tensors
+
+_uids = itertools.count(1)
+
+
+@dataclass
+class LoadedAdapter:
+    name: str
+    uid: int
+    slot: int
+    config: AdapterConfig
+    path: str
+    pinned: bool
+
+
+def _targets_of(layer) -> list[tuple[str, object, list[tuple[str, object]]]]:
+    """(module name, module, [(PEFT target, shard id)]) of one decoder layer's adaptable projections."""
+    out = []
+    attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+    out.append(("qkv_proj", attn.qkv_proj, [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]))
+    out.append(("o_proj", attn.o_proj, [("o_proj", None)]))
+    if mlp is not None and hasattr(mlp, "gate_up_proj"):  # MoE blocks have experts instead: not adapted
+        out.append(("gate_up_proj", mlp.gate_up_proj, [("gate_proj", 0), ("up_proj", 1)]))
+        out.append(("down_proj", mlp.down_proj, [("down_proj", None)]))
+    return out
+
+
+def _target_spec(module, name: str, shard) -> LoRATarget:
+    w = module.weight
+    in_local = w.shape[1]
+    if shard is None:
+        out_offset, out_size = 0, w.shape[0]
+    else:
+        out_offset, out_size = w.shard_offsets[shard]
+    tp = getattr(w, "tp_slices", None) or {}
+    b_rows = a_cols = None
+    out_full, in_full = out_size, in_local
+    if shard is not None and shard in tp:  # column parallel: (0, start, size, full) rows of this shard
+        _, start, size, out_full = tp[shard]
+        b_rows = (start, size)
+    if shard is None and None in tp:  # row parallel: (1, start, size, full) input columns
+        _, start, size, in_full = tp[None]
+        a_cols = (start, size)
+    return LoRATarget(name, in_full, out_full, out_offset, out_size, b_rows, a_cols)
+
+
+class LoRAManager:
+    def __init__(self, runner) -> None:
+        cfg = runner.config
+        self.runner = runner
+        self.max_rank = cfg.max_lora_rank
+        self.max_per_batch = cfg.max_loras_per_batch
+        self.num_slots = cfg.max_loaded_loras
+        self.enabled = tuple(cfg.lora_target_modules)
+        self.dtype, self.device = runner.dtype, runner.device
+        layers = runner.model.model.layers
+        self.num_layers = len(layers)
+        self.modules: dict[tuple[int, str], LoRAModule] = {}
+        for i, layer in enumerate(layers):
+            for mod_name, module, shards in _targets_of(layer):
+                targets = [_target_spec(module, t, s) for t, s in shards if t in self.enabled]
+                if not targets:
+                    continue
+                w = module.weight
+                lm = LoRAModule(i, mod_name, targets, w.shape[1], w.shape[0], self.num_slots, self.max_rank,
+                                self.dtype, self.device)
+                module.lora = lm
+                self.modules[(i, mod_name)] = lm
+        if not self.modules:
+            raise ValueError(f"lora_target_modules={list(self.enabled)} match no projection of this model")
+        saver = runner.memory_saver
+        with saver.region("weights", enable_cpu_backup=cfg.enable_weights_cpu_backup):
+            saver.track("weights", [t for m in self.modules.values() for t in m.tensors()])
+        self.adapters: dict[str, LoadedAdapter] = {}
+        self.by_uid: dict[int, LoadedAdapter] = {}
+        self.free_slots = list(range(self.num_slots))
+        self._batch_key: tuple | None = None  # (slots,) of the gathered batch buffers
+        self.pool_epoch = 0
+
+    # ---- adapters ----------------------------------------------------------------------------
+    def loaded_adapters(self) -> dict[str, str]:
+        """SGLang's `loaded_adapters`: name -> path ("__tensor__" for tensor loads)."""
+        return {a.name: a.path for a in self.adapters.values()}
+
+    def resolve(self, name: str) -> int:
+        """The uid requests use for adapter `name`; ValueError naming it if it is not loaded."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        return adapter.uid
+
+    def load(self, name: str, path: str | None = None, tensors: dict | None = None, config_dict: dict | None = None,
+             pinned: bool = False) -> LoadedAdapter:
+        """Load from a PEFT directory (`path`) or from (`tensors`, `config_dict`). ValueError/RuntimeError,
+        with nothing changed, on any problem."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
+        if name in self.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first (or use a new name)")
+        if not self.free_slots:
+            raise ValueError(f"max_loaded_loras={self.num_slots} adapters are loaded ({sorted(self.adapters)}); "
+                             f"unload one first")
+        if not self.runner.memory_saver.is_resident("weights"):
+            raise RuntimeError("weights are released: call resume_memory_occupation(['weights']) before loading "
+                               "a LoRA adapter")
+        if path is not None:
+            config, tensors = read_adapter_dir(path)
+        else:
+            config = AdapterConfig.from_dict(config_dict)
+            if isinstance(tensors, (list, tuple)):
+                tensors = dict(tensors)
+            if not isinstance(tensors, dict):
+                raise ValueError(f"tensors must be a dict (or pairs) of PEFT name -> tensor, got {type(tensors).__name__}")
+        staged = stage_adapter(config, tensors, self.modules, self.num_layers, self.max_rank, self.enabled, self.dtype)
+        slot = self.free_slots[0]
+        with torch.no_grad():  # a free slot: no step reads it until the adapter is registered below
+            for key, module in self.modules.items():
+                if key in staged:
+                    module.write_slot(slot, *staged[key])
+                else:
+                    module.a_pool[slot].zero_()
+                    module.b_pool[slot].zero_()
+        self.free_slots.pop(0)
+        adapter = LoadedAdapter(name, next(_uids), slot, config, path if path is not None else TENSOR_PATH, pinned)
+        self.adapters[name] = adapter
+        self.by_uid[adapter.uid] = adapter
+        self.pool_epoch += 1
+        return adapter
+
+    def unload(self, name: str) -> LoadedAdapter:
+        """Forget `name` (the caller made sure no request uses it); its slot becomes free."""
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        del self.by_uid[adapter.uid]
+        self.free_slots.append(adapter.slot)
+        self.pool_epoch += 1
+        return adapter
+
+    def on_weights_released(self, has_backup: bool) -> None:
+        """Weights (and the adapter slots with them) were released: without a backup the slots come back
+        undefined, so every adapter is dropped (load them again after the resume)."""
+        self._drop_batch()
+        if not has_backup and self.adapters:
+            logger.warning("LoRA adapters %s dropped: weights released without CPU backup", sorted(self.adapters))
+            for name in list(self.adapters):
+                self.unload(name)
+
+    def on_weights_resumed(self) -> None:
+        self._drop_batch()
+
+    def _drop_batch(self) -> None:
+        self._batch_key = None
+        for m in self.modules.values():
+            m.drop_batch()
+
+    # ---- one step ------------------------------------------------------------------------------
+    def prepare(self, fb) -> torch.Tensor | None:
+        """The step's mask [num_tokens, num_adapters] (each row's scaling at its adapter's column), with
+        every module's batch buffers gathered; None when no request of the batch uses an adapter."""
+        uids = fb.lora_ids
+        if not uids or all(u is None for u in uids):
+            return None
+        adapters = []
+        for u in uids:
+            if u is not None:
+                if u not in self.by_uid:
+                    raise RuntimeError(f"LoRA adapter uid {u} is not loaded (unloaded under a running request)")
+                adapters.append(self.by_uid[u])
+        slots = sorted({a.slot for a in adapters})
+        if len(slots) > self.max_per_batch:
+            raise RuntimeError(f"batch uses {len(slots)} LoRA adapters; max_loras_per_batch={self.max_per_batch}")
+        key = (tuple(slots), self.pool_epoch)
+        if key != self._batch_key:
+            index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            for m in self.modules.values():
+                m.gather(index)
+            self._batch_key = key
+        col = {s: j for j, s in enumerate(slots)}
+        rows = []
+        for u in uids:
+            row = [0.0] * len(slots)
+            if u is not None:
+                a = self.by_uid[u]
+                row[col[a.slot]] = a.config.scaling
+            rows.append(row)
+        mask = torch.tensor(rows, dtype=self.dtype, device=self.device)  # [bs, s]
+        if fb.forward_mode.is_extend():
+            lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=self.device)
+            mask = mask.repeat_interleave(lens, dim=0, output_size=sum(fb.extend_seq_lens_cpu))  # [num_tokens, s]
+        return mask
