@@ -1,0 +1,36 @@
+"""Fixtures for the LoRA tests: tiny checkpoints with peft-written adapters, and engines shut down after use."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.lora_adapters import make_adapter
+from tests.rollout.oracle import EnginePool
+
+
+@pytest.fixture(scope="session")
+def adapter_factory(tmp_path_factory):
+    """`adapter_factory(ckpt, **make_adapter_kwargs) -> Path`, written once per distinct arguments."""
+    cache: dict = {}
+
+    def factory(ckpt, **kwargs):
+        key = (str(ckpt), tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in cache:
+            cache[key] = make_adapter(ckpt, tmp_path_factory.mktemp("adapter"), **kwargs)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture
+def make_engine():
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def module_engines():
+    pool = EnginePool()
+    yield pool
+    pool.close()

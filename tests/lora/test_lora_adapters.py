@@ -1,0 +1,178 @@
+"""Adapter lifecycle on the Engine: load, unload, load from tensors (pairs and flattened buckets) and
+replacing under the same name each equal a fresh engine with that adapter; every bad adapter is refused
+by name and changes nothing; requests naming an unknown adapter are refused; an unload waits for the
+requests using it; release/resume keeps adapters with a CPU backup (and drops them without one)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.rollout.oracle import random_prompts
+from weight_sync.bucket import FlattenedTensorBucket
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+PROMPTS = random_prompts([4, 9], seed=5)
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+def _files(adapter):
+    return load_file(str(adapter / "adapter_model.safetensors")), json.loads((adapter / "adapter_config.json").read_text())
+
+
+def _gen(engine, name):
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, lora_path=name)
+    return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+def _same(got, want):
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, want):
+        assert ids == ref_ids
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def env(ckpt_factory, adapter_factory, module_engines):
+    """(checkpoint, adapters a and b, reference outputs of fresh engines with a / b / none)."""
+    ckpt = ckpt_factory("llama")
+    a, b = adapter_factory(ckpt, r=8, seed=11), adapter_factory(ckpt, r=4, seed=12)
+    refs = {"a": _gen(module_engines(ckpt, lora_paths={"a": str(a)}), "a"),
+            "b": _gen(module_engines(ckpt, lora_paths={"b": str(b)}), "b")}
+    refs[None] = _gen(module_engines(ckpt), None)
+    assert refs["a"] != refs[None] and refs["b"] != refs[None]
+    return ckpt, a, b, refs
+
+
+def _lora_engine(make_engine, ckpt, **kw):
+    return make_engine(ckpt, enable_lora=True, max_lora_rank=8, lora_target_modules=["all"], **kw)
+
+
+def test_load_unload_from_tensors_and_replace_equal_fresh_engines(env, make_engine):
+    """Every way an adapter arrives gives a fresh engine's outputs, and replacing under a name never reuses
+    the old adapter's prefix cache."""
+    ckpt, a, b, refs = env
+    engine = _lora_engine(make_engine, ckpt)
+    res = engine.load_lora_adapter("x", str(a))
+    assert res.success and res.loaded_adapters == {"x": str(a)}
+    _same(_gen(engine, "x"), refs["a"])
+    _same(_gen(engine, None), refs[None])
+    assert engine.unload_lora_adapter("x").loaded_adapters == {}
+    tensors, config = _files(b)
+    assert engine.load_lora_adapter_from_tensors("x", tensors, config).loaded_adapters == {"x": "__tensor__"}
+    _same(_gen(engine, "x"), refs["b"])  # same name, same prompts: b's outputs, not a's cached KV
+    tensors, config = _files(a)
+    bucket = FlattenedTensorBucket(named_tensors=list(tensors.items()))
+    assert engine.load_lora_adapter_from_tensors("y", bucket.to_dict(), config, load_format="flattened_bucket").success
+    _same(_gen(engine, "y"), refs["a"])
+    _same(_gen(engine, "x"), refs["b"])
+
+
+def _bad_cases(a):
+    tensors, config = _files(a)
+    cases = {
+        "rank": (tensors, {**config, "r": 16}, "max_lora_rank"),
+        "dora": (tensors, {**config, "use_dora": True}, "use_dora"),
+        "shape": ({**tensors, f"{Q}.lora_A.weight": torch.zeros(8, 65)}, config, "shape"),
+        "nan": ({**tensors, f"{Q}.lora_B.weight": torch.full_like(tensors[f"{Q}.lora_B.weight"], float("nan"))},
+                config, "non-finite"),
+        "overflow": ({**tensors, f"{Q}.lora_B.weight": tensors[f"{Q}.lora_B.weight"].double() * 1e300}, config,
+                     "non-finite"),
+        "missing_b": ({k: v for k, v in tensors.items() if k != f"{Q}.lora_B.weight"}, config, "lora_B"),
+        "unknown": ({**tensors, "base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(8, 4)}, config,
+                    "not a PEFT LoRA weight"),
+        "layer": ({**tensors, Q.replace("layers.0", "layers.9") + ".lora_A.weight": tensors[f"{Q}.lora_A.weight"],
+                   Q.replace("layers.0", "layers.9") + ".lora_B.weight": tensors[f"{Q}.lora_B.weight"]}, config,
+                  "layer 9"),
+        "int": ({**tensors, f"{Q}.lora_A.weight": tensors[f"{Q}.lora_A.weight"].int()}, config, "floating-point"),
+        "experts": ({"base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(8, 64)},
+                    config, "experts"),
+    }
+    return cases
+
+
+def test_bad_adapters_are_refused_and_change_nothing(env, make_engine):
+    """Each bad adapter is refused naming its problem; loaded adapters and every output stay the same."""
+    ckpt, a, b, refs = env
+    engine = _lora_engine(make_engine, ckpt)
+    assert engine.load_lora_adapter("b", str(b)).success
+    for case, (tensors, config, needle) in _bad_cases(a).items():
+        res = engine.load_lora_adapter_from_tensors("new", tensors, config)
+        assert not res.success and needle in res.error_message, (case, res.error_message)
+        assert res.loaded_adapters == {"b": str(b)}, case
+    dup = engine.load_lora_adapter("b", str(a))
+    assert not dup.success and "already loaded" in dup.error_message
+    qv = make_engine(ckpt, enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"])
+    res = qv.load_lora_adapter("a", str(a))
+    assert not res.success and "lora_target_modules" in res.error_message
+    _same(_gen(engine, "b"), refs["b"])
+    _same(_gen(engine, None), refs[None])
+
+
+def test_unknown_adapter_requests_are_refused(env, make_engine):
+    """A request naming an adapter that is not loaded fails by name; LoRA off refuses lora_path."""
+    ckpt, a, _, refs = env
+    engine = _lora_engine(make_engine, ckpt, lora_paths={"a": str(a)})
+    with pytest.raises(ValueError, match="'nope' is not loaded"):
+        engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path=["a", "nope"])
+    assert not engine.unload_lora_adapter("nope").success
+    _same(_gen(engine, "a"), refs["a"])
+    with pytest.raises(ValueError, match="enable_lora"):
+        make_engine(ckpt).generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path="a")
+
+
+def test_unload_waits_for_requests_in_flight(env, make_engine):
+    """Unloading an adapter that a running request uses waits for it to finish (its output is the
+    adapter's); new requests on it are refused meanwhile; while paused the unload is refused instead."""
+    ckpt, a, _, refs = env
+    engine = _lora_engine(make_engine, ckpt, lora_paths={"a": str(a)})
+    long = {**GREEDY, "max_new_tokens": 200}
+    stream = engine.generate(input_ids=PROMPTS[0], sampling_params=long, lora_path="a", stream=True)
+    first = next(iter(stream))
+    assert first["output_ids"]
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("res", engine.unload_lora_adapter("a")))
+    t.start()
+    chunks = [first, *stream]
+    t.join(timeout=60)
+    assert done["res"].success and done["res"].loaded_adapters == {}
+    assert chunks[-1]["output_ids"][:6] == refs["a"][0][0]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert engine.load_lora_adapter("a", str(a)).success
+    engine.pause_generation(mode="in_place")
+    try:
+        stream = engine.generate(input_ids=PROMPTS[0], sampling_params=long, lora_path="a", stream=True)
+        res = engine.unload_lora_adapter("a")
+        assert not res.success and "paused" in res.error_message and res.loaded_adapters == {"a": str(a)}
+    finally:
+        engine.continue_generation()
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("backup", [True, False])
+def test_release_resume_keeps_adapters_with_backup(env, make_engine, backup):
+    """Adapters live in the weights region: with a CPU backup they survive release/resume (outputs
+    unchanged, bytes freed); without one they are dropped and requests naming them are refused."""
+    ckpt, a, b, refs = env
+    engine = _lora_engine(make_engine, ckpt, lora_paths={"a": str(a), "b": str(b)}, enable_memory_saver=True,
+                          enable_weights_cpu_backup=backup)
+    saver = engine.runner.memory_saver
+    held = saver.bytes_held("weights")
+    engine.release_memory_occupation(["weights"])
+    assert saver.bytes_held("weights") == 0 or not saver.is_resident("weights")
+    engine.resume_memory_occupation(["weights"])
+    assert saver.bytes_held("weights") == held
+    if backup:
+        _same(_gen(engine, "a"), refs["a"])
+        _same(_gen(engine, "b"), refs["b"])
+        _same(_gen(engine, None), refs[None])
+    else:
+        assert engine.runner.lora_adapters() == {}
+        assert engine.update_weights_from_disk(str(ckpt))[0]  # the base model's weights come back
+        with pytest.raises(ValueError, match="not loaded"):
+            engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path="a")
+        assert engine.load_lora_adapter("a", str(a)).success
+        _same(_gen(engine, "a"), refs["a"])

@@ -1,0 +1,50 @@
+"""LoRA options and PEFT configs: SGLang's three lora_paths forms, inference of max_lora_rank and
+lora_target_modules, and the refusals (by name) of what this engine does not implement."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout import Engine
+from runner.lora.config import AdapterConfig, parse_lora_paths
+
+
+def test_lora_paths_forms_agree():
+    """A dict, "name=path" strings and {"lora_name", "lora_path", "pinned"} dicts give the same sources."""
+    want = parse_lora_paths({"a": "/p/a", "b": "/p/b"})
+    assert parse_lora_paths(["a=/p/a", "b=/p/b"]) == want
+    assert parse_lora_paths([{"lora_name": "a", "lora_path": "/p/a"}, '{"lora_name": "b", "lora_path": "/p/b"}']) == want
+    assert parse_lora_paths(["/p/a"])[0].lora_name == "/p/a"
+    assert parse_lora_paths([{"lora_name": "a", "lora_path": "/p", "pinned": True}])[0].pinned
+    with pytest.raises(ValueError, match="more than once"):
+        parse_lora_paths(["a=/x", "a=/y"])
+    with pytest.raises(ValueError, match="lora_paths entry"):
+        parse_lora_paths([{"name": "a"}])
+
+
+def test_scaling_and_refusals():
+    """scaling is alpha/r (alpha/sqrt(r) with rsLoRA); DoRA, LoRA biases, modules_to_save are refused by name."""
+    assert AdapterConfig.from_dict({"r": 4, "lora_alpha": 8}).scaling == 2.0
+    assert AdapterConfig.from_dict({"r": 4, "lora_alpha": 8, "use_rslora": True}).scaling == 4.0
+    for bad, name in (({"use_dora": True}, "use_dora"), ({"bias": "all"}, "bias"),
+                      ({"modules_to_save": ["lm_head"]}, "modules_to_save"), ({"r": 0}, "r="),
+                      ({"target_modules": ["embed_tokens"]}, "embed_tokens"), ({"peft_type": "IA3"}, "peft_type")):
+        with pytest.raises(ValueError, match=name):
+            AdapterConfig.from_dict({"r": 4, "lora_alpha": 8, **bad})
+
+
+def test_engine_options_are_inferred_and_checked(tiny_llama, adapter_factory):
+    """max_lora_rank / lora_target_modules come from lora_paths when not given; without lora_paths they are
+    required; LoRA with deterministic inference and max_loaded_loras < max_loras_per_batch are refused."""
+    adapter = adapter_factory(tiny_llama, r=4, targets=["q_proj", "v_proj"])
+    with Engine(str(tiny_llama), show_progress=False, max_total_tokens=512, lora_paths=[f"a={adapter}"]) as e:
+        cfg = e.runner.config
+        assert (cfg.enable_lora, cfg.max_lora_rank, cfg.lora_target_modules) == (True, 4, ["q_proj", "v_proj"])
+        assert e.runner.lora_adapters()["a"]["r"] == 4
+    for kwargs, needle in ((dict(enable_lora=True), "max_lora_rank"),
+                           (dict(enable_lora=True, max_lora_rank=8), "lora_target_modules"),
+                           (dict(lora_paths=[f"a={adapter}"], enable_deterministic_inference=True), "deterministic"),
+                           (dict(lora_paths=[f"a={adapter}"], max_loaded_loras=2), "max_loaded_loras"),
+                           (dict(lora_paths=[f"a={adapter}"], max_lora_rank=2), "max_lora_rank")):
+        with pytest.raises(ValueError, match=needle):
+            Engine(str(tiny_llama), show_progress=False, max_total_tokens=512, **kwargs)
