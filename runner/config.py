@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -248,7 +247,7 @@ class RunnerConfig:
     max_loras_per_batch: int = 8
     max_loaded_loras: int | None = None
     lora_target_modules: list[str] | None = None
-    lora_paths: Any = None
+    lora_paths: list[str] | dict | list[dict] | None = None  # SGLang's three forms; the CLI takes name=path
 
     def __post_init__(self) -> None:
         from runner.lora.options import validate_lora_options  # reads adapter_config.json files only

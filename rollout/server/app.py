@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.server import metrics, native, openai_api
+from rollout.server import lora, metrics, native, openai_api
 from rollout.server.args import ServerArgs
 from rollout.server.common import error_response
 
@@ -109,6 +109,7 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
         return error_response(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
     app.include_router(native.router)
+    app.include_router(lora.router)
     app.include_router(openai_api.router)
     app.include_router(metrics.router)
     if server_args.api_key:

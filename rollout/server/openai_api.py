@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.server.common import JSONResponse, dumps, engine_error, error_response, run_blocking
+from rollout.server.lora import adapter_cards, lora_of_model
 from rollout.server.native import await_unless_disconnected, check_n
 
 router = APIRouter()
@@ -136,7 +137,7 @@ def _token_text(engine, tid: int, text: str | None) -> str:
     return text if text is not None else (engine.tokenizer.token_text(tid) or "")
 
 
-async def _generate(request: Request, prompts: list, sampling: dict, num_top: int | None, rid):
+async def _generate(request: Request, prompts: list, sampling: dict, num_top: int | None, rid, model=None):
     """One engine call for every choice: the outputs in choice order (prompt-major, then n), or the
     error Response to send (499 for a client gone mid-request, the engine's error otherwise)."""
     engine = request.app.state.engine
@@ -144,7 +145,7 @@ async def _generate(request: Request, prompts: list, sampling: dict, num_top: in
     try:
         out = await await_unless_disconnected(request, engine.async_generate(
             **{key: prompts}, sampling_params=sampling, return_logprob=num_top is not None,
-            top_logprobs_num=num_top or 0, rid=rid))
+            top_logprobs_num=num_top or 0, rid=rid, lora_path=lora_of_model(request, model)))
     except asyncio.CancelledError:
         return Response(status_code=499)
     except Exception as e:
@@ -152,7 +153,7 @@ async def _generate(request: Request, prompts: list, sampling: dict, num_top: in
     return out if isinstance(out, list) else [out]
 
 
-async def _stream_choices(request: Request, prompts: list, sampling: dict, num_top: int | None):
+async def _stream_choices(request: Request, prompts: list, sampling: dict, num_top: int | None, model=None):
     """Yield (choice_index, chunk_dict, is_final) from one engine stream per choice, as they come."""
     engine = request.app.state.engine
     key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
@@ -173,6 +174,7 @@ async def _stream_choices(request: Request, prompts: list, sampling: dict, num_t
                     pass
 
     try:  # start all (each validated by the engine) before any runs; a refusal aborts those started
+        lora_path = lora_of_model(request, model)
         for p in prompts:
             for j in range(n):
                 sp = {**sampling, "n": 1}
@@ -180,7 +182,8 @@ async def _stream_choices(request: Request, prompts: list, sampling: dict, num_t
                     sp["seed"] = sp["seed"] + j
                 streams.append(await engine.async_generate(**{key: p}, sampling_params=sp, stream=True,
                                                            return_logprob=num_top is not None,
-                                                           top_logprobs_num=num_top or 0, rid=rids[len(streams)]))
+                                                           top_logprobs_num=num_top or 0, rid=rids[len(streams)],
+                                                           lora_path=lora_path))
     except BaseException:
         await abort_unfinished()
         raise
@@ -260,7 +263,8 @@ def _model_name(request: Request) -> str:
 # ---- /v1/models --------------------------------------------------------------------------------
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+    card = _model_card(request)
+    return JSONResponse({"object": "list", "data": [card, *adapter_cards(request, card)]})
 
 
 @router.get("/v1/models/{model:path}")
@@ -320,7 +324,7 @@ async def completions(req: CompletionRequest, request: Request):
     sampling = req.sampling_params(req.max_tokens)
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        outs = await _generate(request, prompts, sampling, req.logprobs, req.rid)
+        outs = await _generate(request, prompts, sampling, req.logprobs, req.rid, req.model)
         if isinstance(outs, Response):
             return outs
         choices = []
@@ -338,7 +342,7 @@ async def completions(req: CompletionRequest, request: Request):
                              "choices": choices, "usage": _usage(outs, req.n)})
 
     try:
-        merged = _stream_choices(request, prompts, sampling, req.logprobs)
+        merged = _stream_choices(request, prompts, sampling, req.logprobs, req.model)
         first = await merged.__anext__()  # surfaces a bad request as a 400 before the stream starts
     except Exception as e:
         return engine_error(e)
@@ -436,7 +440,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                    else req.max_tokens)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        outs = await _generate(request, prompts, sampling, num_top, req.rid)
+        outs = await _generate(request, prompts, sampling, num_top, req.rid, req.model)
         if isinstance(outs, Response):
             return outs
         choices = []
@@ -453,7 +457,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                              "choices": choices, "usage": _usage(outs, req.n)})
 
     try:
-        merged = _stream_choices(request, prompts, sampling, num_top)
+        merged = _stream_choices(request, prompts, sampling, num_top, req.model)
         first = await merged.__anext__()
     except Exception as e:
         return engine_error(e)

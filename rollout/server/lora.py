@@ -1,0 +1,95 @@
+"""SGLang's LoRA endpoints, and the adapter an OpenAI request names in `model`.
+
+`/load_lora_adapter` {"lora_name", "lora_path", "pinned"}, `/unload_lora_adapter` {"lora_name"},
+`/load_lora_adapter_from_tensors` {"lora_name", "config_dict", "serialized_tensors", "load_format",
+"pinned"}: the tensors are one base64 safetensors blob (rollout/server/tensor_codec.py, never a pickle),
+PEFT-named, or a flattened bucket with load_format="flattened_bucket". Each answers SGLang's
+{"success", "error_message", "loaded_adapters"} with 200, or 400 when refused. OpenAI's `model` is the
+served model name (the base), a loaded adapter's name, or "<base>:<adapter>", as SGLang reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from rollout.server.common import error_response, run_blocking
+from rollout.server.native import Body
+from rollout.server.tensor_codec import decode_buckets, decode_named_tensors
+
+router = APIRouter()
+
+
+def _answer(res) -> JSONResponse:
+    return JSONResponse(res.to_dict(), status_code=200 if res.success else 400)
+
+
+class LoadLoRAAdapterReqInput(Body):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterReqInput(Body):
+    lora_name: str
+
+
+class LoadLoRAAdapterFromTensorsReqInput(Body):
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_tensors: str
+    load_format: Literal["flattened_bucket"] | None = None
+    pinned: bool = False
+    added_tokens_config: dict | None = None
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(obj: LoadLoRAAdapterReqInput, request: Request):
+    engine = request.app.state.engine
+    return _answer(await run_blocking(request, engine.load_lora_adapter, obj.lora_name, obj.lora_path, obj.pinned))
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(obj: UnloadLoRAAdapterReqInput, request: Request):
+    engine = request.app.state.engine
+    return _answer(await run_blocking(request, engine.unload_lora_adapter, obj.lora_name))
+
+
+@router.post("/load_lora_adapter_from_tensors")
+async def load_lora_adapter_from_tensors(obj: LoadLoRAAdapterFromTensorsReqInput, request: Request):
+    engine = request.app.state.engine
+    if obj.added_tokens_config:
+        return error_response("added_tokens_config is not supported (adapters cannot add tokens here)", 400,
+                              param="added_tokens_config")
+    try:
+        if obj.load_format == "flattened_bucket":
+            tensors = await run_blocking(request, decode_buckets, obj.serialized_tensors, "serialized_tensors")
+        else:
+            tensors = await run_blocking(request, decode_named_tensors, obj.serialized_tensors, "serialized_tensors")
+    except ValueError as e:
+        return error_response(str(e), 400, param="serialized_tensors")
+    return _answer(await run_blocking(request, engine.load_lora_adapter_from_tensors, obj.lora_name, tensors,
+                                      obj.config_dict, load_format=obj.load_format, pinned=obj.pinned))
+
+
+def lora_of_model(request: Request, model: str | None) -> str | None:
+    """OpenAI `model` -> the adapter name (None: the base model). "<base>:<adapter>" names an adapter of
+    the served model; a bare loaded adapter name works too; anything else is the base, as before."""
+    if not model:
+        return None
+    loaded = request.app.state.engine.runner.lora_adapters()
+    base = request.app.state.model_name
+    if model.startswith(f"{base}:"):
+        name = model[len(base) + 1:]
+        if name not in loaded:
+            raise ValueError(f"LoRA adapter {name!r} (model {model!r}) is not loaded; loaded: {sorted(loaded)}")
+        return name
+    return model if model in loaded and model != base else None
+
+
+def adapter_cards(request: Request, card: dict) -> list[dict]:
+    """/v1/models entries of the loaded adapters, after the base model's `card`."""
+    return [{**card, "id": name, "root": info["path"], "parent": card["id"]}
+            for name, info in request.app.state.engine.runner.lora_adapters().items()]
