@@ -37,7 +37,7 @@ FORWARDED = frozenset({
     "abort_request", "init_weights_update_group", "update_weights_from_distributed",
     "destroy_weights_update_group", "get_weights_by_name", "start_expert_distribution_record",
     "stop_expert_distribution_record", "dump_expert_distribution_record", "update_weight_version",
-    "get_weights_checksum",
+    "get_weights_checksum", "load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter",
 })
 
 
@@ -381,6 +381,36 @@ class EngineGroup:
 
     def destroy_weights_update_group(self, group_name: str):
         return self._all("destroy_weights_update_group", group_name)
+
+    # ---- LoRA adapters: loaded on every engine or on none --------------------------------------
+    def _lora_all_or_none(self, method: str, lora_name: str, *args, **kwargs):
+        results = self._all(method, lora_name, *args, **kwargs)
+        failed = [(i, r.error_message) for i, r in enumerate(results) if not r.success]
+        if not failed:
+            return results[0]
+        for i, r in enumerate(results):  # take it back where it loaded, so no engine serves it alone
+            if r.success:
+                self.handles[i].call.remote("unload_lora_adapter", (lora_name,), {})
+        first = results[failed[0][0]]
+        first.error_message = f"engine {failed[0][0]}: {failed[0][1]} (unloaded from the others)"
+        return first
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False):
+        """Load on every engine, or (if any refuses) on none; the error names the engine."""
+        return self._lora_all_or_none("load_lora_adapter", lora_name, lora_path, pinned)
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict,
+                                       load_format: str | None = None, pinned: bool = False):
+        return self._lora_all_or_none("load_lora_adapter_from_tensors", lora_name, tensors, config_dict,
+                                      load_format=load_format, pinned=pinned)
+
+    def unload_lora_adapter(self, lora_name: str):
+        """Unload from every engine (each waits for its own requests on the adapter)."""
+        results = self._all("unload_lora_adapter", lora_name)
+        bad = [(i, r.error_message) for i, r in enumerate(results) if not r.success]
+        if bad:
+            results[0].success, results[0].error_message = False, "; ".join(f"engine {i}: {m}" for i, m in bad)
+        return results[0]
 
     # ---- everything else reaches every engine ------------------------------------------------
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:

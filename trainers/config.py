@@ -46,6 +46,9 @@ class RLConfig:
     dtype: str = field(default="float32", metadata={"help": "engine and policy dtype: float32 | bfloat16"})
     routing_replay: bool = field(default=False, metadata={"help": "MoE policies: the trainer's forward uses the "
                                                                   "experts the rollout routed each token to (R3)"})
+    lora_rank: int = field(default=0, metadata={"help": "train a PEFT LoRA adapter of this rank (0 = full "
+                                                        "fine-tuning); only the adapter is synced each step"})
+    lora_alpha: float = field(default=0.0, metadata={"help": "LoRA alpha (0 = 2 * lora_rank)"})
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,6 +72,11 @@ class RLConfig:
              "with --routing-replay"),
             (not (self.deterministic and self.tp_size != 1), "--deterministic needs --tp-size 1"),
             (self.bucket_mb >= 1, f"--bucket-mb must be >= 1, got {self.bucket_mb}"),
+            (self.lora_rank >= 0, f"--lora-rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}"),
+            (self.lora_alpha >= 0, f"--lora-alpha must be >= 0 (0 = 2 * rank), got {self.lora_alpha}"),
+            (not (self.lora_rank and self.deterministic),
+             "--deterministic with --lora-rank is not supported: the engine's LoRA matmuls are not batch-invariant"),
+            (not (self.lora_rank and self.tp_size != 1), "--lora-rank needs --tp-size 1 (adapters are not sharded)"),
         ]
         for ok, msg in checks:
             if not ok:

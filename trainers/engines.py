@@ -23,6 +23,10 @@ def make_engine(cfg):
         kw["dtype"] = cfg.dtype
     if cfg.tp_size != 1:
         kw["tp_size"] = cfg.tp_size
+    if getattr(cfg, "lora_rank", 0):
+        # The base weights never change: keep them on the host across releases, sync only the adapter.
+        kw.update(enable_lora=True, max_lora_rank=cfg.lora_rank, lora_target_modules=["all"],
+                  enable_weights_cpu_backup=True)
     if getattr(cfg, "routing_replay", False):  # the trainer replays the experts each rollout token used
         kw["enable_return_routed_experts"] = True
     if cfg.num_engines == 1:

@@ -10,7 +10,8 @@ task on the CPU; `--deterministic` makes the engine batch-invariant and computes
 through the engine's own model code, so the mismatch is exactly 0 (trainers/deterministic.py);
 `--num-engines N` spreads rollouts over N engines on Ray; `--routing-replay` (MoE
 policies, e.g. `--model assets/moe-demo-model`) trains on the experts the rollout routed each token
-to. Does not do multi-GPU training.
+to; `--lora-rank R` trains a PEFT LoRA adapter and syncs only the adapter, as a new adapter version each
+step (trainers/lora.py). Does not do multi-GPU training.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from trainers.config import RLConfig
 from trainers.deterministic import RunnerPolicy, deterministic_sequence_logprobs
 from trainers.engines import engine_bytes, make_engine
+from trainers.lora import LoRAVersions, wrap_lora
 from trainers.losses import kl_k3, logprob_mismatch, masked_mean, policy_loss
 from trainers.metrics import MetricsLogger
 from trainers.policy import TrainerMemory, checkpoint_named_tensors, load_policy, policy_logprobs
@@ -50,6 +52,10 @@ class GRPOTrainer:
         self.engine = make_engine(cfg)
         self.runner_views: dict[int, RunnerPolicy] = {}  # --deterministic: id(HF model) -> its runner view
         self.policy = self.build_policy()
+        self.lora = LoRAVersions(self.engine) if cfg.lora_rank else None
+        if self.lora is not None:
+            self.policy = wrap_lora(self.policy, cfg.lora_rank, cfg.lora_alpha or 2 * cfg.lora_rank)
+            self.lora.publish(self.policy, "policy-step-0")
         self.routed_experts_shape = self.replay_shape() if cfg.routing_replay else None
         self.ref = None
         if cfg.kl_coef > 0:
@@ -76,7 +82,7 @@ class GRPOTrainer:
                                                self.cfg.temperature)
 
     def trainable_parameters(self):
-        return self.policy.parameters()
+        return [p for p in self.policy.parameters() if p.requires_grad]  # a LoRA policy: the adapter only
 
     def replay_shape(self) -> tuple[int, int]:
         """(num_layers, top_k) of the routed experts the engine returns for this MoE policy."""
@@ -99,7 +105,8 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         prompts = self.task.make_prompts(cfg.prompts_per_step, self.rng)
         exp, stats = collect_experience(self.engine, self.tokenizer, self.task, prompts, cfg.group_size,
-                                        cfg.temperature, cfg.max_new_tokens, self.pad_id, self.routed_experts_shape)
+                                        cfg.temperature, cfg.max_new_tokens, self.pad_id, self.routed_experts_shape,
+                                        self.lora_path)
         m.update(stats, time_rollout=time.perf_counter() - t0)
         m["mem_engine_rollout"], m["mem_trainer_rollout"] = self.engine_bytes(), self.memory.bytes_held()
 
@@ -134,10 +141,14 @@ class GRPOTrainer:
         self.engine.resume_memory_occupation(["weights"])
         m["time_resume"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ok, msg = sync_weights(self.sync_source(), self.engine, bucket_bytes=cfg.bucket_mb << 20,
-                               weight_version=f"step-{step}")
-        if not ok:
-            raise RuntimeError(f"weight sync failed at step {step}: {msg}")
+        if self.lora is not None:  # only the adapter, as a new version; the previous one unloads when unused
+            m["sync_bytes"] = self.lora.publish(self.policy, f"policy-step-{step}")
+        else:
+            ok, msg = sync_weights(self.sync_source(), self.engine, bucket_bytes=cfg.bucket_mb << 20,
+                                   weight_version=f"step-{step}")
+            if not ok:
+                raise RuntimeError(f"weight sync failed at step {step}: {msg}")
+            m["sync_bytes"] = sum(p.numel() * p.element_size() for p in self.policy.parameters())
         m["time_sync"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.engine.resume_memory_occupation(ENGINE_RESUME_AFTER_SYNC)
@@ -145,7 +156,7 @@ class GRPOTrainer:
 
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             m["eval_accuracy"] = greedy_accuracy(self.engine, self.tokenizer, self.task, self.eval_set,
-                                                 cfg.max_new_tokens)
+                                                 cfg.max_new_tokens, self.lora_path)
         self.logger.log(m)
         return m
 
@@ -175,7 +186,13 @@ class GRPOTrainer:
     def initial_eval(self) -> float | None:
         if not self.cfg.eval_every:
             return None
-        return greedy_accuracy(self.engine, self.tokenizer, self.task, self.eval_set, self.cfg.max_new_tokens)
+        return greedy_accuracy(self.engine, self.tokenizer, self.task, self.eval_set, self.cfg.max_new_tokens,
+                               self.lora_path)
+
+    @property
+    def lora_path(self) -> str | None:
+        """The engine's name of the current policy: its latest adapter version (None: the full model)."""
+        return None if self.lora is None else self.lora.current
 
     def train(self) -> list[dict]:
         acc = self.initial_eval()

@@ -20,11 +20,14 @@ def tokenize_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
 
 def collect_experience(engine, tokenizer, task: Task, prompts: list[dict], group_size: int, temperature: float,
                        max_new_tokens: int, pad_token_id: int,
-                       routed_experts_shape: tuple[int, int] | None = None) -> tuple[Experience, dict]:
+                       routed_experts_shape: tuple[int, int] | None = None,
+                       lora_path: str | None = None) -> tuple[Experience, dict]:
     """Sample, score and pack one step's experience. With `routed_experts_shape` = (num_layers, top_k) of
     a MoE policy, the engine also returns each sample's routed experts, packed into exp.routed_experts."""
     prompt_ids = tokenize_prompts(tokenizer, prompts)
     extra = {"return_routed_experts": True} if routed_experts_shape is not None else {}
+    if lora_path is not None:  # the policy is a LoRA adapter version loaded in the engine
+        extra["lora_path"] = lora_path
     outs = engine.generate(
         input_ids=prompt_ids,
         sampling_params={"n": group_size, "temperature": temperature, "max_new_tokens": max_new_tokens},
@@ -59,8 +62,10 @@ def eval_prompts(task: Task, seed: int = 12345) -> list[dict]:
     return all_toy_prompts() if task.name == "toy" else task.make_prompts(64, random.Random(seed))
 
 
-def greedy_accuracy(engine, tokenizer, task: Task, prompts: list[dict], max_new_tokens: int) -> float:
+def greedy_accuracy(engine, tokenizer, task: Task, prompts: list[dict], max_new_tokens: int,
+                    lora_path: str | None = None) -> float:
+    extra = {} if lora_path is None else {"lora_path": lora_path}
     outs = engine.generate(input_ids=tokenize_prompts(tokenizer, prompts),
-                           sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens})
+                           sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens}, **extra)
     texts = [tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in outs]
     return float(torch.tensor([task.reward(p["prompt"], t, p["answer"]) for p, t in zip(prompts, texts)]).mean())

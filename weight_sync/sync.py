@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from weight_sync.bucket import iter_buckets
+from weight_sync.lora import is_peft_model, sync_lora_adapter
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -28,14 +29,19 @@ Source = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tens
 
 def sync_weights(source: Source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  name_map: Callable[[str], str | None] | None = None,
-                 weight_version: str | None = None) -> tuple[bool, str]:
+                 weight_version: str | None = None, lora_name: str | None = None) -> tuple[bool, str]:
     """Push `source`'s tensors (HF names after `name_map`) into `target`. Returns (ok, message).
+
+    A PEFT model sends only its adapter, loaded as the adapter version `lora_name` (default:
+    `weight_version`) through load_lora_adapter_from_tensors (weight_sync/lora.py).
 
     `target` may also be a list of engines: each bucket goes to every engine before the next bucket is
     built. A list has no rollback: an engine that refuses a bucket is named and the call stops, with the
     engines before it already holding that bucket. For one version on all engines or none, pass a
     `rollout.ray.EngineGroup`, which snapshots and restores around every bucket.
     """
+    if is_peft_model(source):
+        return sync_lora_adapter(source, target, lora_name or weight_version)
     if isinstance(target, list | tuple):
         return _sync_many(source, list(target), bucket_bytes, name_map, weight_version)
     if hasattr(target, "sync_from"):

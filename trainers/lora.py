@@ -1,0 +1,40 @@
+"""LoRA training: the policy as a PEFT adapter over a frozen base, synced to the engine as adapter versions.
+
+`wrap_lora` makes the trainer's HF model a PeftModel (q/k/v/o/gate/up/down, B initialised to zero, so
+version 0 is the base model). `LoRAVersions.publish` sends only the adapter (weight_sync/lora.py) under a
+new version name, then unloads the previous version: the engine's unload waits for any request still
+using it, so a rollout started under version k finishes under k while new requests use k+1. Returns
+the bytes sent (the adapter), the figure the loop logs against a full-model sync.
+"""
+
+from __future__ import annotations
+
+from weight_sync.lora import adapter_payload, sync_lora_adapter
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def wrap_lora(model, rank: int, alpha: float):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+class LoRAVersions:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.current: str | None = None
+
+    def publish(self, model, name: str) -> int:
+        """Load `model`'s adapter as `name`, make it current, unload the previous version. Returns bytes sent."""
+        ok, msg = sync_lora_adapter(model, self.engine, name)
+        if not ok:
+            raise RuntimeError(f"LoRA adapter sync failed: {msg}")
+        previous, self.current = self.current, name
+        if previous is not None:
+            res = self.engine.unload_lora_adapter(previous)
+            if not res.success:
+                raise RuntimeError(f"unloading LoRA version {previous!r} failed: {res.error_message}")
+        tensors, _ = adapter_payload(model)
+        return sum(t.numel() * t.element_size() for _, t in tensors)
