@@ -80,7 +80,8 @@ def sync(args) -> None:
     from weight_sync.bucket import FlattenedTensorBucket
 
     work = Path(tempfile.mkdtemp(prefix="bench-lora-sync-"))
-    cfg = Qwen2Config(**PRESETS["qwen2.5-0.5b"], bos_token_id=0, eos_token_id=1, use_sliding_window=False)
+    cfg = Qwen2Config(**PRESETS["qwen2.5-0.5b"], bos_token_id=0, eos_token_id=1, use_sliding_window=False,
+                      architectures=["Qwen2ForCausalLM"])
     cfg.save_pretrained(work)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in Qwen2ForCausalLM(cfg).named_parameters()}
