@@ -81,6 +81,7 @@ class Engine(WeightsAPI):
         if self.scheduler.overlap is not None:
             self.scheduler.overlap.hold_back = self._hold_back
         self._cv.on_acquire = self._at_step_boundary
+        self._cv.on_release = self._publish_load
         self._thread = threading.Thread(target=run_scheduler_loop, args=(self,), name="rollout-scheduler",
                                         daemon=True)
         self._thread.start()

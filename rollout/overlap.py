@@ -143,6 +143,7 @@ class OverlapDecoder:
             req.num_allocated -= 1  # the slot it was given for this step
         self.s.kv.kv_pool.free(step.locs.to("cpu"))
         self.s.stats["num_decode_steps"] -= 1
+        self.s.stats["num_overlapped_steps"] -= 1
         for req in step.deferred:
             self.s.kv.release(req)
 
@@ -193,6 +194,7 @@ class OverlapDecoder:
         if not rows or s.kv.kv_pool.available_size() < len(rows):
             return None  # nothing to run ahead, or it would evict cache entries the plain schedule keeps
         locs = s.kv.alloc_decode(rows, pending=1)
+        s.stats["num_overlapped_steps"] += 1
         return self._launch(rows, locs, prev=step, src=src)
 
     # ---- completing -------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ class Scheduler:
         self.stop_checker = stop_checker  # (req) -> matched stop string or None
         self.stats = dict(num_prefill_steps=0, num_decode_steps=0, num_prefill_tokens=0, num_cached_tokens=0,
                           num_prompt_tokens=0, num_generated_tokens=0, num_retractions=0, num_evicted_tokens=0,
-                          num_failed_requests=0)
+                          num_failed_requests=0, num_overlapped_steps=0)
         req_pool = runner.req_to_token_pool
         self.kv = KVManager(req_pool, runner.token_to_kv_pool, runner.device, not config.disable_radix_cache,
                             self.stats)

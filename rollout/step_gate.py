@@ -30,6 +30,7 @@ class StepGate:
         # Called by every control call once it holds the lock, before its body: the engine rolls back a
         # step the scheduler launched ahead (the overlap schedule), so control always sees a step boundary.
         self.on_acquire: Callable[[], None] | None = None
+        self.on_release: Callable[[], None] | None = None  # ... and after its body (the engine's load counters)
 
     # ---- control calls -------------------------------------------------------------------------
     def __enter__(self) -> StepGate:
@@ -51,7 +52,11 @@ class StepGate:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._lock.release()
+        try:
+            if self.on_release is not None:
+                self.on_release()
+        finally:
+            self._lock.release()
         self._wake.set()  # what the call changed may let the scheduler run again
 
     @property
