@@ -63,6 +63,8 @@ class SchedulerConfig:
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests={self.max_running_requests} must be >= 1")
+        if not isinstance(self.disable_overlap_schedule, bool):
+            raise ValueError(f"disable_overlap_schedule={self.disable_overlap_schedule!r} must be a bool")
 
 
 class _Sampled(NamedTuple):

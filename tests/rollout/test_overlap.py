@@ -153,3 +153,16 @@ def test_control_between_steps_equals_off(control, tiny_llama, make_engine):
         assert reasons == ["length"] * len(PROMPTS)
     for mode, e in engines.items():
         _assert_clean(e, mode == "on")
+
+
+def test_disable_overlap_schedule_is_an_engine_option_and_a_server_flag(tiny_llama, make_engine):
+    """SGLang's disable_overlap_schedule: on by default, off by the Engine option or --disable-overlap-schedule;
+    a non-bool is refused by name."""
+    from rollout.server.args import parse_args
+
+    assert parse_args(["--model-path", "m", "--disable-overlap-schedule"])[1]["disable_overlap_schedule"] is True
+    assert parse_args(["--model-path", "m"])[1]["disable_overlap_schedule"] is False
+    assert make_engine(tiny_llama).scheduler.overlap is not None
+    assert make_engine(tiny_llama, disable_overlap_schedule=True).scheduler.overlap is None
+    with pytest.raises(ValueError, match="disable_overlap_schedule"):
+        make_engine(tiny_llama, disable_overlap_schedule="yes")
