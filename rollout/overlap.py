@@ -64,7 +64,7 @@ class ForwardWorker:
         return fut
 
     def _run(self) -> None:
-        if self._stream is not None:
+        if self._stream is not None and self.device.index is not None:  # the current device is per thread
             torch.cuda.set_device(self.device)
         if self._on_start is not None:
             self._on_start()
