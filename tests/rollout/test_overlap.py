@@ -166,3 +166,21 @@ def test_disable_overlap_schedule_is_an_engine_option_and_a_server_flag(tiny_lla
     assert make_engine(tiny_llama, disable_overlap_schedule=True).scheduler.overlap is None
     with pytest.raises(ValueError, match="disable_overlap_schedule"):
         make_engine(tiny_llama, disable_overlap_schedule="yes")
+
+
+def test_decode_forwards_run_on_the_worker_with_one_thread(tiny_llama, make_engine):
+    """With the overlap schedule, decode forwards run on the forward worker thread, which (tiny CPU model)
+    steps on one intra-op thread like the scheduler thread; prefill forwards stay on the scheduler thread."""
+    engine = make_engine(tiny_llama)
+    seen: list[tuple[str, bool, int]] = []
+    real = engine.runner.forward
+
+    def recording(fb):
+        seen.append((threading.current_thread().name, fb.forward_mode.is_decode(), torch.get_num_threads()))
+        return real(fb)
+
+    engine.runner.forward = recording
+    engine.generate(input_ids=PROMPTS[:2], sampling_params={"max_new_tokens": 6, "ignore_eos": True})
+    assert {name for name, decode, _ in seen if decode} == {"rollout-forward"}
+    assert {name for name, decode, _ in seen if not decode} == {"rollout-scheduler"}
+    assert {n for _, _, n in seen} == {1}
