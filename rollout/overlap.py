@@ -82,6 +82,8 @@ class ForwardWorker:
                         fut.set_result(fn())
             except BaseException as e:  # the scheduler thread handles it where it waits
                 fut.set_exception(e)
+            # Hold nothing of a finished job while idle: its closure references requests (and their sinks).
+            del job, fn, fut, event
 
     def close(self, timeout: float = 30) -> None:
         self._jobs.put(None)

@@ -46,9 +46,7 @@ def _one_iteration(engine) -> bool:
         try:
             while not engine._shutdown and not gate.pending and engine._can_step():
                 # Looked up each time, not bound once: tests wrap scheduler.step to act between steps.
-                updated = engine.scheduler.step()
-                for req in updated:
-                    engine._deliver(req)
+                _deliver_all(engine, engine.scheduler.step())
                 stepped = True
                 engine._take_submissions()
                 engine._publish_load()
@@ -60,3 +58,10 @@ def _one_iteration(engine) -> bool:
     if not stepped:
         gate.wait_for_wake()
     return True
+
+
+def _deliver_all(engine, updated) -> None:
+    # Its own frame: nothing of a step stays referenced while the thread sleeps (a request pins its sink,
+    # and a sink whose consumer is gone should be collectable).
+    for req in updated:
+        engine._deliver(req)
