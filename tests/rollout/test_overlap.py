@@ -184,3 +184,34 @@ def test_decode_forwards_run_on_the_worker_with_one_thread(tiny_llama, make_engi
     assert {name for name, decode, _ in seen if decode} == {"rollout-forward"}
     assert {name for name, decode, _ in seen if not decode} == {"rollout-scheduler"}
     assert {n for _, _, n in seen} == {1}
+
+
+def test_kv_of_a_finished_request_is_freed_only_after_the_step_that_reads_it(tiny_llama, make_engine):
+    """A request stopped by a stop token while the next step (built with its row) is in flight keeps its
+    KV until that step is done: no release ever hits a request that the step in flight still reads."""
+    engine = make_engine(tiny_llama)
+    ref = engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 16,
+                                                              "ignore_eos": True})
+    kv, overlap = engine.scheduler.kv, engine.scheduler.overlap
+    real_release, real_defer = kv.release, overlap.defer_release
+    seen = {"early": 0, "deferred": 0}
+
+    def release(req):
+        if overlap.ahead is not None and id(req) in overlap.ahead.members:
+            seen["early"] += 1
+        return real_release(req)
+
+    def defer(req):
+        deferred = real_defer(req)
+        seen["deferred"] += deferred
+        return deferred
+
+    kv.release, overlap.defer_release = release, defer
+    params = [{"temperature": 0, "max_new_tokens": 16, "ignore_eos": True, "stop_token_ids": [r["output_ids"][5]]}
+              for r in ref]
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert seen["deferred"] > 0 and seen["early"] == 0
+    for out, r in zip(outs, ref):
+        assert out["output_ids"] == r["output_ids"][: len(out["output_ids"])]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    _assert_clean(engine, overlapped=True)
