@@ -17,7 +17,11 @@ from runner.forward_batch import ForwardBatch, ForwardMode
 from runner.sampler import SamplingBatchInfo
 
 
-def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device) -> SamplingBatchInfo:
+def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device,
+                  step_offset: int = 0) -> SamplingBatchInfo:
+    """step_offset: tokens each request has sampled in a step still in flight (rollout.overlap); the
+    info samples output position len(output_ids) + step_offset. Penalties read the host tokens, so a
+    batch with penalties is only built with step_offset 0."""
     sps = [r.sampling_params for r in reqs]
     info = SamplingBatchInfo.from_lists(
         temperatures=[sp.temperature for sp in sps],
@@ -25,7 +29,7 @@ def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device) 
         top_ks=[sp.top_k for sp in sps],
         min_ps=[sp.min_p for sp in sps],
         seeds=[r.seed for r in reqs],
-        steps=[len(r.output_ids) for r in reqs],
+        steps=[len(r.output_ids) + step_offset for r in reqs],
         vocab_size=vocab_size,
         device=device,
         top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
@@ -34,7 +38,7 @@ def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device) 
     banned = []
     for i, r in enumerate(reqs):
         sp = r.sampling_params
-        if len(r.output_ids) < sp.min_new_tokens:
+        if len(r.output_ids) + step_offset < sp.min_new_tokens:
             ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
             banned.extend((i, t) for t in ids if 0 <= t < vocab_size)
     if banned:
@@ -65,13 +69,14 @@ class SamplingInfoCache:
 
     Reused only when nothing in the info depends on the tokens so far: no penalties (their counts change
     each step) and no min_new_tokens ban (it lifts as the output grows; an info built without one stays
-    valid, since a request's output never shrinks while it is in flight).
+    valid for later positions: a request's output never shrinks while it is in flight).
     """
 
     def __init__(self, vocab_size: int, eos_ids: list[int], device) -> None:
         self.vocab_size, self.eos_ids, self.device = vocab_size, eos_ids, device
         self._keys: list[tuple] = []  # holds the requests, so none is freed and its id reused meanwhile
         self._info: SamplingBatchInfo | None = None
+        self._positions: list[int] = []  # the output position each row sampled last time
 
     @staticmethod
     def _key(r: Req) -> tuple:
@@ -80,20 +85,21 @@ class SamplingInfoCache:
         return (r, r.sampling_params, r.seed, r.top_logprobs_num, r.return_logprob, r.return_original_logprob,
                 r.token_ids_logprob)
 
-    def __call__(self, reqs: list[Req]) -> SamplingBatchInfo:
+    def __call__(self, reqs: list[Req], step_offset: int = 0) -> SamplingBatchInfo:
         keys = [self._key(r) for r in reqs]
+        positions = [len(r.output_ids) + step_offset for r in reqs]
         last = self._info
+        # A step rolled back (rollout.overlap) can sample a position again: reuse only going forward.
         if (last is not None and last.banned_mask is None and last.seen_mask is None and last.output_counts is None
-                and keys == self._keys):
-            steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=self.device)
-            info = dataclasses.replace(last, steps=steps)
+                and keys == self._keys and all(p >= q for p, q in zip(positions, self._positions))):
+            info = dataclasses.replace(last, steps=torch.tensor(positions, dtype=torch.int64, device=self.device))
         else:
-            info = sampling_info(reqs, self.vocab_size, self.eos_ids, self.device)
-        self._keys, self._info = keys, info
+            info = sampling_info(reqs, self.vocab_size, self.eos_ids, self.device, step_offset)
+        self._keys, self._info, self._positions = keys, info, positions
         return info
 
     def clear(self) -> None:
-        self._keys, self._info = [], None
+        self._keys, self._info, self._positions = [], None, []
 
 
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
@@ -188,10 +194,13 @@ def extend_batch(items: list[tuple[Req, int, int]], out_cache_loc: torch.Tensor,
     )
 
 
-def decode_batch(reqs: list[Req], out_cache_loc: torch.Tensor, device) -> ForwardBatch:
-    seq_lens = [r.seq_len for r in reqs]
+def decode_batch(reqs: list[Req], out_cache_loc: torch.Tensor, device, pending: int = 0) -> ForwardBatch:
+    """pending=1: built while the step sampling each request's next token is in flight (rollout.overlap):
+    positions are one further on and input_ids are placeholders the worker overwrites with those tokens."""
+    seq_lens = [r.seq_len + pending for r in reqs]
+    last = [0] * len(reqs) if pending else [r.output_ids[-1] for r in reqs]
     # One host->device tensor for the four index rows (each row a contiguous view): [4, bs]
-    rows = torch.tensor([[r.output_ids[-1] for r in reqs], [s - 1 for s in seq_lens],
+    rows = torch.tensor([last, [s - 1 for s in seq_lens],
                          [r.req_pool_idx for r in reqs], seq_lens], dtype=torch.int64, device=device)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,

@@ -1,8 +1,13 @@
 """Engine: the public API, method for method after `sglang.Engine`.
 
 One background thread runs the scheduler (rollout.scheduler_loop); callers submit requests and wait on
-sinks. Control calls (pause, abort, weight updates, memory release) take the same lock as a scheduler
-step, so they run between steps, never inside one. Every input is validated in the caller's thread
+sinks. Submitting never waits for a step: requests go into a queue the scheduler thread takes at every
+step boundary (so an asyncio caller never blocks its event loop on the engine). Control calls (pause,
+abort, weight updates, memory release, server info) enter the step lock through rollout.step_gate,
+which makes the scheduler thread stop at the next step boundary and roll back a step it launched ahead
+(rollout.overlap): they act between two steps, whatever the size of the batch, after waiting for the
+step in progress at most. `get_load()` reads counters the scheduler publishes after every step, and
+takes no lock. Every input is validated in the caller's thread
 before anything is queued: a bad request raises there and the engine keeps serving the others. Every
 output leaves through one path, `_deliver`, which no caller can make raise: a consumer that is gone
 (closed event loop, dropped stream) has its requests aborted and their KV freed.
@@ -23,6 +28,7 @@ import random
 import threading
 import time
 import uuid
+from collections import deque
 
 import torch
 from tqdm.auto import tqdm
@@ -34,6 +40,7 @@ from rollout.request import FinishReason, Req
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.scheduler_loop import run_scheduler_loop
+from rollout.step_gate import StepGate
 from rollout.tokenizer import TokenizerWrapper
 from rollout.weights_api import WeightsAPI
 from runner.tp import create_model_runner
@@ -62,11 +69,21 @@ class Engine(WeightsAPI, LoRAAPI):
         self.weight_version = getattr(self.args, "weight_version", "default")  # until the first update
         self._num_updates = 0
         self._rng = random.Random(self.args.random_seed)
-        self._cv = threading.Condition(threading.RLock())
+        self._cv = StepGate()  # the step lock; `with self._cv:` is a control call (see rollout.step_gate)
         self._paused = False
         self._shutdown = False
-        self._reqs: dict[str, Req] = {}  # in flight, by rid
+        # In flight, by rid (submitted and not yet delivered final). _reqs_lock guards it and the inbox; it
+        # is only ever held for a few dict operations, never during a step.
+        self._reqs: dict[str, Req] = {}
+        self._reqs_lock = threading.Lock()
+        self._inbox: deque[Req] = deque()  # submitted, not yet handed to the scheduler
+        self._posted_aborts: deque[tuple[list[Req], str]] = deque()  # aborts that nobody waits for
+        self._load = {"num_running": 0, "num_waiting": 0, "num_used_tokens": 0}
         self._lora_unloading: set[int] = set()  # LoRA adapter uids waiting for their requests to unload
+        if self.scheduler.overlap is not None:
+            self.scheduler.overlap.hold_back = self._hold_back
+        self._cv.on_acquire = self._at_step_boundary
+        self._cv.on_release = self._publish_load
         self._thread = threading.Thread(target=run_scheduler_loop, args=(self,), name="rollout-scheduler",
                                         daemon=True)
         self._thread.start()
@@ -74,15 +91,18 @@ class Engine(WeightsAPI, LoRAAPI):
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         with self._cv:
-            if self._shutdown:
-                return
-            self._shutdown = True
-            self._abort_reqs(list(self._reqs.values()), "engine shut down")
+            with self._reqs_lock:  # no submission gets in after this
+                if self._shutdown:
+                    return
+                self._shutdown = True
+            self._take_submissions()
+            self._abort_reqs(self._in_flight(), "engine shut down")
             self._cv.notify_all()
         self._thread.join(timeout=30)
         if self._thread.is_alive():  # a step is still running: freeing its tensors under it would crash
             logger.error("the scheduler thread did not stop within 30 s; the engine's memory is not freed")
             return
+        self.scheduler.close()
         self.runner.shutdown()  # frees every tensor, even while this Engine is still referenced
 
     def __enter__(self) -> Engine:
@@ -92,6 +112,47 @@ class Engine(WeightsAPI, LoRAAPI):
         self.shutdown()
 
     # ---- what the scheduler thread calls (rollout.scheduler_loop), always under self._cv ---------
+    def _in_flight(self) -> list[Req]:
+        with self._reqs_lock:
+            return list(self._reqs.values())
+
+    def _at_step_boundary(self) -> None:
+        """What every control call does first, holding the step lock: roll back a step launched ahead,
+        and give the scheduler every request submitted so far (so the call sees them)."""
+        self.scheduler.cancel_ahead()
+        self._take_submissions()
+
+    def _take_submissions(self) -> None:
+        """Hand queued submissions to the scheduler and run posted aborts (step lock held)."""
+        while True:
+            with self._reqs_lock:
+                if not self._inbox:
+                    break
+                req = self._inbox.popleft()
+            if not req.finished:  # aborted while queued: it was delivered already
+                self.scheduler.add_request(req)
+        while self._posted_aborts:
+            reqs, message = self._posted_aborts.popleft()
+            self._abort_reqs(reqs, message)
+
+    def _hold_back(self) -> bool:
+        """Something waits for the next step boundary: the overlap schedule launches nothing ahead."""
+        return self._cv.pending or bool(self._inbox) or bool(self._posted_aborts) or self._shutdown
+
+    def _publish_load(self) -> None:
+        """Counters for get_load(), read without the lock (one dict swap, atomic for readers)."""
+        s = self.scheduler
+        kv = self.runner.token_to_kv_pool
+        self._load = {"num_running": len(s.running) + (s.chunked_req is not None), "num_waiting": len(s.waiting),
+                      "num_used_tokens": max(0, self.runner.max_total_num_tokens - kv.available_size())}
+
+    def get_load(self) -> dict:
+        """SGLang's load report, without waiting for the step in progress: {"num_reqs", "num_waiting_reqs",
+        "num_tokens"} as of the last step boundary (submissions not yet scheduled count as waiting)."""
+        load, queued = self._load, len(self._inbox)
+        return {"num_reqs": load["num_running"] + load["num_waiting"] + queued,
+                "num_waiting_reqs": load["num_waiting"] + queued, "num_tokens": load["num_used_tokens"]}
+
     def _can_step(self) -> bool:
         # Requests wait (rather than fail) while weights or KV cache are released.
         saver = self.runner.memory_saver
@@ -102,9 +163,10 @@ class Engine(WeightsAPI, LoRAAPI):
         """The one path by which outputs leave the scheduler: a stream chunk, or the final output (then
         the request leaves the engine). Never raises: a consumer that is gone drops its requests."""
         if req.finished:
-            if self._reqs.get(req.rid) is not req:
-                return  # delivered already
-            del self._reqs[req.rid]
+            with self._reqs_lock:
+                if self._reqs.get(req.rid) is not req:
+                    return  # delivered already
+                del self._reqs[req.rid]
             req.weight_version = self.weight_version
             req.finished_time = time.perf_counter()
             item = ("final", req)
@@ -121,10 +183,11 @@ class Engine(WeightsAPI, LoRAAPI):
     def _drop_consumer(self, sink, reason: str) -> None:
         """Nobody reads `sink` any more: abort every request that delivers to it and free its KV."""
         sink.closed = True
-        victims = [r for r in self._reqs.values() if r.sink is sink]
+        victims = [r for r in self._in_flight() if r.sink is sink]
         for req in victims:
             self._abort_in_scheduler(req, f"the caller is gone ({reason})")
-            del self._reqs[req.rid]
+            with self._reqs_lock:
+                self._reqs.pop(req.rid, None)
         if victims:
             logger.warning("dropped %d request(s) whose caller is gone (%s): %s", len(victims), reason,
                            [r.rid for r in victims][:5])
@@ -133,8 +196,9 @@ class Engine(WeightsAPI, LoRAAPI):
         """Finish each request still in flight as abort with its partial output, and deliver it."""
         n = 0
         for req in reqs:
-            if self._reqs.get(req.rid) is not req:
-                continue
+            with self._reqs_lock:
+                if self._reqs.get(req.rid) is not req:
+                    continue
             self._abort_in_scheduler(req, message)
             self._deliver(req)
             n += 1
@@ -153,7 +217,8 @@ class Engine(WeightsAPI, LoRAAPI):
     def _fail_all(self, message: str) -> None:
         """Last resort after an unexpected error in the loop: finish every request in flight with the
         reason and start from clean pools (the failure may have left the bookkeeping half-done)."""
-        reqs = list(self._reqs.values())
+        self._take_submissions()
+        reqs = self._in_flight()
         self.scheduler.reset()
         for req in reqs:
             req.finished_reason = FinishReason("abort", message=message)
@@ -309,7 +374,9 @@ class Engine(WeightsAPI, LoRAAPI):
         return [f"{r}_{j}" for r in rid for j in range(per_prompt)]
 
     def _submit(self, reqs: list[Req], sink) -> None:
-        with self._cv:
+        """Queue reqs for the scheduler thread without waiting for the step lock (the checks read flags
+        that only change at step boundaries; a request that races a release waits, see _can_step)."""
+        with self._reqs_lock:
             if self._shutdown or not self._thread.is_alive():
                 raise RuntimeError("engine is shut down")
             if not self.runner.weights_valid:
@@ -328,8 +395,8 @@ class Engine(WeightsAPI, LoRAAPI):
             for req in reqs:
                 req.sink = sink
                 self._reqs[req.rid] = req
-                self.scheduler.add_request(req)
-            self._cv.notify_all()
+                self._inbox.append(req)
+        self._cv.notify_all()
 
     def _output(self, req: Req, final: bool) -> dict:
         return build_output(req, self.tokenizer, req.weight_version if final else self.weight_version, final)
@@ -378,9 +445,10 @@ class Engine(WeightsAPI, LoRAAPI):
         return results[0] if single else results
 
     def _abort_quietly(self, reqs: list[Req]) -> None:
-        """The caller stopped listening (closed stream, cancelled coroutine): stop spending compute."""
-        with self._cv:
-            self._abort_reqs(reqs, "the caller stopped reading")
+        """The caller stopped listening (closed stream, cancelled coroutine): stop spending compute. Posted
+        to the scheduler thread (done at the next step boundary): the caller may be an event loop."""
+        self._posted_aborts.append((list(reqs), "the caller stopped reading"))
+        self._cv.notify_all()
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob: bool | list[bool] = False, top_logprobs_num: int | list[int] = 0,
@@ -417,10 +485,11 @@ class Engine(WeightsAPI, LoRAAPI):
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
             raise TypeError(f"abort_request takes rid: str and abort_all: bool, got {rid!r}, {abort_all!r}")
         with self._cv:
+            in_flight = self._in_flight()
             if abort_all:
-                victims = list(self._reqs.values())
-            elif rid in self._reqs:
-                victims = [r for r in self._reqs.values() if r.rid.startswith(rid)]
+                victims = in_flight
+            elif any(r.rid == rid for r in in_flight):
+                victims = [r for r in in_flight if r.rid.startswith(rid)]
             else:
                 return 0
             return self._abort_reqs(victims, "aborted by abort_request" + (" (abort_all)" if abort_all else ""))
@@ -438,7 +507,7 @@ class Engine(WeightsAPI, LoRAAPI):
         with self._cv:
             self._paused = True
             if mode == "abort":
-                self._abort_reqs(list(self._reqs.values()), "aborted by pause_generation(mode='abort')")
+                self._abort_reqs(self._in_flight(), "aborted by pause_generation(mode='abort')")
             elif mode == "retract":
                 self.scheduler.retract_all()
 
@@ -455,7 +524,7 @@ class Engine(WeightsAPI, LoRAAPI):
                             f"got {new_version!r}, {abort_all_requests!r}")
         with self._cv:
             if abort_all_requests:
-                self._abort_reqs(list(self._reqs.values()), "aborted by update_weight_version(abort_all_requests=True)")
+                self._abort_reqs(self._in_flight(), "aborted by update_weight_version(abort_all_requests=True)")
             self.weight_version = new_version
         return True, f"Weight version updated to {new_version}"
 

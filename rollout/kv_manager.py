@@ -81,12 +81,13 @@ class KVManager:
         rows = self.req_pool.req_to_token
         return torch.cat([rows[r.req_pool_idx, s : s + n] for r, s, n in items])  # [sum n]
 
-    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
-        """One slot per request for the token at position seq_len - 1. Returns them ([bs], on the device);
-        `write_decode` puts them into the rows once the batch's index tensors exist."""
+    def alloc_decode(self, reqs: list[Req], pending: int = 0) -> torch.Tensor:
+        """One slot per request for the token at position seq_len - 1 + pending (pending: tokens sampled by
+        a step still in flight, see rollout.overlap). Returns them ([bs], on the device); `write_decode`
+        puts them into the rows once the batch's index tensors exist."""
         locs = self._alloc(len(reqs)).to(self.device)
         for req in reqs:
-            req.num_allocated = req.seq_len
+            req.num_allocated = req.seq_len + pending
         return locs
 
     def write_decode(self, req_pool_indices: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ freed with it. Return values are SGLang's LoRAUpdateOutput: success, error_messa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -35,6 +36,7 @@ class LoRAUpdateOutput:
 
 class LoRAAPI:
     _lora_unloading: set  # uids being unloaded (set in Engine.__init__)
+    _reqs_lock: threading.Lock  # guards _reqs and _lora_unloading against submit (Engine.__init__)
 
     def _loaded(self) -> dict[str, str]:
         return {name: a["path"] for name, a in self.runner.lora_adapters().items()}
@@ -71,11 +73,13 @@ class LoRAAPI:
             if info is None:
                 return self._lora_result(what, lambda: self.runner.unload_lora_adapter(lora_name))  # names the problem
             uid = info["uid"]
-            self._lora_unloading.add(uid)
+            with self._reqs_lock:  # submit binds adapters under this lock: no new request on uid after this
+                self._lora_unloading.add(uid)
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             try:
                 while True:
-                    users = sum(1 for r in self._reqs.values() if r.lora_id == uid)
+                    with self._reqs_lock:
+                        users = sum(1 for r in self._reqs.values() if r.lora_id == uid)
                     if not users:
                         break
                     if self._paused or self._shutdown or (deadline is not None and time.monotonic() > deadline):

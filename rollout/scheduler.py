@@ -32,6 +32,7 @@ import torch
 
 from rollout.batch import SamplingInfoCache, decode_batch, extend_batch, prompt_logprob_rows
 from rollout.kv_manager import KVManager
+from rollout.overlap import OverlapDecoder
 from rollout.request import FinishReason, Req
 from runner.sampler import prompt_logprobs
 
@@ -54,12 +55,16 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     enable_return_routed_experts: bool = False  # MoE: keep each KV slot's routed experts for return_routed_experts
     in_batch_prefix_threshold: int = 16  # shared tokens that make a request wait for the cache
+    # SGLang's name: True runs every step on the scheduler thread, one after the other (rollout.overlap)
+    disable_overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests={self.max_running_requests} must be >= 1")
+        if not isinstance(self.disable_overlap_schedule, bool):
+            raise ValueError(f"disable_overlap_schedule={self.disable_overlap_schedule!r} must be a bool")
 
 
 class _Sampled(NamedTuple):
@@ -111,7 +116,7 @@ class Scheduler:
         self.stop_checker = stop_checker  # (req) -> matched stop string or None
         self.stats = dict(num_prefill_steps=0, num_decode_steps=0, num_prefill_tokens=0, num_cached_tokens=0,
                           num_prompt_tokens=0, num_generated_tokens=0, num_retractions=0, num_evicted_tokens=0,
-                          num_failed_requests=0)
+                          num_failed_requests=0, num_overlapped_steps=0)
         req_pool = runner.req_to_token_pool
         self.kv = KVManager(req_pool, runner.token_to_kv_pool, runner.device, not config.disable_radix_cache,
                             self.stats)
@@ -134,8 +139,10 @@ class Scheduler:
         self._admit_counter = 0
         self.last_step_was_chunk = False
         self._failed: list[Req] = []
-        self._sampling_info: SamplingInfoCache | None = None  # built at the first forward
-        self._threads_set_for: int | None = None  # the thread whose intra-op threads step() has set
+        self._sampling_cache: SamplingInfoCache | None = None  # built at the first forward
+        self._threads_set_for: set[int] = set()  # the threads whose intra-op threads are set
+        # The overlap schedule (rollout.overlap): decode forwards on a worker, the next one built meanwhile.
+        self.overlap = None if config.disable_overlap_schedule else OverlapDecoder(self)
 
     # Read-only views for callers that inspect the cache (tests, server info); writes go through self.kv.
     @property
@@ -160,6 +167,7 @@ class Scheduler:
     def abort(self, req: Req, message: str) -> bool:
         """Finish `req` as abort with what it generated so far and free its KV. False if it is not in
         flight here (already finished, or never added)."""
+        self.cancel_ahead()
         if req.finished:
             return False
         reason = FinishReason("abort", message=message)
@@ -183,7 +191,8 @@ class Scheduler:
         req.finished_reason = reason
         if req.return_routed_experts and req.req_pool_idx is not None:
             req.routed_experts = self.kv.routed_experts_of(req)
-        self.kv.release(req)
+        if self.overlap is None or not self.overlap.defer_release(req):  # else freed after the step in flight
+            self.kv.release(req)
         if req in self.running:
             self.running.remove(req)
         if self.chunked_req is req:
@@ -206,6 +215,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def retract(self, req: Req) -> None:
+        self.cancel_ahead()
         self.running.remove(req)
         req.num_retractions += 1
         self.stats["num_retractions"] += 1
@@ -213,6 +223,7 @@ class Scheduler:
 
     def retract_all(self) -> None:
         """Requeue every running request; their KV will be recomputed (e.g. under new weights)."""
+        self.cancel_ahead()
         if self.chunked_req is not None:
             self._requeue(self.chunked_req)
         for req in sorted(self.running, key=lambda r: r.admitted_order, reverse=True):
@@ -221,26 +232,42 @@ class Scheduler:
     def reset(self) -> None:
         """Forget every request and return every slot (last resort after an unexpected error; the
         caller owns, and finishes, the requests)."""
+        self.cancel_ahead()
         self.waiting.clear()
         self.running.clear()
         self.chunked_req = None
         self._failed.clear()
-        if self._sampling_info is not None:
-            self._sampling_info.clear()
+        if self._sampling_cache is not None:
+            self._sampling_cache.clear()
         self.kv.reset()
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache. False (nothing done) while a request holds KV (running or mid-prefill);
         waiting requests hold none and do not block it."""
+        self.cancel_ahead()
         if self.running or self.chunked_req:
             return False
         return self.kv.flush()
 
+    def cancel_ahead(self) -> None:
+        """Roll back a decode step launched ahead (the overlap schedule), so the state is that of a step
+        boundary: every control call and mutation goes through here first."""
+        if self.overlap is not None:
+            self.overlap.cancel()
+
+    def close(self) -> None:
+        """Stop the overlap worker thread (at engine shutdown)."""
+        if self.overlap is not None:
+            self.overlap.close()
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one forward. Returns the requests that got a token or finished this step."""
-        if self._threads_set_for != threading.get_ident():
+        """Run one forward. Returns the requests that got a token or finished this step. Under the
+        overlap schedule the next decode step may be in flight when it returns (see rollout.overlap)."""
+        if threading.get_ident() not in self._threads_set_for:
             self._set_step_threads()
+        if self.overlap is not None and self.overlap.ahead is not None:
+            return self.overlap.advance()
         if self.waiting or self.chunked_req:
             interleave = self.last_step_was_chunk and self.running  # don't stall decodes on a long prompt
             if not interleave:
@@ -258,7 +285,7 @@ class Scheduler:
         SINGLE_THREAD_MAX_WEIGHTS). Only this thread's setting changes: torch.set_num_threads sets the
         calling thread's OpenMP team size and also the default of threads created later, so a helper
         thread puts that default back (the main thread's own setting is never touched)."""
-        self._threads_set_for = threading.get_ident()
+        self._threads_set_for.add(threading.get_ident())
         model = getattr(self.runner, "model", None)
         if (threading.current_thread() is threading.main_thread() or model is None
                 or getattr(self.runner.device, "type", None) != "cpu"):
@@ -395,6 +422,8 @@ class Scheduler:
             return [req]
         reqs = list(self.running)
         locs = self.kv.alloc_decode(reqs)  # [bs] on the device
+        if self.overlap is not None:
+            return self.overlap.run_decode(reqs, locs)
         self.stats["num_decode_steps"] += 1
 
         def run(sub: list[tuple[Req, int]]) -> list[_Sampled]:
@@ -405,7 +434,11 @@ class Scheduler:
             self.kv.write_decode(fb.req_pool_indices, fb.positions, fb.out_cache_loc)
             return self._forward_sample(fb, batch)
 
-        for (req, _), res in self._run_attributed([(r, i) for i, r in enumerate(reqs)], run):
+        return self._process_decode(self._run_attributed([(r, i) for i, r in enumerate(reqs)], run))
+
+    def _process_decode(self, results: list[tuple]) -> list[Req]:
+        """((req, i), _Sampled or _StepFailure) of a decode step -> the requests it updated."""
+        for (req, _), res in results:
             if isinstance(res, _StepFailure):
                 self._fail(req, res.message)
                 continue
@@ -414,14 +447,23 @@ class Scheduler:
                 self._append_token(req, res)
             except Exception as e:
                 self._fail(req, f"{type(e).__name__}: {e}")
-        return reqs
+        return [req for (req, _), _ in results]
 
     # ---- forward with failure attribution ---------------------------------------------------
+    def _sampling_info(self, reqs: list[Req], step_offset: int = 0):
+        if self._sampling_cache is None:
+            self._sampling_cache = SamplingInfoCache(self.runner.model_config.vocab_size, self.eos_ids,
+                                                     self.runner.device)
+        return self._sampling_cache(reqs, step_offset)
+
     def _forward_sample(self, fb, reqs: list[Req], prompt_rows=None) -> list[_Sampled]:
-        if self._sampling_info is None:
-            self._sampling_info = SamplingInfoCache(self.runner.model_config.vocab_size, self.eos_ids,
-                                                    self.runner.device)
-        fb.sampling_info = self._sampling_info(reqs)
+        return self._forward_sample_ids(fb, reqs, prompt_rows)[1]
+
+    def _forward_sample_ids(self, fb, reqs: list[Req], prompt_rows=None) -> tuple[torch.Tensor, list[_Sampled]]:
+        """(sampled ids [bs] on the device, host rows). fb.sampling_info, when set, was built by the caller
+        (the overlap schedule builds it on the scheduler thread; this may run on its worker)."""
+        if fb.sampling_info is None:
+            fb.sampling_info = self._sampling_info(reqs)
         logits_out = self.runner.forward(fb)
         out = self.runner.sample(logits_out, fb)
         ids, logprobs = out.next_token_ids.tolist(), out.logprobs.tolist()  # the one device->host read
@@ -438,7 +480,8 @@ class Scheduler:
         prompt = [None] * len(reqs)
         if prompt_rows is not None:
             prompt = self._prompt_logprobs(logits_out.all_logits, reqs, prompt_rows)
-        return [_Sampled(t, lp, top, il, p) for t, lp, top, il, p in zip(ids, logprobs, tops, ids_lps, prompt)]
+        return out.next_token_ids, [_Sampled(t, lp, top, il, p) for t, lp, top, il, p in zip(ids, logprobs, tops, ids_lps,
+                                                                                           prompt)]
 
     def _prompt_logprobs(self, all_logits, reqs: list[Req], rows) -> list[list[tuple[int, tuple]]]:
         """Per request, the (position, (logprob, top, token_ids logprobs)) of the prompt positions this

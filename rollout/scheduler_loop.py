@@ -1,4 +1,7 @@
-"""The scheduler thread's body: wait for work, run one step under the engine lock, deliver its results.
+"""The scheduler thread's body: wait for work, run steps under the engine lock, deliver their results.
+
+The lock is held across a run of steps and left at a step boundary as soon as a control call waits
+for it (rollout.step_gate), after rolling back a decode step launched ahead (rollout.overlap).
 
 Nothing a caller does can end this thread. Results leave through `Engine._deliver`, which never raises
 (a sink whose consumer is gone drops its requests). A step attributes its own failures to the requests
@@ -33,14 +36,32 @@ def run_scheduler_loop(engine) -> None:
 
 
 def _one_iteration(engine) -> bool:
-    """Wait for something to do and do one step of it. False once the engine is shut down."""
-    with engine._cv:
-        while not engine._shutdown and not engine._can_step():
-            engine._cv.wait()
+    """Take submissions and run steps until a control call waits, there is nothing to do, or the engine
+    shuts down; then leave the step lock at a step boundary. False once the engine is shut down."""
+    gate = engine._cv
+    stepped = False
+    with gate.scheduler_turn():
+        gate.clear_wake()  # before looking for work: a submission after this wakes the wait below
+        engine._take_submissions()
+        try:
+            while not engine._shutdown and not gate.pending and engine._can_step():
+                # Looked up each time, not bound once: tests wrap scheduler.step to act between steps.
+                _deliver_all(engine, engine.scheduler.step())
+                stepped = True
+                engine._take_submissions()
+                engine._publish_load()
+        finally:
+            engine.scheduler.cancel_ahead()  # the lock is only ever left at a step boundary
+            engine._publish_load()
         if engine._shutdown:
             return False
-        # Looked up each time, not bound once: tests wrap scheduler.step to act between steps.
-        updated = engine.scheduler.step()
-        for req in updated:
-            engine._deliver(req)
+    if not stepped:
+        gate.wait_for_wake()
     return True
+
+
+def _deliver_all(engine, updated) -> None:
+    # Its own frame: nothing of a step stays referenced while the thread sleeps (a request pins its sink,
+    # and a sink whose consumer is gone should be collectable).
+    for req in updated:
+        engine._deliver(req)

@@ -98,6 +98,25 @@ def test_default_backend_on_cuda_is_flashinfer_and_graphs_equal_eager(gpu_ckpt):
         assert max(abs(x - y) for x, y in zip(a, b)) <= LOGPROB_ATOL
 
 
+@pytest.mark.parametrize("config", ["flashinfer-graphs", "torch_native-graphs"])
+def test_overlap_schedule_on_its_stream_equals_off(gpu_ckpt, config):
+    """The overlap schedule on CUDA (forward on the worker's own stream, step N+1 queued behind N) gives the
+    same greedy tokens and seeded samples as disable_overlap_schedule=True, and launched steps ahead."""
+    if config.startswith("flashinfer"):
+        pytest.importorskip("flashinfer")
+    sampled = dict(temperature=1.0, top_p=0.9, n=4, seed=7, max_new_tokens=24, ignore_eos=True)
+    results = {}
+    for off in (False, True):
+        with _engine(gpu_ckpt["llama"], disable_overlap_schedule=off, **CONFIGS[config]) as engine:
+            greedy = _run(engine)
+            samples = engine.generate(input_ids=PROMPTS, sampling_params=sampled)
+            results[off] = (greedy, [o["output_ids"] for o in samples],
+                            engine.get_server_info()["num_overlapped_steps"])
+    assert [ids for ids, _ in results[False][0]] == [ids for ids, _ in results[True][0]]
+    assert results[False][1] == results[True][1]
+    assert results[False][2] > 0 and results[True][2] == 0
+
+
 def _state_dict(path):
     from tests.rl_surface.conftest import read_state_dict
 

@@ -88,7 +88,8 @@ def at_step(engine: Engine, n: int, fn: Callable[[], object]) -> dict:
         if state["steps"] == n:
             engine.scheduler.step = real_step
             try:
-                state["result"] = fn()
+                with engine._cv:  # a step boundary, as a control call sees it (a step launched ahead rolls back)
+                    state["result"] = fn()
             except Exception as e:  # handed to the test, not to the engine loop
                 state["error"] = e
             state["done"].set()

@@ -48,7 +48,8 @@ def _after_step(engine, n: int, fn) -> dict:
         state["count"] += 1
         if state["count"] == n:
             engine.scheduler.step = real
-            state["result"] = fn()
+            with engine._cv:  # a step boundary, as a control call sees it (a step launched ahead rolls back)
+                state["result"] = fn()
             state["done"].set()
         return out
 

@@ -56,7 +56,8 @@ def _after_step(engine, n: int, fn) -> threading.Event:
         count[0] += 1
         if count[0] == n:
             engine.scheduler.step = real
-            fn()
+            with engine._cv:  # a step boundary, as a control call sees it (a step launched ahead rolls back)
+                fn()
             done.set()
         return out
 

@@ -1,0 +1,105 @@
+"""The overlap schedule's gain: output tok/s through `Engine.generate` with it on and off, same run.
+
+Two engines on the same checkpoint (default: the tiny preset, where host work is a large part of a
+decode step), one with `disable_overlap_schedule=True`. Each is warmed up, then the timed runs
+alternate on / off (`--repeat` pairs), so a change in the machine's load hits both alike; the ratio
+reported is the median of the per-pair ratios (and that of the best run of each), next to the median
+tok/s of each and the load average (os.getloadavg) before every pair. Under load, read the ratio with
+care: the OS shares cores per thread, so a busy machine gives the two-thread schedule a larger share
+than the one-thread one; tokens per CPU-second (process CPU time) show the cost of the same work. Both engines produce the same tokens (checked on the first pair:
+the workload is seeded), so only the schedule differs.
+
+It does not time prefill-heavy or streaming workloads, nor latency: a whole batch's output tok/s.
+
+    python bench/overlap.py --preset tiny --batch 16 --prompt-len 32 --output-len 128 --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from bench.throughput import PRESETS, make_prompts, vocab_size_of, write_preset
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--batch", type=int, default=16, help="number of distinct prompts")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeat", type=int, default=5, help="timed on/off pairs")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    from rollout import Engine
+
+    args = parse_args(argv)
+    model_dir = write_preset(args.preset, args.dtype, Path(tempfile.mkdtemp(prefix="bench_overlap_")) / "ckpt")
+    prompts = make_prompts(args.batch, args.prompt_len, vocab_size_of(model_dir), seed=0)
+    num_seqs = args.batch * args.n
+    seq_len = args.prompt_len + args.output_len
+    kwargs = dict(device="cpu", dtype=args.dtype, max_running_requests=max(num_seqs, 16),
+                  context_length=seq_len + 16, max_total_tokens=num_seqs * (seq_len + 1) + 1024,
+                  show_progress=False)
+    sp = dict(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True, n=args.n, seed=1)
+    engines = {"on": Engine(str(model_dir), **kwargs),
+               "off": Engine(str(model_dir), disable_overlap_schedule=True, **kwargs)}
+    print(f"workload: preset={args.preset} dtype={args.dtype} batch={args.batch} n={args.n} "
+          f"prompt_len={args.prompt_len} output_len={args.output_len} torch_threads={torch.get_num_threads()} "
+          f"cpus={os.cpu_count()}", flush=True)
+    try:
+        for e in engines.values():  # warm-up: first-call allocations and lazy inits are not timed
+            e.generate(input_ids=prompts[:2], sampling_params={**sp, "max_new_tokens": 8})
+        tok_s: dict[str, list[float]] = {"on": [], "off": []}
+        tok_cpu_s: dict[str, list[float]] = {"on": [], "off": []}
+        ratios, loads = [], []
+        first: dict[str, list] = {}
+        for i in range(args.repeat):
+            loads.append(os.getloadavg()[0])
+            order = ("on", "off") if i % 2 == 0 else ("off", "on")  # neither always runs second
+            for mode in order:
+                engine = engines[mode]
+                engine.flush_cache()
+                t0, c0 = time.perf_counter(), time.process_time()
+                outs = engine.generate(input_ids=prompts, sampling_params=sp)
+                seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+                tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+                assert tokens == num_seqs * args.output_len, f"{mode}: {tokens} tokens"
+                tok_s[mode].append(tokens / seconds)
+                tok_cpu_s[mode].append(tokens / cpu)
+                first.setdefault(mode, [o["output_ids"] for o in outs])
+            ratios.append(tok_s["on"][-1] / tok_s["off"][-1])
+            print(f"pair {i}: on {tok_s['on'][-1]:.0f} tok/s ({tok_cpu_s['on'][-1]:.0f} per CPU-s), off "
+                  f"{tok_s['off'][-1]:.0f} tok/s ({tok_cpu_s['off'][-1]:.0f} per CPU-s), ratio {ratios[-1]:.3f}, "
+                  f"load {loads[-1]:.2f}", flush=True)
+        assert first["on"] == first["off"], "overlap on and off produced different tokens"
+        overlapped = engines["on"].get_server_info()["num_overlapped_steps"]
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    result = {"on_tok_s": statistics.median(tok_s["on"]), "off_tok_s": statistics.median(tok_s["off"]),
+              "ratio": statistics.median(ratios), "best_ratio": max(tok_s["on"]) / max(tok_s["off"]),
+              "cpu_ratio": statistics.median(tok_cpu_s["on"]) / statistics.median(tok_cpu_s["off"]),
+              "load_min": min(loads), "load_max": max(loads), "num_overlapped_steps": overlapped}
+    print(f"overlap on {result['on_tok_s']:.0f} tok/s vs off {result['off_tok_s']:.0f} tok/s: "
+          f"{result['ratio']:.3f}x (median of {args.repeat} pairs; best run each {result['best_ratio']:.3f}x; "
+          f"tokens per CPU-second {result['cpu_ratio']:.3f}x; load average {result['load_min']:.2f}-"
+          f"{result['load_max']:.2f}; {overlapped} decode steps launched ahead)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

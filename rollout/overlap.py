@@ -1,0 +1,240 @@
+"""The overlap schedule: while decode step N runs its forward, the scheduler builds step N+1.
+
+As SGLang's overlap scheduler (and the seed's `forward_stream`): the forward and sampling of a decode
+step run on a ForwardWorker (its own thread on the CPU; on CUDA that thread also runs on its own
+stream), and the scheduler thread meanwhile builds the next decode step and launches it behind the
+first, with step N's sampled ids filled in on the worker (an index_select of N's output, never a host
+read). Then it processes step N's tokens (stop checks, delivery) while step N+1 runs.
+
+What a step launched ahead may contain, so that outputs equal those of the plain schedule:
+- only decode steps are launched ahead, and only when the plain schedule would decode next too (no
+  half-prefilled prompt, nothing waiting that could be admitted), with KV slots free without eviction,
+  and no penalties (they need the tokens of step N on the host);
+- its rows are step N's rows minus requests that step N finishes for sure (their length limit); a row
+  that step N finishes otherwise (a stop token or string) still runs in N+1 and its token is dropped;
+  its KV is released only once N+1 is done (`DecodeAhead.deferred`), since N+1 still reads it;
+- sampling is counter-based per request, so the row of a request gives the same token in any batch;
+  N+1 samples at output position len(output_ids) + 1.
+Anything that must see a step boundary (every control call, any scheduler mutation: abort, retract,
+flush, reset) first calls `cancel()`: the step launched ahead is waited for and rolled back (its slots
+freed, its tokens dropped), so the state is exactly the plain schedule's after step N.
+
+Prefill steps run on the scheduler thread as before (the pipeline is empty then). A step that raises
+on the worker is re-run on the scheduler thread with the plain schedule's failure attribution.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.batch import decode_batch
+from rollout.request import Req
+
+logger = logging.getLogger(__name__)
+
+
+class ForwardWorker:
+    """One thread that runs submitted functions in submission order (on CUDA: on its own stream, after
+    the work the submitting thread had queued on its stream)."""
+
+    def __init__(self, device, on_start=None) -> None:
+        self.device = torch.device(device)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stream = None
+        if self.device.type == "cuda":  # imported lazily: never touched on the CPU path
+            self._stream = torch.cuda.Stream(self.device)
+        self._on_start = on_start
+        self._thread = threading.Thread(target=self._run, name="rollout-forward", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn) -> Future:
+        fut: Future = Future()
+        event = None
+        if self._stream is not None:
+            # The batch's host->device copies were queued on the caller's stream: the forward waits for them.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._jobs.put((fn, fut, event))
+        return fut
+
+    def _run(self) -> None:
+        if self._stream is not None and self.device.index is not None:  # the current device is per thread
+            torch.cuda.set_device(self.device)
+        if self._on_start is not None:
+            self._on_start()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, fut, event = job
+            try:
+                if self._stream is None:
+                    fut.set_result(fn())
+                else:
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(event)
+                        fut.set_result(fn())
+            except BaseException as e:  # the scheduler thread handles it where it waits
+                fut.set_exception(e)
+            # Hold nothing of a finished job while idle: its closure references requests (and their sinks).
+            del job, fn, fut, event
+
+    def close(self, timeout: float = 30) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+
+@dataclass(eq=False)
+class DecodeAhead:
+    """A decode step on the worker whose results the scheduler has not processed yet."""
+
+    reqs: list[Req]  # its rows, in order
+    locs: torch.Tensor  # [bs] the KV slots it writes, as the pool returned them
+    future: Future  # -> (next_token_ids [bs] on the device, list of per-row host results)
+    members: set[int] = field(default_factory=set)  # id() of its reqs
+    deferred: list[Req] = field(default_factory=list)  # finished meanwhile; their KV is freed after this step
+
+
+class OverlapDecoder:
+    """Runs the scheduler's decode steps on a ForwardWorker, one launched ahead of the next."""
+
+    def __init__(self, scheduler) -> None:
+        self.s = scheduler
+        self.worker = ForwardWorker(scheduler.runner.device, on_start=scheduler._set_step_threads)
+        self.ahead: DecodeAhead | None = None  # launched, not yet processed
+        # Set by the engine: True while something (a control call, a new request) waits to act at the
+        # next step boundary; nothing is launched ahead then, so it waits for one step at most.
+        self.hold_back = lambda: False
+
+    # ---- the scheduler's entry points ------------------------------------------------------------
+    def run_decode(self, reqs: list[Req], locs: torch.Tensor) -> list[Req]:
+        """Run the decode step the plain schedule built (`reqs`, KV slots `locs` allocated), launching the
+        one after it ahead where allowed. Returns the requests that got a token or finished."""
+        self.ahead = self._launch(reqs, locs, prev=None)
+        return self.advance()
+
+    def advance(self) -> list[Req]:
+        """Launch the step after the one in flight (where allowed), then process the one in flight."""
+        step, self.ahead = self.ahead, None
+        self.ahead = self._launch_next(step)
+        return self._complete(step)
+
+    def defer_release(self, req: Req) -> bool:
+        """req just finished: if the step in flight reads its KV, free it after that step (True)."""
+        if self.ahead is not None and id(req) in self.ahead.members:
+            self.ahead.deferred.append(req)
+            return True
+        return False
+
+    def cancel(self) -> None:
+        """Roll back the step launched ahead: wait for it, drop its tokens, free its slots."""
+        step, self.ahead = self.ahead, None
+        if step is None:
+            return
+        try:
+            step.future.result()
+        except Exception:  # its failure does not matter: it is dropped
+            pass
+        for req in step.reqs:
+            req.num_allocated -= 1  # the slot it was given for this step
+        self.s.kv.kv_pool.free(step.locs.to("cpu"))
+        self.s.stats["num_decode_steps"] -= 1
+        self.s.stats["num_overlapped_steps"] -= 1
+        for req in step.deferred:
+            self.s.kv.release(req)
+
+    def close(self) -> None:
+        self.cancel()
+        self.worker.close()
+
+    # ---- launching -------------------------------------------------------------------------------
+    def _launch(self, reqs: list[Req], locs: torch.Tensor, prev: DecodeAhead | None,
+                src: list[int] | None = None) -> DecodeAhead:
+        """Queue the decode of `reqs` on the worker. With `prev`, each row's input token is row src[i] of
+        prev's sampled ids (prev still in flight), and every position is one further on."""
+        s, device = self.s, self.s.runner.device
+        pending = 0 if prev is None else 1
+        fb = decode_batch(reqs, locs.to(device), device, pending=pending)
+        fb.sampling_info = s._sampling_info(reqs, step_offset=pending)
+        src_t = None if prev is None else torch.tensor(src, dtype=torch.int64, device=device)
+        s.stats["num_decode_steps"] += 1
+
+        def job():
+            if prev is not None:  # step N is done (the worker runs in order): its ids are this step's input
+                prev_ids, _ = prev.future.result()
+                fb.input_ids.copy_(prev_ids.index_select(0, src_t))
+            s.kv.write_decode(fb.req_pool_indices, fb.positions, fb.out_cache_loc)
+            return s._forward_sample_ids(fb, reqs)
+
+        return DecodeAhead(list(reqs), locs, self.worker.submit(job), {id(r) for r in reqs})
+
+    def _launch_next(self, step: DecodeAhead) -> DecodeAhead | None:
+        s = self.s
+        if self.hold_back() or s.chunked_req is not None:
+            return None
+        if s.waiting and len(s.running) < s.max_running and s.kv.num_free_rows():
+            return None  # the plain schedule might admit a waiting request next: let it
+        ctx = s.runner.context_len
+        rows, src = [], []
+        for i, req in enumerate(step.reqs):
+            if req.finished:
+                continue
+            sp = req.sampling_params
+            if sp.repetition_penalty != 1 or sp.frequency_penalty or sp.presence_penalty:
+                return None  # the penalty counts need step N's tokens on the host
+            if (sp.max_new_tokens is not None and len(req.output_ids) + 1 >= sp.max_new_tokens) \
+                    or req.seq_len + 1 >= ctx:
+                continue  # step N's token finishes it for sure
+            rows.append(req)
+            src.append(i)
+        if not rows or s.kv.kv_pool.available_size() < len(rows):
+            return None  # nothing to run ahead, or it would evict cache entries the plain schedule keeps
+        locs = s.kv.alloc_decode(rows, pending=1)
+        s.stats["num_overlapped_steps"] += 1
+        return self._launch(rows, locs, prev=step, src=src)
+
+    # ---- completing -------------------------------------------------------------------------------
+    def _complete(self, step: DecodeAhead) -> list[Req]:
+        s = self.s
+        try:
+            _, results = step.future.result()
+        except Exception:
+            # Re-run it on this thread with the plain schedule's attribution; what was launched behind it
+            # read its ids, so it goes first.
+            self.cancel()
+            updated = self._rerun(step)
+        else:
+            updated = []
+            for req, res in zip(step.reqs, results):
+                if req.finished:  # finished by the step before: this row only kept its KV alive
+                    continue
+                try:
+                    req.num_computed = req.seq_len
+                    s._append_token(req, res)
+                except Exception as e:  # this request's own host work: it fails alone
+                    s._fail(req, f"{type(e).__name__}: {e}")
+                updated.append(req)
+        for req in step.deferred:
+            s.kv.release(req)
+        return updated
+
+    def _rerun(self, step: DecodeAhead) -> list[Req]:
+        """The step raised on the worker: run its live rows again here, splitting to find the culprits."""
+        s, device = self.s, self.s.runner.device
+        units = [(r, i) for i, r in enumerate(step.reqs) if not r.finished]
+        locs = step.locs.to(device)
+
+        def run(sub):
+            batch = [r for r, _ in sub]
+            idx = torch.tensor([i for _, i in sub], dtype=torch.int64, device=device)
+            fb = decode_batch(batch, locs.index_select(0, idx), device)
+            s.kv.write_decode(fb.req_pool_indices, fb.positions, fb.out_cache_loc)
+            return s._forward_sample(fb, batch)
+
+        return s._process_decode(s._run_attributed(units, run))
