@@ -68,29 +68,32 @@ class LoRAAPI:
         """Unload `lora_name`, after the requests in flight on it finish (refused while paused with such
         requests, or after `timeout_s` seconds of waiting; None waits as long as they run)."""
         what = f"unload_lora_adapter({lora_name!r})"
-        with self._cv:
-            info = self.runner.lora_adapters().get(lora_name)
-            if info is None:
-                return self._lora_result(what, lambda: self.runner.unload_lora_adapter(lora_name))  # names the problem
-            uid = info["uid"]
-            with self._reqs_lock:  # submit binds adapters under this lock: no new request on uid after this
-                self._lora_unloading.add(uid)
-            deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            try:
-                while True:
-                    with self._reqs_lock:
-                        users = sum(1 for r in self._reqs.values() if r.lora_id == uid)
-                    if not users:
-                        break
-                    if self._paused or self._shutdown or (deadline is not None and time.monotonic() > deadline):
-                        why = "generation is paused (continue_generation() or abort them first)" if self._paused \
-                            else "the engine is shutting down" if self._shutdown else f"timeout_s={timeout_s} passed"
-                        return LoRAUpdateOutput(False, f"{what} failed: {users} request(s) in flight use it and "
-                                                f"{why}", self._loaded())
-                    self._cv.wait(timeout=0.05)  # the scheduler keeps stepping while we wait
+        info = self.runner.lora_adapters().get(lora_name)
+        if info is None:
+            with self._cv:
+                return self._lora_result(what, lambda: self.runner.unload_lora_adapter(lora_name))  # names it
+        uid = info["uid"]
+        with self._reqs_lock:  # submit binds adapters under this lock: no new request on uid after this
+            self._lora_unloading.add(uid)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while True:
+                # Wait outside the step gate: the scheduler must keep stepping the requests we wait for.
+                with self._reqs_lock:
+                    users = sum(1 for r in self._reqs.values() if r.lora_id == uid)
+                if not users:
+                    break
+                if self._paused or self._shutdown or (deadline is not None and time.monotonic() > deadline):
+                    why = "generation is paused (continue_generation() or abort them first)" if self._paused \
+                        else "the engine is shutting down" if self._shutdown else f"timeout_s={timeout_s} passed"
+                    return LoRAUpdateOutput(False, f"{what} failed: {users} request(s) in flight use it and "
+                                            f"{why}", self._loaded())
+                time.sleep(0.02)
+            with self._cv:  # a step boundary; nothing can bind uid any more, and its last users are gone
                 self.scheduler.kv.drop_lora_cache(uid)
                 return self._lora_result(what, lambda: self.runner.unload_lora_adapter(lora_name))
-            finally:
+        finally:
+            with self._reqs_lock:
                 self._lora_unloading.discard(uid)
 
     # ---- requests ------------------------------------------------------------------------------
