@@ -65,8 +65,8 @@ class RLConfig:
             (self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}"),
             (self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype!r}"),
             (not (self.deterministic and self.routing_replay),
-             "--deterministic runs the engine's dense model code in the trainer; it cannot be combined "
-             "with --routing-replay"),
+             "--deterministic runs the engine's own model code in the trainer, so an MoE policy already routes "
+             "every token to the rollout's experts; drop --routing-replay (the two are not combined)"),
             (not (self.deterministic and self.tp_size != 1), "--deterministic needs --tp-size 1"),
             (self.bucket_mb >= 1, f"--bucket-mb must be >= 1, got {self.bucket_mb}"),
         ]
