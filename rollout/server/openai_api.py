@@ -6,9 +6,9 @@ reference; SGLang's extra sampling keys (`top_k`, `min_p`, `ignore_eos`, `stop_t
 accepted as SGLang accepts them. Penalties and `logit_bias` are forwarded to the Engine, which refuses
 what it does not implement (400 naming the key).
 
-Chat prompts use the tokenizer's chat template (or `--chat-template`). A tokenizer without one gets a
-documented plain template: one `"{role}: {content}\\n"` line per message, then
-`"assistant:"`.
+Chat prompts use `--chat-template` if given, else the tokenizer's own chat template
+(rollout/server/chat_template.py); with neither, chat completions are refused (400 naming the flag),
+never silently rendered as a plain prompt (`--chat-template plain` asks for that one explicitly).
 
 Streaming several choices (n > 1 or a list of prompts) runs one engine stream per choice; choice j of
 a seeded request uses seed + j, so streamed choices are reproducible (though not the same samples as
@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.server.chat_template import ChatTemplate, NoChatTemplate, resolve_chat_template
 from rollout.server.common import JSONResponse, dumps, engine_error, error_response, run_blocking
 from rollout.server.native import await_unless_disconnected, check_n
 
@@ -393,15 +394,16 @@ def _content_text(content) -> str:
     return "".join(parts)
 
 
-def render_chat(engine, messages: list[dict], chat_template: str | None) -> dict:
-    """-> {"prompt": text} (plain template) or {"input_ids": ids} (the tokenizer's template)."""
+def render_chat(engine, messages: list[dict], chat_template: ChatTemplate | str | None) -> dict:
+    """-> {"input_ids": ids}: the messages through the server's chat template (see chat_template.py),
+    tokenized. Raises NoChatTemplate when there is none."""
     tok = engine.tokenizer.tokenizer
-    msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
-    template = chat_template or (getattr(tok, "chat_template", None) if tok is not None else None)
     if tok is None:
         raise ValueError("chat completions need a tokenizer; this engine has none")
-    if not template:
-        return {"prompt": "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"}
+    if not isinstance(chat_template, ChatTemplate):
+        chat_template = resolve_chat_template(chat_template, tok)
+    template = chat_template.require()
+    msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
     text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
     return {"input_ids": tok.encode(text, add_special_tokens=False)}
 
@@ -428,6 +430,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         return bad
     try:
         rendered = render_chat(engine, [m.model_dump() for m in req.messages], request.app.state.chat_template)
+    except NoChatTemplate as e:
+        return error_response(str(e), 400, param="--chat-template")
     except Exception as e:  # a template error is the request's content
         return error_response(f"chat template failed: {e}", 400, param="messages")
     prompts = [rendered.get("input_ids", rendered.get("prompt"))]
