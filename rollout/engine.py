@@ -65,6 +65,7 @@ class Engine(WeightsAPI):
         self._paused = False
         self._shutdown = False
         self._reqs: dict[str, Req] = {}  # in flight, by rid
+        self._finish_observers: list = []  # fn(req) per finished request (the server's latency metrics)
         self._thread = threading.Thread(target=run_scheduler_loop, args=(self,), name="rollout-scheduler",
                                         daemon=True)
         self._thread.start()
@@ -105,6 +106,7 @@ class Engine(WeightsAPI):
             del self._reqs[req.rid]
             req.weight_version = self.weight_version
             req.finished_time = time.perf_counter()
+            self._notify_finished(req)
             item = ("final", req)
         elif req.stream:
             # A copy: the reader builds the chunk later, while the scheduler keeps appending.
@@ -116,6 +118,24 @@ class Engine(WeightsAPI):
         except Exception as e:  # closed loop, closed stream, anything: that consumer only
             self._drop_consumer(req.sink, f"{type(e).__name__}: {e}")
 
+    def _notify_finished(self, req: Req) -> None:
+        for fn in list(self._finish_observers):
+            try:
+                fn(req)
+            except Exception:  # an observer's bug must not lose the output
+                logger.exception("finish observer %r failed", fn)
+
+    def add_finish_observer(self, fn) -> None:
+        """Call `fn(req)` once per request as it finishes (any reason), on the scheduler thread under the
+        engine lock: it must be quick and must not call the engine. The HTTP server's /metrics uses it."""
+        with self._cv:
+            self._finish_observers.append(fn)
+
+    def remove_finish_observer(self, fn) -> None:
+        with self._cv:
+            if fn in self._finish_observers:
+                self._finish_observers.remove(fn)
+
     def _drop_consumer(self, sink, reason: str) -> None:
         """Nobody reads `sink` any more: abort every request that delivers to it and free its KV."""
         sink.closed = True
@@ -123,6 +143,8 @@ class Engine(WeightsAPI):
         for req in victims:
             self._abort_in_scheduler(req, f"the caller is gone ({reason})")
             del self._reqs[req.rid]
+            req.finished_time = time.perf_counter()
+            self._notify_finished(req)
         if victims:
             logger.warning("dropped %d request(s) whose caller is gone (%s): %s", len(victims), reason,
                            [r.rid for r in victims][:5])

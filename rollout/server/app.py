@@ -76,6 +76,8 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         yield
         app.state.engine_shut_down = True
+        if hasattr(app.state.engine, "remove_finish_observer"):  # the engine may outlive this app (tests)
+            app.state.engine.remove_finish_observer(app.state.request_metrics)
         app.state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rollout-engine", version=VERSION, lifespan=lifespan, openapi_url=None)
@@ -90,7 +92,9 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     # Control calls block on the engine lock (and a distributed receive waits on the trainer): their own
     # pool, so they never starve each other of threads or the event loop of time.
     app.state.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollout-http")
-    app.state.metrics_registry = metrics.make_registry(engine, app.state.model_name)
+    app.state.metrics_registry, app.state.request_metrics = metrics.make_registry(engine, app.state.model_name)
+    if hasattr(engine, "add_finish_observer"):
+        engine.add_finish_observer(app.state.request_metrics)
 
     @app.exception_handler(RequestValidationError)
     async def on_request_validation(request: Request, exc: RequestValidationError):

@@ -1,16 +1,23 @@
 """/metrics in Prometheus text format, read from the engine at scrape time.
 
-Names follow SGLang's (`sglang:num_running_reqs`, `sglang:generation_tokens_total`, ...) so dashboards
-built for SGLang read this server unchanged. Each app gets its own CollectorRegistry (two servers in one
-process do not share counters). Values are the engine's own counters (Engine.get_server_info) and KV
-pool occupancy, taken under the engine lock in a worker thread, never on the event loop.
+Names follow SGLang's (`sglang:num_running_reqs`, `sglang:generation_tokens_total`,
+`sglang:time_to_first_token_seconds`, ...) so dashboards built for SGLang read this server unchanged.
+Each app gets its own CollectorRegistry (two servers in one process do not share counters). Gauges and
+token counters are the engine's own (Engine.get_server_info) and KV pool occupancy, taken under the
+engine lock in a worker thread, never on the event loop.
+
+Per-request latencies come from the engine's finish observer (Engine.add_finish_observer), once per
+finished request, whoever sent it (HTTP or in-process on the same engine): time to first token,
+end-to-end latency, and inter-token latency, observed once per gap at the request's mean gap (so its
+sum and count are exact, its buckets are per-request means); and finished requests counted by finish
+reason (stop, length, abort).
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from rollout.server.common import run_blocking
@@ -60,10 +67,45 @@ class EngineCollector:
         yield wv
 
 
-def make_registry(engine, model_name: str) -> CollectorRegistry:
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class RequestMetrics:
+    """Latency histograms and finish-reason counts, fed by the engine as each request finishes."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Submission to first output token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self.itl = Histogram("sglang:inter_token_latency_seconds", "Gap between consecutive output tokens",
+                             labels, buckets=_ITL_BUCKETS, registry=registry).labels(model_name)
+        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Submission to final output", labels,
+                             buckets=_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self._finished = Counter("sglang:num_requests", "Finished requests by finish reason",
+                                 ["model_name", "finish_reason"], registry=registry)
+        self.model_name = model_name
+
+    def __call__(self, req) -> None:  # runs on the scheduler thread: a few observes, nothing more
+        reason = req.finished_reason.type if req.finished_reason is not None else "unknown"
+        self._finished.labels(self.model_name, reason).inc()
+        if req.created_time and req.finished_time:
+            self.e2e.observe(max(0.0, req.finished_time - req.created_time))
+        n = len(req.output_ids)
+        if n and req.first_token_time:
+            self.ttft.observe(max(0.0, req.first_token_time - req.created_time))
+            if n > 1:
+                mean_gap = max(0.0, req.last_token_time - req.first_token_time) / (n - 1)
+                for _ in range(n - 1):
+                    self.itl.observe(mean_gap)
+
+
+def make_registry(engine, model_name: str) -> tuple[CollectorRegistry, RequestMetrics]:
+    """The app's registry and its request observer (the caller registers it with the engine)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, model_name))
-    return registry
+    return registry, RequestMetrics(registry, model_name)
 
 
 @router.get("/metrics")

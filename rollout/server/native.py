@@ -212,6 +212,7 @@ async def get_server_info(request: Request):
     info = await run_blocking(request, engine.get_server_info)
     server = {k: v for k, v in dataclasses.asdict(request.app.state.server_args).items() if k != "api_key"}
     info = {**info, **server}
+    info["enable_metrics"] = True  # this server always serves /metrics (the Engine option is a no-op)
     info.setdefault("version", request.app.version)
     return JSONResponse(info)
 

@@ -18,6 +18,7 @@ the non-streamed batch, whose per-choice seeds the Engine derives itself).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -59,7 +60,7 @@ class SamplingFields(Body):
     # SGLang's extra keys
     top_k: int = -1
     min_p: float = 0.0
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -94,7 +95,7 @@ class SamplingFields(Body):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -109,8 +110,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: dict | None = None
@@ -119,6 +120,25 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---- shared: engine calls ---------------------------------------------------------------------
+def _openai_names(max_tokens_field: str = "max_tokens") -> dict[str, str]:
+    """Engine sampling keys -> the OpenAI request fields they came from (the others are spelled alike)."""
+    return {"max_new_tokens": max_tokens_field, "min_new_tokens": "min_tokens"}
+
+
+def _openai_error(e: Exception, names: dict[str, str]) -> Response:
+    """engine_error, with the Engine's key names replaced by the OpenAI fields the client sent, and
+    `param` set to the first of them: an OpenAI client never sent `max_new_tokens`."""
+    resp = engine_error(e)
+    message = str(e)
+    hits = sorted((m.start(), names[k]) for k in names if (m := re.search(rf"\b{k}\b", message)))
+    if not hits:
+        return resp
+    found = [field for _, field in hits]  # in the message's order: the first one named is the param
+    for engine_key, field in names.items():
+        message = re.sub(rf"\b{engine_key}\b", field, message)
+    return error_response(message, resp.status_code, param=found[0])
+
+
 def _finish(meta: dict) -> tuple[str | None, Any]:
     """-> (OpenAI finish_reason, matched stop string/token id or None)."""
     fr = meta.get("finish_reason")
@@ -137,9 +157,11 @@ def _token_text(engine, tid: int, text: str | None) -> str:
     return text if text is not None else (engine.tokenizer.token_text(tid) or "")
 
 
-async def _generate(request: Request, prompts: list, sampling: dict, num_top: int | None, rid):
+async def _generate(request: Request, prompts: list, sampling: dict, num_top: int | None, rid,
+                    names: dict[str, str]):
     """One engine call for every choice: the outputs in choice order (prompt-major, then n), or the
-    error Response to send (499 for a client gone mid-request, the engine's error otherwise)."""
+    error Response to send (499 for a client gone mid-request, the engine's error otherwise, naming
+    the OpenAI fields: `names`)."""
     engine = request.app.state.engine
     key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
     try:
@@ -149,7 +171,7 @@ async def _generate(request: Request, prompts: list, sampling: dict, num_top: in
     except asyncio.CancelledError:
         return Response(status_code=499)
     except Exception as e:
-        return engine_error(e)
+        return _openai_error(e, names)
     return out if isinstance(out, list) else [out]
 
 
@@ -319,9 +341,10 @@ async def completions(req: CompletionRequest, request: Request):
     if bad is not None:
         return bad
     sampling = req.sampling_params(req.max_tokens)
+    names = _openai_names()
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        outs = await _generate(request, prompts, sampling, req.logprobs, req.rid)
+        outs = await _generate(request, prompts, sampling, req.logprobs, req.rid, names)
         if isinstance(outs, Response):
             return outs
         choices = []
@@ -342,7 +365,7 @@ async def completions(req: CompletionRequest, request: Request):
         merged = _stream_choices(request, prompts, sampling, req.logprobs)
         first = await merged.__anext__()  # surfaces a bad request as a 400 before the stream starts
     except Exception as e:
-        return engine_error(e)
+        return _openai_error(e, names)
 
     async def events():
         deltas = [_Delta(req.stop) for _ in range(len(prompts) * req.n)]
@@ -438,9 +461,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     sampling = req.sampling_params(req.max_completion_tokens if req.max_completion_tokens is not None
                                    else req.max_tokens)
+    names = _openai_names("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        outs = await _generate(request, prompts, sampling, num_top, req.rid)
+        outs = await _generate(request, prompts, sampling, num_top, req.rid, names)
         if isinstance(outs, Response):
             return outs
         choices = []
@@ -460,7 +484,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         merged = _stream_choices(request, prompts, sampling, num_top)
         first = await merged.__anext__()
     except Exception as e:
-        return engine_error(e)
+        return _openai_error(e, names)
 
     def chunk(choices, **extra):
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
