@@ -117,7 +117,7 @@ def test_metrics_latency_histograms_and_finish_reasons(server):
     histogram sums the e2e_latency each output reported, TTFT and inter-token counts match the tokens
     generated, and /get_server_info says enable_metrics: true."""
     with start_server(server.path, engine=server.engine) as s, s.client() as c:
-        reasons, e2e, tokens = {}, 0.0, []
+        reasons, e2e, tokens, e2es = {}, 0.0, [], []
         bodies = [{"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
                   {"input_ids": [9, 4], "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}},
                   {"input_ids": [8, 8, 8, 3], "sampling_params": {"max_new_tokens": 0}},
@@ -128,6 +128,7 @@ def test_metrics_latency_histograms_and_finish_reasons(server):
             meta = out["meta_info"]
             reasons[meta["finish_reason"]["type"]] = reasons.get(meta["finish_reason"]["type"], 0) + 1
             e2e += meta["e2e_latency"]
+            e2es.append(meta["e2e_latency"])
             tokens.append(len(out["output_ids"]))
         assert set(reasons) >= {"length", "stop"}, reasons
         samples = _samples(c.get("/metrics").text)
@@ -136,6 +137,11 @@ def test_metrics_latency_histograms_and_finish_reasons(server):
         assert _metric(samples, "sglang:num_requests_total") == len(bodies)
         assert _metric(samples, "sglang:e2e_request_latency_seconds_count") == len(bodies)
         assert _metric(samples, "sglang:e2e_request_latency_seconds_sum") == pytest.approx(e2e, rel=1e-9)
+        buckets = {float(dict(lab)["le"]): v for (n, lab), v in samples.items()
+                   if n == "sglang:e2e_request_latency_seconds_bucket"}
+        assert len(buckets) > 5 and buckets[float("inf")] == len(bodies)
+        for bound, count in buckets.items():  # cumulative "<= bound", against each reported latency
+            assert count == sum(1 for x in e2es if x <= bound), bound
         assert _metric(samples, "sglang:time_to_first_token_seconds_count") == sum(1 for n in tokens if n)
         assert 0 < _metric(samples, "sglang:time_to_first_token_seconds_sum") <= e2e
         assert _metric(samples, "sglang:inter_token_latency_seconds_count") == sum(max(0, n - 1) for n in tokens)
