@@ -119,22 +119,21 @@ class Engine(WeightsAPI):
             self._drop_consumer(req.sink, f"{type(e).__name__}: {e}")
 
     def _notify_finished(self, req: Req) -> None:
-        for fn in list(self._finish_observers):
+        for fn in self._finish_observers:
             try:
                 fn(req)
             except Exception:  # an observer's bug must not lose the output
                 logger.exception("finish observer %r failed", fn)
 
+    # Copy-on-write, no engine lock: the server adds/removes from its event loop, which must never wait
+    # for a step; the scheduler thread iterates whichever list it read.
     def add_finish_observer(self, fn) -> None:
         """Call `fn(req)` once per request as it finishes (any reason), on the scheduler thread under the
         engine lock: it must be quick and must not call the engine. The HTTP server's /metrics uses it."""
-        with self._cv:
-            self._finish_observers.append(fn)
+        self._finish_observers = [*self._finish_observers, fn]
 
     def remove_finish_observer(self, fn) -> None:
-        with self._cv:
-            if fn in self._finish_observers:
-                self._finish_observers.remove(fn)
+        self._finish_observers = [f for f in self._finish_observers if f is not fn]
 
     def _drop_consumer(self, sink, reason: str) -> None:
         """Nobody reads `sink` any more: abort every request that delivers to it and free its KV."""
