@@ -65,8 +65,9 @@ def test_chat_template_choice_is_logged_and_bad_values_refused(server, caplog):
     """create_app logs which template it uses; a value that is no file, name or template is refused
     naming the flag at start-up."""
     with caplog.at_level(logging.INFO, logger="rollout.server"):
-        create_app(server.engine, ServerArgs(chat_template="plain"))
-        create_app(server.engine, ServerArgs())
+        apps = [create_app(server.engine, ServerArgs(chat_template="plain")), create_app(server.engine, ServerArgs())]
+    for app in apps:  # never served: detach their metrics from the shared engine
+        server.engine.remove_finish_observer(app.state.request_metrics)
     logged = [r.getMessage() for r in caplog.records if r.name == "rollout.server"]
     assert any("chat template: built-in 'plain'" in m for m in logged), logged
     assert any("chat template: none" in m and "refused" in m for m in logged), logged
