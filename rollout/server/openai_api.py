@@ -18,6 +18,7 @@ the non-streamed batch, whose per-choice seeds the Engine derives itself).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import uuid
@@ -129,7 +130,7 @@ def _openai_error(e: Exception, names: dict[str, str]) -> Response:
     """engine_error, with the Engine's key names replaced by the OpenAI fields the client sent, and
     `param` set to the first of them: an OpenAI client never sent `max_new_tokens`."""
     resp = engine_error(e)
-    message = str(e)
+    message = json.loads(resp.body)["error"]["message"]  # engine_error's wording (and any shortening)
     hits = sorted((m.start(), names[k]) for k in names if (m := re.search(rf"\b{k}\b", message)))
     if not hits:
         return resp
