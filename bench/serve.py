@@ -166,7 +166,10 @@ def main() -> None:
     reqs = workload(args)
     port = free_port()
     extra = args.engine_args.split()
-    cmd = [sys.executable, "-m", "rollout.launch_server", "--model-path", args.model, "--port", str(port), *extra]
+    # Quiet server: stdout is read only until "ready", so an access line per request would fill the pipe
+    # and block the server (and logging costs server CPU the peer does not pay). `extra` may override.
+    cmd = [sys.executable, "-m", "rollout.launch_server", "--model-path", args.model, "--port", str(port),
+           "--no-access-log", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -84,6 +84,7 @@ class Engine(WeightsAPI, LoRAAPI):
             self.scheduler.overlap.hold_back = self._hold_back
         self._cv.on_acquire = self._at_step_boundary
         self._cv.on_release = self._publish_load
+        self._finish_observers: list = []  # fn(req) per finished request (the server's latency metrics)
         self._thread = threading.Thread(target=run_scheduler_loop, args=(self,), name="rollout-scheduler",
                                         daemon=True)
         self._thread.start()
@@ -169,6 +170,7 @@ class Engine(WeightsAPI, LoRAAPI):
                 del self._reqs[req.rid]
             req.weight_version = self.weight_version
             req.finished_time = time.perf_counter()
+            self._notify_finished(req)
             item = ("final", req)
         elif req.stream:
             # A copy: the reader builds the chunk later, while the scheduler keeps appending.
@@ -180,6 +182,23 @@ class Engine(WeightsAPI, LoRAAPI):
         except Exception as e:  # closed loop, closed stream, anything: that consumer only
             self._drop_consumer(req.sink, f"{type(e).__name__}: {e}")
 
+    def _notify_finished(self, req: Req) -> None:
+        for fn in self._finish_observers:
+            try:
+                fn(req)
+            except Exception:  # an observer's bug must not lose the output
+                logger.exception("finish observer %r failed", fn)
+
+    # Copy-on-write, no engine lock: the server adds/removes from its event loop, which must never wait
+    # for a step; the scheduler thread iterates whichever list it read.
+    def add_finish_observer(self, fn) -> None:
+        """Call `fn(req)` once per request as it finishes (any reason), on the scheduler thread under the
+        engine lock: it must be quick and must not call the engine. The HTTP server's /metrics uses it."""
+        self._finish_observers = [*self._finish_observers, fn]
+
+    def remove_finish_observer(self, fn) -> None:
+        self._finish_observers = [f for f in self._finish_observers if f is not fn]
+
     def _drop_consumer(self, sink, reason: str) -> None:
         """Nobody reads `sink` any more: abort every request that delivers to it and free its KV."""
         sink.closed = True
@@ -188,6 +207,8 @@ class Engine(WeightsAPI, LoRAAPI):
             self._abort_in_scheduler(req, f"the caller is gone ({reason})")
             with self._reqs_lock:
                 self._reqs.pop(req.rid, None)
+            req.finished_time = time.perf_counter()
+            self._notify_finished(req)
         if victims:
             logger.warning("dropped %d request(s) whose caller is gone (%s): %s", len(victims), reason,
                            [r.rid for r in victims][:5])

@@ -3,7 +3,8 @@
 Builds the Engine from SGLang-named flags (every EngineArgs field is one; `--help` lists them), serves it
 with uvicorn, logs the URL once the socket listens, and shuts down cleanly on SIGINT/SIGTERM: uvicorn
 stops accepting, finishes open responses, then the engine is shut down (in-flight requests end with
-finish_reason abort).
+finish_reason abort); the shutdown and the stop are printed. `--log-level` (default info) applies to
+every logger of the process; uvicorn's access log is on unless `--no-access-log`.
 
 `ServerThread` runs the same server in a background thread of this process (tests, benchmarks).
 uvicorn picks uvloop and httptools when they are installed (`pip install uvicorn[standard]`): on the
@@ -33,16 +34,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _uvicorn_config(app, server_args: ServerArgs, log_level: str) -> uvicorn.Config:
+def _uvicorn_config(app, server_args: ServerArgs, log_level: str, access_log: bool) -> uvicorn.Config:
+    # uvicorn writes its access lines at INFO: on at --log-level info/debug unless --no-access-log.
     return uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=log_level,
-                          access_log=log_level == "debug", timeout_keep_alive=30, lifespan="on")
+                          access_log=access_log, timeout_keep_alive=30, lifespan="on")
+
+
+def configure_logging(log_level: str) -> None:
+    """--log-level for every logger of the process (rollout, runner, uvicorn, libraries), one format."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
 
 
 class ServerThread:
-    """An app on uvicorn in a daemon thread; `start()` returns once it accepts connections."""
+    """An app on uvicorn in a daemon thread; `start()` returns once it accepts connections. Quiet by
+    default (tests, benchmarks): warnings only, no access log."""
 
-    def __init__(self, app, server_args: ServerArgs, log_level: str = "warning") -> None:
-        self.server = uvicorn.Server(_uvicorn_config(app, server_args, log_level))
+    def __init__(self, app, server_args: ServerArgs, log_level: str = "warning", access_log: bool = False) -> None:
+        self.server = uvicorn.Server(_uvicorn_config(app, server_args, log_level, access_log))
         self.server.install_signal_handlers = lambda: None  # only the main thread may own signals
         self.url = f"http://{server_args.host}:{server_args.port}"
         self.thread = threading.Thread(target=self.server.run, name="rollout-http-server", daemon=True)
@@ -63,14 +72,14 @@ class ServerThread:
 
 def main(argv: list[str] | None = None) -> int:
     server_args, engine_kwargs = parse_args(argv)
-    log_level = engine_kwargs.get("log_level", "warning")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_level = str(engine_kwargs.get("log_level", "info")).lower()
+    configure_logging(log_level)
     from rollout import Engine
 
     engine = Engine(**engine_kwargs)
     try:
         app = create_app(engine, server_args)
-        server = uvicorn.Server(_uvicorn_config(app, server_args, log_level))
+        server = uvicorn.Server(_uvicorn_config(app, server_args, log_level, server_args.access_log))
 
         def announce():  # uvicorn binds after lifespan startup: wait for the socket, then say where
             while not server.started and not server.should_exit:
@@ -85,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         # that was installed before it: make that one a no-op, so the engine is shut down below and the
         # process exits 0 instead of dying by the signal.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda num, frame: logger.info("signal %d: shutting down", num))
+            signal.signal(sig, lambda num, frame: None)
         server.run()
     finally:
+        # Printed, like the ready line, whatever --log-level says: an operator sees why the server is gone.
+        print("rollout server shutting down: in-flight requests end with finish_reason abort", flush=True)
         engine.shutdown()
-    logger.info("rollout server stopped")
+    print("rollout server stopped", flush=True)
     return 0
 
 

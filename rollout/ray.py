@@ -1,6 +1,8 @@
 """Many engines as Ray actors, driven as one: `launch_engines(n, ...)` -> `EngineGroup`.
 
-Each actor holds one `rollout.Engine` (same method names); the group spreads `generate` over them and
+Each actor holds one `rollout.Engine` and exposes its methods under their names
+(`actor.generate.remote(...)`, as Ray users expect; `actor.call.remote("generate", args, kwargs)` also
+works); the group spreads `generate` over them and
 sends every weight update, release/resume, flush and shutdown to all of them. What it adds over a list
 of engines:
 
@@ -110,6 +112,22 @@ class EngineActor:
         self.engine.shutdown()
 
 
+def _forwarder(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.engine, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Engine.{name}, run in this actor (`actor.{name}.remote(...)`)."
+    return method
+
+
+# Ray users call an actor's methods by name (`actor.generate.remote(...)`): every forwarded Engine method
+# is one. They are class attributes before `ray.remote(EngineActor)` reads the class. `call` stays.
+for _name in FORWARDED:
+    setattr(EngineActor, _name, _forwarder(_name))
+del _name
+
+
 def _ray():
     try:
         import ray
@@ -159,6 +177,7 @@ class EngineGroup:
         self.handles = list(handles)
         self.call_timeout_s = call_timeout_s
         self._outstanding = [0] * len(self.handles)  # prompts this group has in flight per engine
+        self._snapshotted = False  # whether the update in progress took snapshots (set by _begin)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -259,13 +278,18 @@ class EngineGroup:
         return flat[0] if single and len(flat) == 1 else flat
 
     # ---- weights: one version everywhere or nowhere -------------------------------------------
-    def _begin(self, what: str, names: list[str] | None) -> str:
-        """Every engine snapshots what the update touches (in its own process). Returns the version."""
+    def _begin(self, what: str, names: list[str] | None, many_calls: bool = False) -> str:
+        """Every engine snapshots what the update touches (in its own process). Returns the version.
+
+        One engine and one update call need no snapshot (the engine's own update is all-or-none). A
+        transaction of many calls (a `sync_weights` of many buckets) does, whatever the group size: with
+        one engine and no snapshot, bucket 0 would stay applied when bucket 1 fails."""
         versions = self._all("weight_version")
         if len(set(versions)) != 1:
             raise EngineGroupError(f"engines disagree on the current weight version {versions}; update them "
                                    f"all from one source first")
-        if len(self.handles) > 1:
+        self._snapshotted = len(self.handles) > 1 or many_calls
+        if self._snapshotted:
             self._get([h.begin.remote(names) for h in self.handles], f"{what}: snapshot")
         return versions[0]
 
@@ -287,11 +311,11 @@ class EngineGroup:
         """Commit everywhere, or roll every engine back to its snapshot (engines that refused are unchanged:
         each engine's own update is atomic, and rolling them back too is harmless)."""
         ray = _ray()
-        if len(self.handles) == 1:
+        if not self._snapshotted:  # one engine, one atomic call: nothing to commit or roll back here
             return (True, f"{what}: committed") if not failed else (False, f"{what} failed: engine 0: {failed[0][1]}")
         if not failed:
             self._get([h.commit.remote() for h in self.handles], f"{what}: commit")
-            return True, f"{what}: committed on all {len(self.handles)} engines"
+            return True, f"{what}: committed on all {len(self.handles)} engine(s)"
         dead = {i for i, msg in failed if "ActorDiedError" in msg or "RayActorError" in msg}
         restore_errors = []
         for i, h in enumerate(self.handles):
@@ -307,7 +331,7 @@ class EngineGroup:
         if restore_errors:
             return False, (f"{what} failed ({reason}) and rolling back failed ({'; '.join(restore_errors)}): "
                            f"the group is inconsistent; reload all engines from one checkpoint")
-        return False, (f"{what} failed on {len(failed)} engine(s): {reason}; every other engine rolled back "
+        return False, (f"{what} failed on {len(failed)} engine(s): {reason}; every engine rolled back "
                        f"to version {old_version!r}")
 
     def _atomic_update(self, what: str, names: list[str] | None, args: tuple, kwargs: dict) -> tuple[bool, str]:
@@ -324,7 +348,7 @@ class EngineGroup:
         from weight_sync.bucket import iter_buckets
 
         try:
-            old_version = self._begin("sync_weights", None)
+            old_version = self._begin("sync_weights", None, many_calls=True)
         except EngineGroupError as e:
             return False, f"sync_weights refused: {e}"
         failed: list[tuple[int, str]] = []

@@ -78,6 +78,8 @@ class Req:
     error: str | None = None
     created_time: float = 0.0  # time.perf_counter() at submission
     finished_time: float = 0.0  # ... when the final output was delivered
+    first_token_time: float = 0.0  # ... when the first output token was sampled (0: none yet)
+    last_token_time: float = 0.0  # ... when the latest output token was sampled
 
     def __post_init__(self) -> None:
         if self.logprob_start_len < 0:  # SGLang's default: only the last prompt token (its logprob None)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -526,6 +527,9 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------
     def _append_token(self, req: Req, sampled: _Sampled) -> None:
         req.output_ids.append(sampled.token)
+        req.last_token_time = time.perf_counter()  # latency metrics (time to first token, inter-token)
+        if len(req.output_ids) == 1:
+            req.first_token_time = req.last_token_time
         self.stats["num_generated_tokens"] += 1
         if req.return_logprob:
             req.output_logprobs.append(sampled.logprob)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 DEMO_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "demo-model")
 
@@ -49,6 +50,7 @@ class RLConfig:
     lora_rank: int = field(default=0, metadata={"help": "train a PEFT LoRA adapter of this rank (0 = full "
                                                         "fine-tuning); only the adapter is synced each step"})
     lora_alpha: float = field(default=0.0, metadata={"help": "LoRA alpha (0 = 2 * lora_rank)"})
+    no_progress: bool = field(default=False, metadata={"help": "hide the run-level progress bar (steps, ETA)"})
 
     def __post_init__(self) -> None:
         checks = [
@@ -68,8 +70,8 @@ class RLConfig:
             (self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}"),
             (self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype!r}"),
             (not (self.deterministic and self.routing_replay),
-             "--deterministic runs the engine's dense model code in the trainer; it cannot be combined "
-             "with --routing-replay"),
+             "--deterministic runs the engine's own model code in the trainer, so an MoE policy already routes "
+             "every token to the rollout's experts; drop --routing-replay (the two are not combined)"),
             (not (self.deterministic and self.tp_size != 1), "--deterministic needs --tp-size 1"),
             (self.bucket_mb >= 1, f"--bucket-mb must be >= 1, got {self.bucket_mb}"),
             (self.lora_rank >= 0, f"--lora-rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}"),
@@ -84,6 +86,9 @@ class RLConfig:
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model {self.model!r} is not an HF checkpoint directory (no config.json)")
 
+    # A subclass's own wording for an inherited flag (PPO has no "GRPO group").
+    HELP: ClassVar[dict[str, str]] = {}
+
     @classmethod
     def parser(cls, description: str, **defaults) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(description=description,
@@ -91,11 +96,12 @@ class RLConfig:
         for f in fields(cls):
             default = defaults.get(f.name, f.default if f.default is not MISSING else None)
             flag = "--" + f.name.replace("_", "-")
+            help_ = cls.HELP.get(f.name, f.metadata.get("help"))
             if f.type in ("bool", bool):
-                p.add_argument(flag, action="store_true", default=default, help=f.metadata.get("help"))
+                p.add_argument(flag, action="store_true", default=default, help=help_)
             else:
                 typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-                p.add_argument(flag, type=typ, default=default, help=f.metadata.get("help"))
+                p.add_argument(flag, type=typ, default=default, help=help_)
         return p
 
     @classmethod
@@ -105,3 +111,30 @@ class RLConfig:
             return cls(**vars(args))
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    """RLConfig plus PPO's own knobs: the discount, GAE's lambda, the value head's learning rate and weight."""
+
+    gamma: float = field(default=1.0, metadata={"help": "discount factor of the returns (1 = undiscounted, as "
+                                                        "the reward comes once, at the end)"})
+    gae_lambda: float = field(default=0.95, metadata={"help": "GAE lambda (0 = one-step TD, 1 = Monte Carlo)"})
+    value_lr: float = field(default=0.0, metadata={"help": "AdamW learning rate of the value head (0 = --lr)"})
+    vf_coef: float = field(default=0.5, metadata={"help": "weight of the value loss in the total loss"})
+
+    HELP: ClassVar[dict[str, str]] = {
+        "group_size": "samples per prompt (G); PPO's advantages come from the value head and GAE, not the group",
+        "output_dir": "metrics.jsonl, plot and final checkpoint",
+    }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for ok, msg in [
+            (0 <= self.gamma <= 1, f"--gamma must be in [0, 1], got {self.gamma}"),
+            (0 <= self.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {self.gae_lambda}"),
+            (self.value_lr >= 0, f"--value-lr must be >= 0 (0 = --lr), got {self.value_lr}"),
+            (self.vf_coef >= 0, f"--vf-coef must be >= 0, got {self.vf_coef}"),
+        ]:
+            if not ok:
+                raise ValueError(msg)

@@ -10,8 +10,11 @@ weights and tokens, so the rollout/trainer mismatch is exactly 0.
 
 Why a view over the HF parameters rather than a copy: the HF model stays the one source of truth
 (optimizer, weight sync, save_pretrained, reference model, value head), nothing has to be kept in
-step, and the gradient lands where the optimizer already looks. What this does not do: MoE routing
-replay (the dense Llama family only), tensor parallelism, or any attention but the causal one.
+step, and the gradient lands where the optimizer already looks. MoE models (Qwen3-MoE, Mixtral) work
+the same way: each stacked expert tensor is stacked from the HF per-expert tensors, and the router runs
+the engine's code on the same bits, so the trainer picks exactly the rollout's experts (routing replay
+is not needed, and not combined with this mode). What this does not do: tensor parallelism, or any
+attention but the causal one.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from torch.func import functional_call
 from runner import batch_invariant
 from runner.config import ModelConfig
 from runner.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
+from runner.layers.moe import EXPERT_PARTS
 from runner.models import get_model_class
 from runner.sampler import SamplingBatchInfo, processed_logprobs
 from runner.weights.loader import WeightNameMap
+from trainers.policy import checkpoint_named_tensors
 
 
 class _OwnKV:
@@ -62,13 +67,19 @@ class RunnerPolicy:
         self.model = model.to(param.dtype).eval()
         name_map = WeightNameMap(self.model)
         self.sources: dict[str, list[str]] = {}  # runner param -> HF names, in fused shard order
+        # MoE: stacked expert param -> HF tensors per expert (w13: gate then up; w2: down), experts in order
+        self.expert_parts: dict[str, int] = {}
         for hf_name, target in name_map.targets.items():
             self.sources.setdefault(target.param_name, []).append((hf_name, target.shard_id))
         for pname, pieces in self.sources.items():
             p = name_map.params[pname]
-            pieces.sort(key=lambda hs: 0 if hs[1] is None else p.shard_offsets[hs[1]][0])
+            if isinstance(pieces[0][1], tuple):  # (expert_id, "gate"|"up"|"down"): runner.layers.moe
+                pieces.sort(key=lambda hs: (hs[1][0], EXPERT_PARTS.index(hs[1][1])))
+                self.expert_parts[pname] = len(pieces) // p.shape[0]
+            else:
+                pieces.sort(key=lambda hs: 0 if hs[1] is None else p.shard_offsets[hs[1]][0])
             self.sources[pname] = [hf for hf, _ in pieces]
-        hf_names = dict(hf_model.named_parameters(remove_duplicate=False))
+        hf_names = self._hf_tensors()
         missing = [n for names in self.sources.values() for n in names if n not in hf_names]
         if missing:
             raise ValueError(f"the policy has no parameter {missing[0]!r} that the runner model "
@@ -76,11 +87,25 @@ class RunnerPolicy:
         for p in self.model.parameters():
             p.data = p.data.new_empty(0)
 
+    def _hf_tensors(self) -> dict[str, torch.Tensor]:
+        """HF parameters under checkpoint names: transformers keeps an MoE layer's experts stacked in
+        memory, the runner's name map names them per expert (views of the stacked tensors, no copy)."""
+        tensors = dict(self.hf_model.named_parameters(remove_duplicate=False))
+        tensors.update(checkpoint_named_tensors(self.hf_model))
+        return tensors
+
     def parameters(self) -> dict[str, torch.Tensor]:
         """Runner parameter name -> the HF tensor(s) it is made of (differentiable)."""
-        hf = dict(self.hf_model.named_parameters(remove_duplicate=False))
-        return {pname: hf[names[0]] if len(names) == 1 else torch.cat([hf[n] for n in names])
-                for pname, names in self.sources.items()}
+        hf = self._hf_tensors()
+        out = {}
+        for pname, names in self.sources.items():
+            parts = self.expert_parts.get(pname)
+            if parts is not None:  # [num_experts, out, in]: each expert's parts concatenated, then stacked
+                out[pname] = torch.stack([torch.cat([hf[n] for n in names[i: i + parts]])
+                                          for i in range(0, len(names), parts)])
+            else:
+                out[pname] = hf[names[0]] if len(names) == 1 else torch.cat([hf[n] for n in names])
+        return out
 
     def logits(self, seqs: list[torch.Tensor]) -> torch.Tensor:
         """[sum(len), vocab] fp32 logits at every position of each 1-D id sequence, batch-invariant."""

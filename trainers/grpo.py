@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 import time
 from dataclasses import asdict
 
 import torch
+from tqdm import tqdm
 
 from trainers.config import RLConfig
 from trainers.deterministic import RunnerPolicy, deterministic_sequence_logprobs
@@ -39,6 +41,8 @@ ENGINE_RESUME_AFTER_SYNC = ["kv_cache", "cuda_graph"]
 
 
 class GRPOTrainer:
+    config_cls = RLConfig  # the CLI's flags
+
     def __init__(self, cfg: RLConfig) -> None:
         from transformers import AutoTokenizer
 
@@ -60,7 +64,7 @@ class GRPOTrainer:
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.99),
+        self.optimizer = torch.optim.AdamW(self.param_groups(), lr=cfg.lr, betas=(0.9, 0.99),
                                            weight_decay=cfg.weight_decay)
         self.memory = TrainerMemory(self.policy, self.optimizer, cfg.device, cfg.offload_trainer)
         self.memory.to_rollout_phase()
@@ -83,6 +87,10 @@ class GRPOTrainer:
 
     def trainable_parameters(self):
         return [p for p in self.policy.parameters() if p.requires_grad]  # a LoRA policy: the adapter only
+
+    def param_groups(self):
+        """What the optimizer gets: one group at --lr here; PPO gives its value head its own rate."""
+        return self.trainable_parameters()
 
     def replay_shape(self) -> tuple[int, int]:
         """(num_layers, top_k) of the routed experts the engine returns for this MoE policy."""
@@ -200,10 +208,16 @@ class GRPOTrainer:
             self.logger.initial_eval = acc
             print(f"step   0 | greedy eval accuracy {acc:.3f} (before training)", flush=True)
         t_start = time.perf_counter()
+        # The run-level bar (stderr; steps done, elapsed, ETA) under the per-step lines (stdout).
+        bar = tqdm(total=self.cfg.steps, desc="run", unit="step", disable=self.cfg.no_progress, file=sys.stderr,
+                   dynamic_ncols=True)
         try:
             for step in range(1, self.cfg.steps + 1):
-                self.step(step)
+                m = self.step(step)
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", refresh=False)
+                bar.update(1)
         finally:
+            bar.close()
             plot = self.logger.plot() if self.logger.history else None
             self.logger.close()
         print(f"done: {self.cfg.steps} steps in {time.perf_counter() - t_start:.1f}s; metrics in "
@@ -218,7 +232,7 @@ class GRPOTrainer:
 
 
 def run_cli(trainer_cls, argv=None, description: str = "", **defaults) -> None:
-    cfg = RLConfig.from_cli(argv, description=description, **defaults)
+    cfg = trainer_cls.config_cls.from_cli(argv, description=description, **defaults)
     trainer = trainer_cls(cfg)
     try:
         trainer.train()

@@ -10,7 +10,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
+
+from tqdm import tqdm
+
+ZERO_FLOOR = 1e-12  # where an exact-zero mismatch is drawn on the log axis (log(0) has no place)
+
+
+def mismatch_series(values: list[float]) -> tuple[list[float], str | None]:
+    """The mismatch curve for a log axis: zeros lifted to ZERO_FLOOR, and the legend note saying so
+    (None when no value is exactly 0)."""
+    zeros = sum(1 for v in values if v == 0)
+    note = (f"exactly 0 at {zeros} of {len(values)} step(s) (drawn at {ZERO_FLOOR:g})" if zeros else None)
+    return [max(v, ZERO_FLOOR) for v in values], note
 
 
 class MetricsLogger:
@@ -26,8 +39,10 @@ class MetricsLogger:
                 import wandb
 
                 mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+                # reinit="finish_previous": a second run in one process (tests, sweeps) ends the first;
+                # the boolean spelling is deprecated in wandb >= 0.19 and warns.
                 self.wandb_run = wandb.init(project=project, config=config, mode=mode,
-                                            dir=str(self.output_dir), reinit=True)
+                                            dir=str(self.output_dir), reinit="finish_previous")
             except Exception as e:  # an optional sink must not stop training
                 print(f"[metrics] wandb disabled: {type(e).__name__}: {e}")
 
@@ -40,14 +55,18 @@ class MetricsLogger:
         self.jsonl.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(clean, step=clean["step"])
-        print(self.console_line(clean), flush=True)
+        tqdm.write(self.console_line(clean), file=sys.stdout)  # above the run's progress bar, if any
+        sys.stdout.flush()
 
     @staticmethod
     def console_line(m: dict) -> str:
         parts = [f"step {m['step']:3d}", f"reward {m['reward_mean']:.3f}"]
         if "eval_accuracy" in m:
             parts.append(f"eval {m['eval_accuracy']:.3f}")
-        parts += [f"mismatch {m['logprob_mismatch']:.2e}", f"loss {m['loss']:+.4f}",
+        parts += [f"mismatch {m['logprob_mismatch']:.2e}", f"loss {m['loss']:+.4f}"]
+        if "value_loss" in m:  # PPO
+            parts.append(f"value_loss {m['value_loss']:.4f}")
+        parts += [
                   f"rollout {m['time_rollout']:.2f}s", f"train {m['time_train']:.2f}s",
                   f"release {m['time_release'] * 1e3:.0f}ms", f"resume {m['time_resume'] * 1e3:.0f}ms",
                   f"sync {m['time_sync'] * 1e3:.0f}ms",
@@ -75,9 +94,13 @@ class MetricsLogger:
         ax1.set_ylim(0, 1.05)
         ax1.legend()
         ax1.set_title("reward")
-        mism = [max(m["logprob_mismatch"], 1e-12) for m in self.history]
-        ax2.plot(steps, mism)
+        mism, zero_note = mismatch_series([m["logprob_mismatch"] for m in self.history])
+        ax2.plot(steps, mism, label="mismatch")
         ax2.set_yscale("log" if all(math.isfinite(x) for x in mism) else "linear")
+        if zero_note:
+            zeros = [s for s, m in zip(steps, self.history) if m["logprob_mismatch"] == 0]
+            ax2.plot(zeros, [ZERO_FLOOR] * len(zeros), "v", color="tab:green", label=zero_note)
+            ax2.legend()
         ax2.set_xlabel("step")
         ax2.set_title("mean |logp_rollout - logp_trainer|")
         fig.tight_layout()

@@ -2,24 +2,33 @@
 
 The critic is a linear head on the policy's last hidden state (shared trunk). The reward arrives on
 the last completion token; GAE turns it into per-token advantages (whitened over the batch), and the
-loss is the clipped surrogate plus `vf_coef` times the clipped value loss. Only the policy's weights
-are synced to the engine; the value head stays with the trainer. Run `python -m trainers.ppo --help`.
+loss is the clipped surrogate plus `--vf-coef` times the clipped value loss. `--gamma`, `--gae-lambda`
+and `--value-lr` (the value head's own learning rate) are PPO's flags (PPOConfig). Only the policy's
+weights are synced to the engine; the value head stays with the trainer. Run
+`python -m trainers.ppo --help`.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 from torch import nn
 
+from trainers.config import PPOConfig, RLConfig
 from trainers.grpo import GRPOTrainer, run_cli
 from trainers.losses import gae, masked_whiten, policy_loss, sequence_logprobs, value_loss
 from trainers.routing_replay import routing_replay
 
-VF_COEF = 0.5
-GAE_LAMBDA = 0.95
-
 
 class PPOTrainer(GRPOTrainer):
+    config_cls = PPOConfig
+
+    def __init__(self, cfg: RLConfig) -> None:
+        if not isinstance(cfg, PPOConfig):  # an RLConfig gets PPO's defaults for its own knobs
+            cfg = PPOConfig(**{f.name: getattr(cfg, f.name) for f in fields(RLConfig)})
+        super().__init__(cfg)
+
     def build_policy(self):
         policy = super().build_policy()
         hidden = policy.config.hidden_size
@@ -30,6 +39,10 @@ class PPOTrainer(GRPOTrainer):
 
     def trainable_parameters(self):
         return list(self.policy.parameters()) + list(self.value_head.parameters())
+
+    def param_groups(self):
+        return [{"params": list(self.policy.parameters())},
+                {"params": list(self.value_head.parameters()), "lr": self.cfg.value_lr or self.cfg.lr}]
 
     def logprobs_and_values(self, exp) -> tuple[torch.Tensor, torch.Tensor]:
         with routing_replay(self.policy, exp.routed_experts if self.cfg.routing_replay else None):
@@ -50,7 +63,7 @@ class PPOTrainer(GRPOTrainer):
             last = mask.cumsum(1).argmax(1)  # index of each row's last completion token
             token_rewards = torch.zeros_like(old_values)
             token_rewards[torch.arange(len(exp)), last] = exp.rewards.to(token_rewards.dtype)
-            adv, returns = gae(token_rewards, old_values, mask, gamma=1.0, lam=GAE_LAMBDA)
+            adv, returns = gae(token_rewards, old_values, mask, gamma=self.cfg.gamma, lam=self.cfg.gae_lambda)
             exp.advantages = masked_whiten(adv, mask)
             exp.values, exp.returns = old_values, returns
         out = {}
@@ -59,7 +72,7 @@ class PPOTrainer(GRPOTrainer):
             pl, metrics = policy_loss(logp, exp.old_logprobs, exp.advantages, mask, clip_eps_low=self.cfg.clip_eps,
                                       rollout_logp=exp.rollout_logprobs, tis_cap=self.cfg.tis_cap or None)
             vl, vmetrics = value_loss(values, exp.values, exp.returns, mask, clip_eps=self.cfg.clip_eps)
-            loss = pl + VF_COEF * vl
+            loss = pl + self.cfg.vf_coef * vl
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), 1.0)

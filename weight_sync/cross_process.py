@@ -1,8 +1,9 @@
 """Cross-process weight sync: the engine in another process on the same machine.
 
-`RemoteEngine(factory, **kwargs)` starts the engine in a child process (spawn) with the factory the
-caller names ("module:callable", or an importable callable, e.g. "rollout:Engine": this leaf package
-never imports rollout itself) and proxies Engine methods over a pipe.
+`RemoteEngine(factory=DEFAULT_FACTORY, **kwargs)` starts the engine in a child process (spawn) with the
+factory the caller names ("module:callable", or an importable callable; by default this package's
+`rollout:Engine`, so `RemoteEngine(model_path=...)` works) and proxies Engine methods over a pipe. The
+default is a string resolved in the child only: this leaf package never imports rollout itself.
 
 - Messages are JSON, never pickles: the child only ever rebuilds tensors from a descriptor (shared
   memory segment name, dtype, byte length, and bucket metadata) after validating every field, so a
@@ -264,15 +265,21 @@ def _factory_name(factory: str | Callable) -> str:
     return name
 
 
+# A string, not `rollout.Engine` itself: weight_sync is a leaf package (rollout imports it), so importing
+# rollout here would be a cycle, and the parent never needs the engine's code; only the child imports it.
+DEFAULT_FACTORY = "rollout:Engine"
+
+
 class RemoteEngine:
     """A handle on an engine living in a child process; Engine's methods, proxied as JSON calls.
 
-    `factory` builds the engine in the child: "module:callable" (e.g. "rollout:Engine") or an importable
-    module-level callable; `engine_kwargs` go to it. Raises RuntimeError carrying the child's reason
+    `factory` builds the engine in the child: "module:callable" or an importable module-level callable;
+    the default is this package's Engine (`RemoteEngine(model_path=..., device="cpu")`). `engine_kwargs`
+    go to it. Raises RuntimeError carrying the child's reason
     if construction fails, TimeoutError after `start_timeout_s` if it neither succeeds nor fails.
     """
 
-    def __init__(self, factory: str | Callable, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    def __init__(self, factory: str | Callable = DEFAULT_FACTORY, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
                  **engine_kwargs) -> None:
         factory = _factory_name(factory)
         self.segment_prefix = new_segment_prefix()

@@ -11,10 +11,10 @@ It does not own the engine: whoever built the engine shuts it down (launch_serve
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,10 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.server import lora, metrics, native, openai_api
 from rollout.server.args import ServerArgs
+from rollout.server.chat_template import resolve_chat_template
 from rollout.server.common import error_response
 
 VERSION = "0.1.0"
 OPEN_PATHS = frozenset({"/health"})
+logger = logging.getLogger("rollout.server")
 
 
 def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
@@ -67,12 +69,6 @@ class APIKeyMiddleware:
         await resp(scope, receive, send)
 
 
-def _chat_template(value: str | None) -> str | None:
-    if value and Path(value).is_file():
-        return Path(value).read_text()
-    return value
-
-
 def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     server_args = server_args or ServerArgs()
 
@@ -80,19 +76,25 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         yield
         app.state.engine_shut_down = True
+        if hasattr(app.state.engine, "remove_finish_observer"):  # the engine may outlive this app (tests)
+            app.state.engine.remove_finish_observer(app.state.request_metrics)
         app.state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rollout-engine", version=VERSION, lifespan=lifespan, openapi_url=None)
     app.state.engine = engine
     app.state.server_args = server_args
     app.state.model_name = server_args.served_model_name or engine.args.model_path
-    app.state.chat_template = _chat_template(server_args.chat_template)
+    tokenizer = getattr(getattr(engine, "tokenizer", None), "tokenizer", None)
+    app.state.chat_template = resolve_chat_template(server_args.chat_template, tokenizer)
+    logger.info("chat template: %s", app.state.chat_template.source)
     app.state.created = int(time.time())
     app.state.engine_shut_down = False
     # Control calls block on the engine lock (and a distributed receive waits on the trainer): their own
     # pool, so they never starve each other of threads or the event loop of time.
     app.state.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollout-http")
-    app.state.metrics_registry = metrics.make_registry(engine, app.state.model_name)
+    app.state.metrics_registry, app.state.request_metrics = metrics.make_registry(engine, app.state.model_name)
+    if hasattr(engine, "add_finish_observer"):
+        engine.add_finish_observer(app.state.request_metrics)
 
     @app.exception_handler(RequestValidationError)
     async def on_request_validation(request: Request, exc: RequestValidationError):

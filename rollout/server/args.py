@@ -4,7 +4,9 @@ Engine flags are generated from `EngineArgs`' dataclass fields under SGLang's sp
 (`max_total_tokens` -> `--max-total-tokens`), so a new engine option becomes a flag with no edit here.
 Booleans that default to False are plain switches (`--enable-memory-saver`); those that default to True
 get a `--no-` twin. The server's own options (host, port, API key, served model name, chat template,
-the cap on `n`) live in `ServerArgs`.
+the cap on `n`, the access log) live in `ServerArgs`. Every flag has one line of `--help`: from a
+field's `metadata["help"]`, else `ARG_HELP`, else the meaning in `SGLANG_OPTIONS`. `--log-level`
+defaults to "info" here (SGLang's server default).
 
 This module parses and validates; it does not build the engine or the app.
 """
@@ -25,8 +27,10 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     served_model_name: str | None = None  # default: the model path
-    chat_template: str | None = None  # a Jinja file or inline template; default: the tokenizer's own
+    chat_template: str | None = None  # a Jinja file, a built-in name or an inline template; default: the tokenizer's own
     max_n: int = 256  # refuse a request asking for more sequences (prompts x n) than this
+    # ---- operator options (logging) --------------------------------------------------------
+    access_log: bool = True  # uvicorn's access log, one line per request at --log-level info; --no-access-log
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -35,6 +39,40 @@ class ServerArgs:
             raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
         if self.api_key == "":
             raise ValueError("--api-key must not be empty (omit it to disable authentication)")
+
+
+# ---- one line of --help per flag ----------------------------------------------------------------
+# Server flags and the Engine options SGLANG_OPTIONS does not describe; every other Engine flag takes its
+# line from SGLANG_OPTIONS (rollout/engine_args.py), so a description lives in one place.
+ARG_HELP: dict[str, str] = {
+    "model_path": "HF checkpoint directory (config.json, safetensors, tokenizer)",
+    "host": "address to bind; loopback by default (bind beyond it only with --api-key)",
+    "port": "TCP port to listen on",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+    "served_model_name": "model name in /v1/models and OpenAI responses (default: the model path)",
+    "chat_template": "chat template for /v1/chat/completions: a Jinja file, a built-in name (plain, chatml) or an "
+                     "inline template (default: the tokenizer's own; without one chat completions are refused)",
+    "max_n": "refuse a request asking for more sequences (prompts x n) than this",
+    "access_log": "uvicorn's access log (one line per request, at --log-level info or lower)",
+    "device": "'cpu' or 'cuda' ('cuda:N' picks a device)",
+    "cpu_kv_cache_bytes": "KV cache bytes on the CPU when --max-total-tokens is not given",
+    "cpu_prepack": "oneDNN-prepacked linear weights on the CPU (faster decode)",
+    "enable_deterministic_inference": "batch-invariant kernels: a request's ids and logprobs are bitwise the same "
+                                      "in any batch (dense and MoE; CPU torch_native attention)",
+    "in_batch_prefix_threshold": "shared prompt tokens that make a request wait a step to reuse another's KV",
+    "show_progress": "progress bars in Engine.generate (in-process)",
+}
+
+
+def _help(name: str, default) -> str:
+    from rollout.engine_args import SGLANG_OPTIONS
+
+    line = ARG_HELP.get(name)
+    if line is None and name in SGLANG_OPTIONS:
+        accepted, meaning = SGLANG_OPTIONS[name]
+        line = meaning if accepted in ("bool", "any") else f"{meaning}; accepted: {accepted}"
+    line = line or "(undocumented)"
+    return line if default is None or isinstance(default, bool) else f"{line} (default: {default})"
 
 
 def _flag(name: str) -> str:
@@ -56,24 +94,25 @@ def _add_dataclass_flags(parser: argparse._ArgumentGroup, cls, skip: set[str]) -
             continue
         default = None if f.default is MISSING else f.default
         tp = _base_type(hints[f.name])
+        help_ = f.metadata.get("help") or _help(f.name, default)
         if tp is bool:
             action = argparse.BooleanOptionalAction if default else "store_true"
-            parser.add_argument(_flag(f.name), dest=f.name, action=action, default=default)
+            parser.add_argument(_flag(f.name), dest=f.name, action=action, default=default, help=help_)
         elif typing.get_origin(tp) is list:  # list[str] / list[int]: one or more values, as SGLang's nargs="+"
             parser.add_argument(_flag(f.name), dest=f.name, nargs="+", type=typing.get_args(tp)[0],
-                                default=default, help=f"(default: {default})")
+                                default=default, help=help_)
         else:
-            parser.add_argument(_flag(f.name), dest=f.name, type=tp, default=default,
-                                help=f"(default: {default})")
+            parser.add_argument(_flag(f.name), dest=f.name, type=tp, default=default, help=help_)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rollout.launch_server",
         description="Serve an HF checkpoint over SGLang's native HTTP API and the OpenAI API.")
-    parser.add_argument("--model-path", dest="model_path", required=True, help="HF checkpoint directory")
+    parser.add_argument("--model-path", dest="model_path", required=True, help=ARG_HELP["model_path"])
     _add_dataclass_flags(parser.add_argument_group("server"), ServerArgs, skip=set())
     _add_dataclass_flags(parser.add_argument_group("engine (SGLang flag names)"), EngineArgs, skip={"model_path"})
+    parser.set_defaults(log_level="info")  # SGLang's server default; an in-process Engine stays at "warning"
     return parser
 
 

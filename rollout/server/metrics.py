@@ -1,17 +1,32 @@
 """/metrics in Prometheus text format, read from the engine at scrape time.
 
-Names follow SGLang's (`sglang:num_running_reqs`, `sglang:generation_tokens_total`, ...) so dashboards
-built for SGLang read this server unchanged. Each app gets its own CollectorRegistry (two servers in one
-process do not share counters). Values are the engine's own counters (Engine.get_server_info) and KV
-pool occupancy, taken under the engine lock in a worker thread, never on the event loop.
+Names follow SGLang's (`sglang:num_running_reqs`, `sglang:generation_tokens_total`,
+`sglang:time_to_first_token_seconds`, ...) so dashboards built for SGLang read this server unchanged.
+Each app gets its own CollectorRegistry (two servers in one process do not share counters). Gauges and
+token counters are the engine's own (Engine.get_server_info) and KV pool occupancy, taken under the
+engine lock in a worker thread, never on the event loop.
+
+Per-request latencies come from the engine's finish observer (Engine.add_finish_observer), once per
+finished request, whoever sent it (HTTP or in-process on the same engine): time to first token,
+end-to-end latency, and inter-token latency, each request's n-1 gaps counted at their mean gap (so
+its sum and count are exact, its buckets are per-request means; one O(1) update per request); and
+finished requests counted by finish reason (stop, length, abort).
 """
 
 from __future__ import annotations
 
+import bisect
+import threading
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 
 from rollout.server.common import run_blocking
 
@@ -60,10 +75,86 @@ class EngineCollector:
         yield wv
 
 
-def make_registry(engine, model_name: str) -> CollectorRegistry:
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class _Histogram:
+    """A Prometheus histogram that takes a count with each value: one request's n-1 inter-token gaps are
+    one call (a bisect and two adds), not n-1 observes on the scheduler thread."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.lock = threading.Lock()
+
+    def observe(self, value: float, count: int = 1) -> None:
+        i = bisect.bisect_left(self.bounds, value)  # Prometheus buckets are "<= bound"
+        with self.lock:
+            self.counts[i] += count
+            self.sum += value * count
+
+    def family(self, name: str, doc: str, labels: list[str], values: list[str]) -> HistogramMetricFamily:
+        with self.lock:
+            counts, total = list(self.counts), self.sum
+        cumulative, running = [], 0
+        for bound, c in zip([*map(str, self.bounds), "+Inf"], counts):
+            running += c
+            cumulative.append((bound, running))
+        fam = HistogramMetricFamily(name, doc, labels=labels)
+        fam.add_metric(values, cumulative, sum_value=total)
+        return fam
+
+
+class RequestMetrics:
+    """Latency histograms and finish-reason counts, fed by the engine as each request finishes; a
+    collector of the app's registry."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.ttft = _Histogram(_LATENCY_BUCKETS)
+        self.itl = _Histogram(_ITL_BUCKETS)
+        self.e2e = _Histogram(_LATENCY_BUCKETS)
+        self.finished: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, req) -> None:  # runs on the scheduler thread: O(1) per request
+        reason = req.finished_reason.type if req.finished_reason is not None else "unknown"
+        with self.lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+        if req.created_time and req.finished_time:
+            self.e2e.observe(max(0.0, req.finished_time - req.created_time))
+        n = len(req.output_ids)
+        if n and req.first_token_time:
+            self.ttft.observe(max(0.0, req.first_token_time - req.created_time))
+            if n > 1:
+                self.itl.observe(max(0.0, req.last_token_time - req.first_token_time) / (n - 1), count=n - 1)
+
+    def collect(self):
+        labels, values = ["model_name"], [self.model_name]
+        yield self.ttft.family("sglang:time_to_first_token_seconds", "Submission to first output token", labels,
+                               values)
+        yield self.itl.family("sglang:inter_token_latency_seconds", "Gap between consecutive output tokens "
+                              "(each request's gaps at their mean)", labels, values)
+        yield self.e2e.family("sglang:e2e_request_latency_seconds", "Submission to final output", labels, values)
+        fam = CounterMetricFamily("sglang:num_requests", "Finished requests by finish reason",
+                                  labels=["model_name", "finish_reason"])
+        with self.lock:
+            finished = dict(self.finished)
+        for reason, n in sorted(finished.items()):
+            fam.add_metric([self.model_name, reason], n)
+        yield fam
+
+
+def make_registry(engine, model_name: str) -> tuple[CollectorRegistry, RequestMetrics]:
+    """The app's registry and its request observer (the caller registers it with the engine)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, model_name))
-    return registry
+    requests = RequestMetrics(model_name)
+    registry.register(requests)
+    return registry, requests
 
 
 @router.get("/metrics")

@@ -212,6 +212,7 @@ async def get_server_info(request: Request):
     info = await run_blocking(request, engine.get_server_info)
     server = {k: v for k, v in dataclasses.asdict(request.app.state.server_args).items() if k != "api_key"}
     info = {**info, **server}
+    info["enable_metrics"] = True  # this server always serves /metrics (the Engine option is a no-op)
     info.setdefault("version", request.app.version)
     return JSONResponse(info)
 
@@ -301,6 +302,12 @@ async def resume_memory_occupation(request: Request):
 
 async def _memory(request: Request, method: str):
     obj = await _optional_body(request, MemoryOccupationReqInput)
+    if not getattr(request.app.state.engine.args, "enable_memory_saver", False):
+        # The engine's own message names its keyword argument; an HTTP client needs the server's flag.
+        return error_response(f"{method}: this server was started without --enable-memory-saver, so it cannot "
+                              f"release memory; restart it with --enable-memory-saver (add "
+                              f"--enable-weights-cpu-backup to keep released weights on the host)", 400,
+                              param="--enable-memory-saver")
     try:
         await run_blocking(request, getattr(request.app.state.engine, method), obj.tags)
     except Exception as e:

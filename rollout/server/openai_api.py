@@ -6,9 +6,9 @@ reference; SGLang's extra sampling keys (`top_k`, `min_p`, `ignore_eos`, `stop_t
 accepted as SGLang accepts them. Penalties and `logit_bias` are forwarded to the Engine, which refuses
 what it does not implement (400 naming the key).
 
-Chat prompts use the tokenizer's chat template (or `--chat-template`). A tokenizer without one gets a
-documented plain template: one `"{role}: {content}\\n"` line per message, then
-`"assistant:"`.
+Chat prompts use `--chat-template` if given, else the tokenizer's own chat template
+(rollout/server/chat_template.py); with neither, chat completions are refused (400 naming the flag),
+never silently rendered as a plain prompt (`--chat-template plain` asks for that one explicitly).
 
 Streaming several choices (n > 1 or a list of prompts) runs one engine stream per choice; choice j of
 a seeded request uses seed + j, so streamed choices are reproducible (though not the same samples as
@@ -18,6 +18,8 @@ the non-streamed batch, whose per-choice seeds the Engine derives itself).
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -26,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.server.chat_template import ChatTemplate, NoChatTemplate, resolve_chat_template
 from rollout.server.common import JSONResponse, dumps, engine_error, error_response, run_blocking
 from rollout.server.lora import adapter_cards, lora_of_model
 from rollout.server.native import await_unless_disconnected, check_n
@@ -59,7 +62,7 @@ class SamplingFields(Body):
     # SGLang's extra keys
     top_k: int = -1
     min_p: float = 0.0
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -94,7 +97,7 @@ class SamplingFields(Body):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -109,8 +112,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: dict | None = None
@@ -119,6 +122,25 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---- shared: engine calls ---------------------------------------------------------------------
+def _openai_names(max_tokens_field: str = "max_tokens") -> dict[str, str]:
+    """Engine sampling keys -> the OpenAI request fields they came from (the others are spelled alike)."""
+    return {"max_new_tokens": max_tokens_field, "min_new_tokens": "min_tokens"}
+
+
+def _openai_error(e: Exception, names: dict[str, str]) -> Response:
+    """engine_error, with the Engine's key names replaced by the OpenAI fields the client sent, and
+    `param` set to the first of them: an OpenAI client never sent `max_new_tokens`."""
+    resp = engine_error(e)
+    message = json.loads(resp.body)["error"]["message"]  # engine_error's wording (and any shortening)
+    hits = sorted((m.start(), names[k]) for k in names if (m := re.search(rf"\b{k}\b", message)))
+    if not hits:
+        return resp
+    found = [field for _, field in hits]  # in the message's order: the first one named is the param
+    for engine_key, field in names.items():
+        message = re.sub(rf"\b{engine_key}\b", field, message)
+    return error_response(message, resp.status_code, param=found[0])
+
+
 def _finish(meta: dict) -> tuple[str | None, Any]:
     """-> (OpenAI finish_reason, matched stop string/token id or None)."""
     fr = meta.get("finish_reason")
@@ -137,9 +159,11 @@ def _token_text(engine, tid: int, text: str | None) -> str:
     return text if text is not None else (engine.tokenizer.token_text(tid) or "")
 
 
-async def _generate(request: Request, prompts: list, sampling: dict, num_top: int | None, rid, model=None):
+async def _generate(request: Request, prompts: list, sampling: dict, num_top: int | None, rid,
+                    names: dict[str, str], model=None):
     """One engine call for every choice: the outputs in choice order (prompt-major, then n), or the
-    error Response to send (499 for a client gone mid-request, the engine's error otherwise)."""
+    error Response to send (499 for a client gone mid-request, the engine's error otherwise, naming
+    the OpenAI fields: `names`)."""
     engine = request.app.state.engine
     key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
     try:
@@ -149,7 +173,7 @@ async def _generate(request: Request, prompts: list, sampling: dict, num_top: in
     except asyncio.CancelledError:
         return Response(status_code=499)
     except Exception as e:
-        return engine_error(e)
+        return _openai_error(e, names)
     return out if isinstance(out, list) else [out]
 
 
@@ -322,9 +346,10 @@ async def completions(req: CompletionRequest, request: Request):
     if bad is not None:
         return bad
     sampling = req.sampling_params(req.max_tokens)
+    names = _openai_names()
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        outs = await _generate(request, prompts, sampling, req.logprobs, req.rid, req.model)
+        outs = await _generate(request, prompts, sampling, req.logprobs, req.rid, names, req.model)
         if isinstance(outs, Response):
             return outs
         choices = []
@@ -345,7 +370,7 @@ async def completions(req: CompletionRequest, request: Request):
         merged = _stream_choices(request, prompts, sampling, req.logprobs, req.model)
         first = await merged.__anext__()  # surfaces a bad request as a 400 before the stream starts
     except Exception as e:
-        return engine_error(e)
+        return _openai_error(e, names)
 
     async def events():
         deltas = [_Delta(req.stop) for _ in range(len(prompts) * req.n)]
@@ -397,15 +422,16 @@ def _content_text(content) -> str:
     return "".join(parts)
 
 
-def render_chat(engine, messages: list[dict], chat_template: str | None) -> dict:
-    """-> {"prompt": text} (plain template) or {"input_ids": ids} (the tokenizer's template)."""
+def render_chat(engine, messages: list[dict], chat_template: ChatTemplate | str | None) -> dict:
+    """-> {"input_ids": ids}: the messages through the server's chat template (see chat_template.py),
+    tokenized. Raises NoChatTemplate when there is none."""
     tok = engine.tokenizer.tokenizer
-    msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
-    template = chat_template or (getattr(tok, "chat_template", None) if tok is not None else None)
     if tok is None:
         raise ValueError("chat completions need a tokenizer; this engine has none")
-    if not template:
-        return {"prompt": "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"}
+    if not isinstance(chat_template, ChatTemplate):
+        chat_template = resolve_chat_template(chat_template, tok)
+    template = chat_template.require()
+    msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
     text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
     return {"input_ids": tok.encode(text, add_special_tokens=False)}
 
@@ -432,15 +458,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         return bad
     try:
         rendered = render_chat(engine, [m.model_dump() for m in req.messages], request.app.state.chat_template)
+    except NoChatTemplate as e:
+        return error_response(str(e), 400, param="--chat-template")
     except Exception as e:  # a template error is the request's content
         return error_response(f"chat template failed: {e}", 400, param="messages")
     prompts = [rendered.get("input_ids", rendered.get("prompt"))]
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     sampling = req.sampling_params(req.max_completion_tokens if req.max_completion_tokens is not None
                                    else req.max_tokens)
+    names = _openai_names("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        outs = await _generate(request, prompts, sampling, num_top, req.rid, req.model)
+        outs = await _generate(request, prompts, sampling, num_top, req.rid, names, req.model)
         if isinstance(outs, Response):
             return outs
         choices = []
@@ -460,7 +489,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         merged = _stream_choices(request, prompts, sampling, num_top, req.model)
         first = await merged.__anext__()
     except Exception as e:
-        return engine_error(e)
+        return _openai_error(e, names)
 
     def chunk(choices, **extra):
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner import batch_invariant
 from runner.layers.activation import silu_and_mul
 from runner.layers.linear import Linear, default_weight_loader
 
@@ -76,11 +77,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     x: [num_rows, in]; weight: [num_groups, out, in]; offsets: [num_groups] int32, end row of each
     group; counts: [num_groups], rows per group. Returns [num_rows, out].
     """
-    if _grouped_mm_works(x, weight):
+    deterministic = batch_invariant.is_enabled()
+    if not deterministic and _grouped_mm_works(x, weight):
         return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    # One matmul per non-empty group: needs the group sizes on the host (one read per call).
+    # One matmul per non-empty group: needs the group sizes on the host (one read per call). In the
+    # deterministic mode each group goes through the fixed-tile linear, so a row's bits do not depend on
+    # how many other rows (from other requests) chose the same expert; grouped_mm's kernels make no
+    # such promise.
     chunks = x.split(counts.tolist())
-    return torch.cat([F.linear(c, weight[g]) for g, c in enumerate(chunks) if c.shape[0]])
+    mm = batch_invariant.linear if deterministic else F.linear
+    return torch.cat([mm(c, weight[g]) for g, c in enumerate(chunks) if c.shape[0]])
 
 
 class FusedExperts(nn.Module):
@@ -129,7 +135,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted  # back to (token, slot) order
     out = out.view(num_tokens, top_k, -1).float() * topk_weights.unsqueeze(-1)
-    # A plain sum over the k slots (not atomics): the same result whatever the grouping.
+    # A plain sum over the k slots (not atomics): the same result whatever the grouping. The
+    # deterministic mode adds the slots one by one, left to right: element-wise adds, whose bits cannot
+    # depend on the number of tokens (a reduction kernel may vectorise differently by shape).
+    if batch_invariant.is_enabled():
+        acc = out[:, 0]
+        for j in range(1, top_k):
+            acc = acc + out[:, j]
+        return acc.to(x.dtype)  # [num_tokens, hidden]
     return out.sum(dim=1).to(x.dtype)  # [num_tokens, hidden]
 
 

@@ -164,3 +164,39 @@ def test_killed_engine_is_named_and_nothing_hangs(cluster, ckpt):
         assert not ok and "engine 1" in msg
     finally:
         g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group_of_one(cluster, ckpt):
+    g = launch_engines(1, str(ckpt), num_cpus_per_engine=0.5, call_timeout_s=120, **ENGINE_KW)
+    yield g
+    g.shutdown()
+
+
+def test_actor_exposes_engine_methods_by_name(group_of_one, reference):
+    """actor.generate.remote(...) runs Engine.generate (Ray's usual call style); call(...) gives the same."""
+    actor = group_of_one.handles[0]
+    direct = ray.get(actor.generate.remote(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True), timeout=60)
+    via_call = ray.get(actor.call.remote("generate", (), dict(input_ids=PROMPTS, sampling_params=GREEDY,
+                                                               return_logprob=True)), timeout=60)
+    for outs in (direct, via_call):
+        assert_same([(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs],
+                    reference)
+    assert ray.get(actor.flush_cache.remote(), timeout=60) is True
+    assert "weight_version" in ray.get(actor.get_server_info.remote(), timeout=60)
+
+
+def test_group_of_one_rolls_a_failed_many_bucket_sync_back(group_of_one, trainer, reference):
+    """One engine, a sync whose last bucket is refused: first tensor and version stay as they were."""
+    model, _, _ = trainer
+    before_version = group_of_one.weight_version
+    first = list(model.state_dict())[0]
+    before_first = torch.tensor(group_of_one.get_weights_by_name(first, truncate_size=1 << 30))
+    last = list(model.state_dict())[-1]
+    ok, msg = sync_weights(model, group_of_one, bucket_bytes=32 << 10, weight_version="half",
+                           name_map=lambda n: "model.bogus.weight" if n == last else n)
+    assert not ok and "model.bogus.weight" in msg and "rolled back" in msg, msg
+    assert group_of_one.weight_version == before_version
+    after_first = torch.tensor(group_of_one.get_weights_by_name(first, truncate_size=1 << 30))
+    assert torch.equal(after_first, before_first)
+    assert_same(greedy(group_of_one), reference)

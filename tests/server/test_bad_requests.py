@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -56,14 +58,38 @@ def test_wrong_method_and_path(client):
     assert r.status_code == 405 and "/generate" in r.json()["error"]["message"]
 
 
+def _app_routes(app) -> list[tuple[str, str]]:
+    """(method, path) of every route the app serves, path parameters filled in; read from the app itself,
+    so a route added later is covered without editing the test."""
+    out = []
+    for route in app.routes:
+        # FastAPI >= 0.16x keeps an included router as one entry whose routes are its "effective contexts"
+        entries = route.effective_route_contexts() if hasattr(route, "effective_route_contexts") else [route]
+        for entry in entries:
+            path = getattr(entry, "path", None)
+            for method in sorted(getattr(entry, "methods", None) or ()):
+                if path is not None and method not in ("HEAD", "OPTIONS"):
+                    out.append((method, re.sub(r"\{[^}]*\}", "x", path)))
+    return out
+
+
 def test_api_key(server):
-    """With --api-key every endpoint but /health needs 'Authorization: Bearer <key>': 401 otherwise, then served."""
+    """With --api-key every route the app has but /health needs 'Authorization: Bearer <key>': 401 without
+    it or with a wrong one, before the handler runs (the engine is untouched), then served with it."""
     with start_server(server.path, engine=server.engine, api_key="s3cret") as s:
+        routes = _app_routes(s.thread.server.config.app)
+        assert len({p for _, p in routes}) >= 25, routes  # the enumeration found the app's routes
+        version = server.engine.weight_version
         with httpx.Client(base_url=s.url, timeout=30) as c:
             assert c.get("/health").status_code == 200
-            for path in ("/get_model_info", "/metrics", "/v1/models"):
-                r = c.get(path)
-                assert r.status_code == 401 and "Authorization" in r.json()["error"]["message"]
+            for method, path in routes:
+                if path == "/health":
+                    continue
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                    r = c.request(method, path, json={}, headers=headers)
+                    assert r.status_code == 401, (method, path, headers, r.status_code)
+                    assert "Authorization" in r.json()["error"]["message"] or "invalid API key" in r.text
+            assert server.engine.weight_version == version and not server.engine._paused
             r = c.post("/generate", json=GOOD, headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 401 and "invalid API key" in r.json()["error"]["message"]
             r = c.post("/generate", json=GOOD, headers={"Authorization": "Bearer s3cret"})

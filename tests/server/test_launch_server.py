@@ -10,10 +10,11 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from rollout.engine_args import EngineArgs
 from rollout.launch_server import free_port
-from rollout.server.args import parse_args
+from rollout.server.args import build_parser, parse_args
 
 
 def test_every_engine_arg_is_a_flag():
@@ -26,16 +27,32 @@ def test_every_engine_arg_is_a_flag():
     assert set(kw) == {f.name for f in dataclasses.fields(EngineArgs)}
     defaults = EngineArgs(model_path="/m")
     for f in dataclasses.fields(EngineArgs):
-        if f.name not in ("model_path", "max_total_tokens", "disable_radix_cache", "mem_fraction_static"):
+        if f.name not in ("model_path", "max_total_tokens", "disable_radix_cache", "mem_fraction_static", "log_level"):
             assert kw[f.name] == getattr(defaults, f.name), f.name
+    assert kw["log_level"] == "info"  # SGLang's server default (an in-process Engine's is "warning")
 
 
-def test_subprocess_ready_and_sigterm(tiny_llama):
-    """The server logs its URL when ready, answers, and exits 0 within seconds of SIGTERM."""
+def test_every_flag_has_a_description():
+    """`launch_server --help`: every flag (server and engine) has a one-line description, not just a default."""
+    parser = build_parser()
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 50
+    for action in flags:
+        text = (action.help or "").strip()
+        assert text and not text.startswith("(default") and "undocumented" not in text, action.option_strings
+    assert "--enable-memory-saver" in parser.format_help()
+
+
+@pytest.mark.parametrize("flags", [[], ["--log-level", "warning"], ["--no-access-log"]],
+                         ids=["default", "log-level-warning", "no-access-log"])
+def test_subprocess_ready_and_sigterm(tiny_llama, flags):
+    """The server logs its URL when ready, answers, and exits 0 within seconds of SIGTERM, saying so. At
+    the default --log-level info each request gets an access-log line and INFO lines of every package
+    show; --log-level warning hides every INFO line; --no-access-log drops the access lines only."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "rollout.launch_server", "--model-path", str(tiny_llama),
-                             "--port", str(port), "--max-total-tokens", "1024", "--disable-cuda-graph"],
+                             "--port", str(port), "--max-total-tokens", "1024", "--disable-cuda-graph", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 90
@@ -52,6 +69,16 @@ def test_subprocess_ready_and_sigterm(tiny_llama):
         assert r.status_code == 200 and len(r.json()["output_ids"]) <= 2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        out = "".join(lines) + proc.stdout.read()
+        assert "rollout server shutting down" in out and "rollout server stopped" in out, out
+        access = '"POST /generate HTTP/1.1" 200' in out
+        info_lines = [ln for ln in out.splitlines() if " INFO " in ln or ln.startswith("INFO:")]
+        if not flags:
+            assert access and any("runner.attention" in ln for ln in info_lines), out
+        elif flags[0] == "--log-level":
+            assert not access and not info_lines, out
+        else:
+            assert not access and any("runner.attention" in ln for ln in info_lines), out
     finally:
         if proc.poll() is None:
             proc.kill()

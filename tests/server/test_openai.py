@@ -6,6 +6,7 @@ import openai
 import pytest
 
 from rollout.server.openai_api import render_chat
+from tests.server.conftest import start_server
 
 IGN = {"ignore_eos": True}  # fixed lengths: random weights often sample EOS early
 
@@ -76,8 +77,14 @@ def test_completion_stop(server, oai):
     assert streamed == r.choices[0].text
 
 
-def test_chat_equals_engine_on_plain_template(server, oai):
-    """/v1/chat/completions on a tokenizer without a template: the documented plain prompt, Engine's answer."""
+def test_chat_equals_engine_on_plain_template(server):
+    """/v1/chat/completions with --chat-template plain: the documented plain prompt, Engine's answer."""
+    with start_server(server.path, engine=server.engine, chat_template="plain") as s, \
+            openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=60, max_retries=0) as oai:
+        _chat_on_plain_template(server, oai)
+
+
+def _chat_on_plain_template(server, oai):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
     server.engine.flush_cache()
     r = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,

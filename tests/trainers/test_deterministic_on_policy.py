@@ -4,6 +4,8 @@ they are the HF policy's logprobs to rounding, and their gradient reaches the HF
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,10 +16,16 @@ from trainers.losses import sequence_logprobs
 from trainers.policy import load_policy
 from trainers.rollouts import collect_experience
 
+MOE_DEMO_MODEL = str(Path(DEMO_MODEL).parent / "moe-demo-model")
 
-def _trainer(tmp_path, dtype: str) -> GRPOTrainer:
-    cfg = RLConfig(steps=1, prompts_per_step=6, group_size=4, max_new_tokens=6, temperature=0.9, eval_every=0,
-                   deterministic=True, dtype=dtype, no_wandb=True, output_dir=str(tmp_path / "run"), lr=1e-3)
+
+def _trainer(tmp_path, dtype: str, model: str = DEMO_MODEL) -> GRPOTrainer:
+    # The MoE demo is more confident: a hotter, wider step so some group has mixed rewards (a gradient).
+    hot = model == MOE_DEMO_MODEL
+    cfg = RLConfig(steps=1, prompts_per_step=12 if hot else 6, group_size=4, max_new_tokens=6,
+                   temperature=1.5 if hot else 0.9, eval_every=0,
+                   deterministic=True, dtype=dtype, no_wandb=True, output_dir=str(tmp_path / "run"), lr=1e-3,
+                   model=model)
     return GRPOTrainer(cfg)
 
 
@@ -29,10 +37,12 @@ def _rollout(trainer: GRPOTrainer):
     return exp
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_trainer_logprobs_equal_engine_every_token(tmp_path, dtype):
-    """Every sampled token's trainer logprob is torch.equal to the engine's, before and after a GRPO update."""
-    trainer = _trainer(tmp_path, dtype)
+@pytest.mark.parametrize("dtype,model", [("float32", DEMO_MODEL), ("bfloat16", DEMO_MODEL),
+                                         ("float32", MOE_DEMO_MODEL)], ids=["dense-fp32", "dense-bf16", "moe-fp32"])
+def test_trainer_logprobs_equal_engine_every_token(tmp_path, dtype, model):
+    """Every sampled token's trainer logprob is torch.equal to the engine's, before and after a GRPO update
+    (the dense demo and the MoE demo)."""
+    trainer = _trainer(tmp_path, dtype, model)
     try:
         for when in ("initial weights", "after one update + sync"):
             exp = _rollout(trainer)
@@ -51,10 +61,12 @@ def test_trainer_logprobs_equal_engine_every_token(tmp_path, dtype):
         trainer.close()
 
 
-def test_runner_view_matches_hf_and_backpropagates():
-    """The runner-model view computes the HF policy's logprobs (to 1e-5) and its gradient lands on HF params."""
-    policy = load_policy(DEMO_MODEL, "cpu")
-    view = RunnerPolicy(policy, DEMO_MODEL)
+@pytest.mark.parametrize("model", [DEMO_MODEL, MOE_DEMO_MODEL], ids=["dense", "moe"])
+def test_runner_view_matches_hf_and_backpropagates(model):
+    """The runner-model view computes the HF policy's logprobs (to 1e-5) and its gradient lands on HF params
+    (on an MoE policy, on the experts' own HF tensors too)."""
+    policy = load_policy(model, "cpu")
+    view = RunnerPolicy(policy, model)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 20, (3, 11), generator=g)
     mask = torch.ones_like(ids)
@@ -70,3 +82,9 @@ def test_runner_view_matches_hf_and_backpropagates():
     q = policy.model.layers[0].self_attn.q_proj.weight.grad
     assert q is not None and q.abs().sum() > 0
     assert policy.model.embed_tokens.weight.grad.abs().sum() > 0
+    if model == MOE_DEMO_MODEL:
+        mlp = policy.model.layers[0].mlp
+        assert mlp.gate.weight.grad.abs().sum() > 0  # the router
+        experts = mlp.experts
+        grads = [p.grad for n, p in experts.named_parameters() if p.grad is not None]
+        assert grads and sum(g.abs().sum() for g in grads) > 0

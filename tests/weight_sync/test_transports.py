@@ -178,8 +178,15 @@ def groups():
 
 @pytest.fixture(scope="module")
 def remote(ckpt, groups):
-    with RemoteEngine("rollout:Engine", model_path=str(ckpt), **ENGINE_KW) as r:
+    with RemoteEngine(model_path=str(ckpt), **ENGINE_KW) as r:  # no factory: this package's Engine
         yield r
+
+
+def test_remote_engine_defaults_to_this_packages_engine(remote, ckpt):
+    """RemoteEngine(model_path=...) without a factory runs rollout's Engine: same greedy outputs in-process."""
+    with Engine(str(ckpt), **ENGINE_KW) as local:
+        want = outputs(local)
+    assert_same(outputs(remote), want)
 
 
 def test_cross_process_sync_equals_fresh_engine(remote, trainer):
