@@ -61,6 +61,12 @@ ARG_HELP: dict[str, str] = {
                                       "in any batch (dense and MoE; CPU torch_native attention)",
     "in_batch_prefix_threshold": "shared prompt tokens that make a request wait a step to reuse another's KV",
     "show_progress": "progress bars in Engine.generate (in-process)",
+    "enable_lora": "serve LoRA adapters (on by default when --lora-paths is given)",
+    "max_lora_rank": "largest adapter rank accepted (default: the largest initial adapter's)",
+    "max_loras_per_batch": "adapters one batch may mix; requests on further adapters wait",
+    "max_loaded_loras": "adapters resident at once (default: max(--max-loras-per-batch, initial adapters))",
+    "lora_target_modules": "projections adapters may target (q_proj ... down_proj; default: the initial adapters')",
+    "lora_paths": "adapters to load at start-up, as name=path (PEFT directories)",
 }
 
 

@@ -44,11 +44,12 @@ def test_health_get_load_and_abort_answer_while_a_large_batch_runs(tiny_llama):
         t2 = threading.Thread(target=lambda: small.append(httpx.post(f"{s.url}/generate", timeout=120, json={
             "input_ids": [5, 6], "sampling_params": {"max_new_tokens": NEW, "ignore_eos": True}})), daemon=True)
         t2.start()
-        time.sleep(0.05)
         with s.client() as c:
             assert c.get("/health").status_code == 200
-            load = c.get("/get_load").json()[0]
-            assert load["num_reqs"] == N + 1
+            seen = time.monotonic() + 30  # the second request reaches the engine once its POST is handled
+            while (load := c.get("/get_load").json()[0])["num_reqs"] != N + 1:
+                assert time.monotonic() < seen, f"/get_load never counted the second request: {load}"
+                time.sleep(0.01)
             assert c.post("/abort_request", json={"abort_all": True}).status_code == 200
         answered_at = steps["n"]
         t.join(60)
