@@ -104,7 +104,7 @@ class WeightsAPI:
         return self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(model_path),
                             flush_cache, weight_version)
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+    def init_weights_update_group(self, master_address: str, master_port: int | str, rank_offset: int, world_size: int,
                                   group_name: str, backend: str | None = None, timeout_s: float = 120.0
                                   ) -> tuple[bool, str]:
         """Join the trainer's weight-broadcast group (the trainer is rank 0; this engine is rank_offset).

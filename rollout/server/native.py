@@ -403,7 +403,7 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
 
 class InitWeightsUpdateGroupReqInput(Body):
     master_address: str
-    master_port: int
+    master_port: int | str  # SGLang's clients often send "29500"; the engine parses and names a bad one
     rank_offset: int
     world_size: int
     group_name: str = "weight_update_group"
