@@ -53,6 +53,10 @@ def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device) 
         info.logit_bias = bias.to(device)
     if any(r.return_logprob and r.return_original_logprob for r in reqs):
         info.original_rows = torch.tensor([r.return_original_logprob for r in reqs], dtype=torch.bool, device=device)
+    if any(r.return_logprob and r.return_processed_logprob for r in reqs):
+        info.processed_rows = torch.tensor([r.return_processed_logprob for r in reqs], dtype=torch.bool,
+                                           device=device)
+    info.need_logprobs = any(r.return_logprob for r in reqs)
     if any(r.return_logprob and r.token_ids_logprob for r in reqs):
         info.token_ids = _padded([r.token_ids_logprob or [] for r in reqs], 0, device)
     return info
@@ -78,7 +82,7 @@ class SamplingInfoCache:
         # Everything sampling_info() reads of a request but its tokens. Req compares by identity; the
         # sampling params by identity first, then by value (an equal replacement gives an equal info).
         return (r, r.sampling_params, r.seed, r.top_logprobs_num, r.return_logprob, r.return_original_logprob,
-                r.token_ids_logprob)
+                r.return_processed_logprob, r.token_ids_logprob)
 
     def __call__(self, reqs: list[Req]) -> SamplingBatchInfo:
         keys = [self._key(r) for r in reqs]

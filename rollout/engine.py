@@ -243,7 +243,8 @@ class Engine(WeightsAPI):
                 seed = base_seed if j == 0 else hash((base_seed, j)) & ((1 << 63) - 1)
                 req = Req(rids[len(reqs)], list(ids), sp, seed, logprob_flags[i], tops[i], stream, index=len(reqs),
                           return_routed_experts=routed_flags[i], logprob_start_len=starts[i],
-                          token_ids_logprob=id_lists[i], return_original_logprob=original)
+                          token_ids_logprob=id_lists[i], return_original_logprob=original,
+                          return_processed_logprob=self.args.logprobs_mode == "processed_logprobs")
                 req.created_time = now
                 reqs.append(req)
         return reqs, single and sps[0].n == 1
@@ -280,7 +281,7 @@ class Engine(WeightsAPI):
             raise ValueError(f"token_ids_logprob has ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if return_original_logprob is None:
             env = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower()
-            return_original_logprob = env in ("1", "true", "yes")
+            return_original_logprob = env in ("1", "true", "yes") or self.args.logprobs_mode == "raw_logprobs"
         if not isinstance(return_original_logprob, bool):
             raise ValueError(f"return_original_logprob must be a bool or None, got {return_original_logprob!r}")
         return starts, [None if ids is None else list(ids) for ids in id_lists], return_original_logprob
@@ -345,10 +346,12 @@ class Engine(WeightsAPI):
         position logprob_start_len on (default -1: only the last prompt token; its first entry is None),
         "output_token_logprobs" every new token; top_logprobs_num adds "input_top_logprobs" /
         "output_top_logprobs", token_ids_logprob (ids) adds "input_token_ids_logprobs" /
-        "output_token_ids_logprobs". max_new_tokens=0 only scores the prompt. The distribution is the one
-        sampled from (after penalties, logit_bias, temperature and top-k/top-p/min-p truncation; prompt
-        positions get temperature only), or with return_original_logprob=True (default: the
-        SGLANG_RETURN_ORIGINAL_LOGPROB environment variable) the log-softmax of the raw logits."""
+        "output_token_ids_logprobs". max_new_tokens=0 only scores the prompt. The distribution is SGLang's:
+        log_softmax(logits / temperature) over the whole vocabulary, after penalties and logit_bias but
+        before top-k/top-p/min-p (greedy at temperature 1); the engine's logprobs_mode="processed_logprobs"
+        reports the truncated, renormalised distribution sampled from instead (prompt positions are never
+        truncated). return_original_logprob=True (default: the SGLANG_RETURN_ORIGINAL_LOGPROB environment
+        variable, or logprobs_mode="raw_logprobs") gives the log-softmax of the raw logits."""
         if unsupported:
             raise TypeError(f"generate got unsupported argument(s) {sorted(unsupported)}")
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
