@@ -23,7 +23,6 @@ from rollout.scheduler import SchedulerConfig
 from runner.config import RunnerConfig
 from runner.expert_distribution import MODES as EXPERT_RECORDER_MODES
 
-
 # Which logprobs generate() reports (runner/sampler.py): None = SGLang's, log_softmax(logits /
 # temperature) over the whole vocabulary after penalties and bias, before top-k/top-p/min-p; the others
 # are vLLM's `logprobs_mode` names for the same choices there.
