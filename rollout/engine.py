@@ -323,6 +323,7 @@ class Engine(WeightsAPI):
                 raise ValueError(f"request id(s) already in flight: {dup or 'duplicates in this call'}")
             for req in reqs:
                 req.sink = sink
+                req.weight_version_start = self.weight_version
                 self._reqs[req.rid] = req
                 self.scheduler.add_request(req)
             self._cv.notify_all()

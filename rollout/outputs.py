@@ -36,6 +36,10 @@ def build_output(req: Req, tok: TokenizerWrapper, weight_version: str, final: bo
         "cached_tokens": req.cached_tokens,
         "finish_reason": req.finished_reason.to_dict() if req.finished_reason else None,
         "weight_version": weight_version,
+        # SGLang's pair: the version when the request was submitted and when it finished (the current
+        # one in a stream chunk); they differ when an update landed in between (pause in place).
+        "weight_version_start": req.weight_version_start,
+        "weight_version_end": weight_version,
         "num_retractions": req.num_retractions,
     }
     if text_error:

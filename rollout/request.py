@@ -71,7 +71,8 @@ class Req:
     last_node: Any = None
     admitted_order: int = -1
     num_retractions: int = 0
-    weight_version: str = "default"
+    weight_version: str = "default"  # the engine's version when the final output was delivered
+    weight_version_start: str = "default"  # ... when the request was submitted
     sink: Any = None  # where the engine delivers outputs
     text: str = ""
     error: str | None = None

@@ -73,7 +73,9 @@ class GenerateReqInput(Body):
         names = ("logprob_start_len", "token_ids_logprob", "input_embeds", "image_data", "lora_path",
                  "custom_logit_processor", "return_hidden_states", "return_routed_experts", "session_params", "priority",
                  "return_bytes", "return_entropy")
-        return {n: getattr(self, n) for n in names if getattr(self, n) not in (None, False)}
+        # `is not`, not `in (None, False)`: 0 == False, and logprob_start_len=0 (score the whole prompt)
+        # must go through.
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None and getattr(self, n) is not False}
 
 
 def num_sequences(prompts: int, sampling_params) -> int:
