@@ -188,6 +188,7 @@ def extend_batch(items: list[tuple[Req, int, int]], out_cache_loc: torch.Tensor,
         extend_prefix_lens_cpu=[s for _, s, _ in items],
         extend_seq_lens_cpu=[n for _, _, n in items],
         return_all_logits=return_all_logits,
+        final_seq_lens_cpu=[_final_len(r) for r, _, _ in items],
     )
 
 
@@ -205,4 +206,11 @@ def decode_batch(reqs: list[Req], out_cache_loc: torch.Tensor, device) -> Forwar
         seq_lens=rows[3],
         out_cache_loc=out_cache_loc.to(device),
         seq_lens_cpu=seq_lens,
+        final_seq_lens_cpu=[_final_len(r) for r in reqs],
     )
+
+
+def _final_len(req: Req) -> int | None:
+    """The length the request will have if it runs to max_new_tokens (None: no limit set)."""
+    limit = req.sampling_params.max_new_tokens
+    return None if limit is None else len(req.prompt_ids) + limit

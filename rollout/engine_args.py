@@ -89,6 +89,9 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
                                      "routing is kept per KV slot on the host; captured decode steps yield to "
                                      "eager ones"),
     "expert_distribution_recorder_mode": ("'stat', 'per_pass'", "what dump_expert_distribution_record returns"),
+    "rl_on_policy_target": ("None, 'fsdp'", "'fsdp': the forward follows transformers' op order and dtypes "
+                            "(per-request SDPA in the model dtype, no prepacked or captured kernels), so an HF/FSDP "
+                            "trainer's bf16 logprobs match (runner/hf_numerics.py)"),
     "cpu_offload_gb": (">= 0 on the CPU (weights are on the host already); 0 on CUDA (streaming weights in "
                        "is not supported: use enable_memory_saver + enable_weights_cpu_backup)", "host-resident weights"),
     # ---- accepted, no-ops here ------------------------------------------------------------------

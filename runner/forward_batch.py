@@ -56,6 +56,9 @@ class ForwardBatch:
     replace_embeds: torch.Tensor | None = None  # [num_replaced, hidden]
     replace_positions: torch.Tensor | None = None  # [num_replaced] int64
     sampling_info: SamplingBatchInfo | None = None
+    # Each request's planned final length (prompt + max_new_tokens; None unknown): the hf_sdpa backend
+    # computes every row as a forward over the whole sequence would (runner/attention/hf_sdpa.py).
+    final_seq_lens_cpu: list[int | None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from runner import batch_invariant, cpu_prepack
+from runner import batch_invariant, cpu_prepack, hf_numerics
 from runner.attention import create_attention_backend
 from runner.checkpoint import CheckpointError, CheckpointIndex
 from runner.config import MODEL_DTYPES, ModelConfig, RunnerConfig, check_memory_tags
@@ -253,7 +253,8 @@ class ModelRunner:
         # model's step. Not the captured one above: compiled graphs guard on the autograd mode.
         with (torch.inference_mode(),
               forward_context(ForwardContext(self.attn_backend, self.token_to_kv_pool, self.req_to_token_pool)),
-              batch_invariant.mode(self.config.enable_deterministic_inference)):
+              batch_invariant.mode(self.config.enable_deterministic_inference),
+              hf_numerics.mode(self.config.rl_on_policy_target == "fsdp")):
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb.input_ids, fb.positions, fb)
 
