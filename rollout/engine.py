@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from rollout.engine_args import EngineArgs
 from rollout.outputs import AsyncSink, AsyncStream, SyncSink, SyncStream, build_output
+from rollout.pause_watchdog import PauseWatchdog, timeout_from_env
 from rollout.request import FinishReason, Req
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
@@ -52,6 +53,7 @@ def _version() -> str:
 class Engine(WeightsAPI):
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.args = EngineArgs.from_kwargs(model_path, **kwargs)
+        pause_timeout_s = timeout_from_env()  # before anything is built: a bad value leaks nothing
         logging.getLogger("rollout").setLevel(self.args.log_level.upper())
         self.runner = create_model_runner(self.args.runner_config())
         self.tokenizer = TokenizerWrapper(self.args.model_path, self.args.skip_tokenizer_init)
@@ -62,6 +64,8 @@ class Engine(WeightsAPI):
         self._num_updates = 0
         self._rng = random.Random(self.args.random_seed)
         self._cv = threading.Condition(threading.RLock())
+        # SGLANG_ENGINE_PAUSE_TIMEOUT: a pause left alone that long ends by itself (rollout/pause_watchdog.py).
+        self._pause_watchdog = PauseWatchdog(pause_timeout_s, self._continue_after_timeout)
         self._paused = False
         self._shutdown = False
         self._reqs: dict[str, Req] = {}  # in flight, by rid
@@ -71,6 +75,7 @@ class Engine(WeightsAPI):
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:
+        self._pause_watchdog.disarm()
         with self._cv:
             if self._shutdown:
                 return
@@ -432,12 +437,19 @@ class Engine(WeightsAPI):
             raise ValueError(f"pause_generation mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._cv:
             self._paused = True
+            self._pause_watchdog.arm()
             if mode == "abort":
                 self._abort_reqs(list(self._reqs.values()), "aborted by pause_generation(mode='abort')")
             elif mode == "retract":
                 self.scheduler.retract_all()
 
     def continue_generation(self) -> None:
+        self._pause_watchdog.disarm()
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def _continue_after_timeout(self) -> None:
         with self._cv:
             self._paused = False
             self._cv.notify_all()
