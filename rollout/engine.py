@@ -57,6 +57,8 @@ class Engine(WeightsAPI):
         logging.getLogger("rollout").setLevel(self.args.log_level.upper())
         self.runner = create_model_runner(self.args.runner_config())
         self.tokenizer = TokenizerWrapper(self.args.model_path, self.args.skip_tokenizer_init)
+        # The checkpoint being served: the launch path until an update_weights_from_disk succeeds.
+        self.model_path = self.tokenizer_path = self.args.model_path
         mc = self.runner.model_config
         self.eos_ids = self.tokenizer.eos_token_ids(mc.eos_token_ids, self.args.model_path)
         self.scheduler = Scheduler(self.runner, self.args.scheduler_config(), self.eos_ids, self.tokenizer.find_stop)

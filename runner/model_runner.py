@@ -473,7 +473,8 @@ class ModelRunner:
         else:
             bad = [t for t in tags if self.memory_saver.is_resident(t)]
             if bad:
-                raise RuntimeError(f"resume_memory_occupation({tags}): {bad} not released (resident); resume "
+                # SGLang's words ("not currently released"): client code matches on them.
+                raise RuntimeError(f"resume_memory_occupation({tags}): {bad} not currently released; resume "
                                    f"only what release_memory_occupation released")
         return tags
 

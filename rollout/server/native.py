@@ -201,7 +201,8 @@ async def health_generate(request: Request):
 @router.get("/get_model_info")
 async def get_model_info(request: Request):
     engine = request.app.state.engine
-    return JSONResponse({"model_path": engine.args.model_path, "tokenizer_path": engine.args.model_path,
+    return JSONResponse({"model_path": getattr(engine, "model_path", engine.args.model_path),
+                         "tokenizer_path": getattr(engine, "tokenizer_path", engine.args.model_path),
                          "is_generation": True, "preferred_sampling_params": None,
                          "weight_version": engine.weight_version})
 

@@ -53,3 +53,21 @@ def test_openai_responses_carry_metadata_weight_version(server):
                                            temperature=0)
     assert comp.model_extra["metadata"] == {"weight_version": "step-7"}
     assert chat.metadata == {"weight_version": "step-7"}  # a declared field of the client's ChatCompletion
+
+
+def test_get_model_info_reports_the_checkpoint_loaded_from_disk(server, client, tiny_llama, tmp_path):
+    """After /update_weights_from_disk from another directory, /get_model_info's model_path is that
+    directory (SGLang's behaviour); a failed update keeps it."""
+    import shutil
+
+    copy = shutil.copytree(tiny_llama, tmp_path / "ckpt-copy")  # same weights, another path
+    assert client.get("/get_model_info").json()["model_path"] == str(tiny_llama)
+    try:
+        r = client.post("/update_weights_from_disk", json={"model_path": str(copy)})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert client.get("/get_model_info").json()["model_path"] == str(copy)
+        r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
+        assert not r.json()["success"]
+        assert client.get("/get_model_info").json()["model_path"] == str(copy)
+    finally:
+        assert client.post("/update_weights_from_disk", json={"model_path": str(tiny_llama)}).json()["success"]
