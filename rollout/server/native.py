@@ -126,15 +126,24 @@ def coalesce(chunks: list[dict]) -> list[dict]:
 
 
 async def sse(chunks, post=lambda c: c):
-    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`. Whatever the engine delivered
-    while the previous write was going out is sent as one write, keeping only each sequence's newest
-    snapshot (a cumulative chunk supersedes the older ones; SGLang's stream_interval skips the same way):
-    a client that keeps up sees every token, one that falls behind costs the server no extra encode.
-    Closing this generator (the client went away mid-stream) closes `chunks`, which aborts the engine
-    request and frees its KV."""
+    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`. Each sequence's first chunk (its
+    first token: time to first token) goes out alone, the moment it is read. After that, whatever the
+    engine delivered while the previous write was going out is sent as one write, keeping only each
+    sequence's newest snapshot (a cumulative chunk supersedes the older ones; SGLang's stream_interval
+    skips the same way): a client that keeps up sees every token, one that falls behind costs the server
+    no extra encode. Closing this generator (the client went away mid-stream) closes `chunks`, which
+    aborts the engine request and frees its KV."""
+    started: set[int] = set()  # sequences whose first chunk was sent
     try:
         async for chunk in chunks:
-            batch = coalesce([chunk, *chunks.ready_nowait()])
+            if chunk["index"] not in started:
+                started.add(chunk["index"])
+                yield b"data: " + dumpb(post(chunk)) + b"\n\n"
+                continue
+            ready = chunks.ready_nowait(keep_first_of=started)
+            firsts = [c for c in ready if c["index"] not in started]
+            started.update(c["index"] for c in firsts)
+            batch = firsts + coalesce([chunk, *(c for c in ready if not any(c is f for f in firsts))])
             yield b"".join(b"data: " + dumpb(post(c)) + b"\n\n" for c in batch)
         yield b"data: [DONE]\n\n"
     finally:

@@ -71,3 +71,37 @@ def test_get_model_info_reports_the_checkpoint_loaded_from_disk(server, client, 
         assert client.get("/get_model_info").json()["model_path"] == str(copy)
     finally:
         assert client.post("/update_weights_from_disk", json={"model_path": str(tiny_llama)}).json()["success"]
+
+
+def test_streamed_generate_sends_the_first_token_at_once(server):
+    """A streamed /generate of 24 tokens whose reader only gets to it after all 24 exist (the tiny model
+    outruns the event loop) still sends the first token as its own first event, then the newest
+    snapshot (all 24, extending the first), then [DONE]; over HTTP too the first event holds 1 token."""
+    import asyncio
+    import json
+    import time
+
+    from rollout.server.native import sse
+
+    engine = server.engine
+    sp = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
+    want = engine.generate(input_ids=PROMPT, sampling_params=sp)["output_ids"]
+
+    async def read_late():
+        stream = await engine.async_generate(input_ids=PROMPT, sampling_params=sp, stream=True)
+        deadline = time.monotonic() + 30
+        while engine.get_server_info()["num_in_flight"]:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # every delivery is queued before the first read
+        return [part async for part in sse(stream)]
+
+    parts = asyncio.run(read_late())
+    events = [json.loads(e[6:]) for p in parts[:-1] for e in p.split(b"\n\n") if e]
+    assert parts[-1] == b"data: [DONE]\n\n" and len(parts) == 3  # first token alone, then the rest in one write
+    assert [e["output_ids"] for e in events] == [want[:1], want] and len(want) == 24
+    lines = []
+    with server.client() as c, c.stream("POST", "/generate", json=dict(input_ids=PROMPT, sampling_params=sp,
+                                                                        stream=True)) as r:
+        lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert lines[0]["output_ids"] == want[:1] and lines[-1]["output_ids"] == want
