@@ -57,6 +57,10 @@ def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device,
         info.logit_bias = bias.to(device)
     if any(r.return_logprob and r.return_original_logprob for r in reqs):
         info.original_rows = torch.tensor([r.return_original_logprob for r in reqs], dtype=torch.bool, device=device)
+    if any(r.return_logprob and r.return_processed_logprob for r in reqs):
+        info.processed_rows = torch.tensor([r.return_processed_logprob for r in reqs], dtype=torch.bool,
+                                           device=device)
+    info.need_logprobs = any(r.return_logprob for r in reqs)
     if any(r.return_logprob and r.token_ids_logprob for r in reqs):
         info.token_ids = _padded([r.token_ids_logprob or [] for r in reqs], 0, device)
     return info
@@ -83,7 +87,7 @@ class SamplingInfoCache:
         # Everything sampling_info() reads of a request but its tokens. Req compares by identity; the
         # sampling params by identity first, then by value (an equal replacement gives an equal info).
         return (r, r.sampling_params, r.seed, r.top_logprobs_num, r.return_logprob, r.return_original_logprob,
-                r.token_ids_logprob)
+                r.return_processed_logprob, r.token_ids_logprob)
 
     def __call__(self, reqs: list[Req], step_offset: int = 0) -> SamplingBatchInfo:
         keys = [self._key(r) for r in reqs]
@@ -191,6 +195,7 @@ def extend_batch(items: list[tuple[Req, int, int]], out_cache_loc: torch.Tensor,
         extend_seq_lens_cpu=[n for _, _, n in items],
         return_all_logits=return_all_logits,
         lora_ids=_lora_ids([r for r, _, _ in items]),
+        final_seq_lens_cpu=[_final_len(r) for r, _, _ in items],
     )
 
 
@@ -212,6 +217,7 @@ def decode_batch(reqs: list[Req], out_cache_loc: torch.Tensor, device, pending: 
         out_cache_loc=out_cache_loc.to(device),
         seq_lens_cpu=seq_lens,
         lora_ids=_lora_ids(reqs),
+        final_seq_lens_cpu=[_final_len(r) for r in reqs],
     )
 
 
@@ -219,3 +225,9 @@ def _lora_ids(reqs: list[Req]) -> list[int | None] | None:
     """Each request's LoRA adapter uid (None: base model), or None when the batch uses none."""
     ids = [r.lora_id for r in reqs]
     return ids if any(i is not None for i in ids) else None
+
+
+def _final_len(req: Req) -> int | None:
+    """The length the request will have if it runs to max_new_tokens (None: no limit set)."""
+    limit = req.sampling_params.max_new_tokens
+    return None if limit is None else len(req.prompt_ids) + limit

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from rollout.engine_args import EngineArgs
 from rollout.lora_api import LoRAAPI
 from rollout.outputs import AsyncSink, AsyncStream, SyncSink, SyncStream, build_output
+from rollout.pause_watchdog import PauseWatchdog, timeout_from_env
 from rollout.request import FinishReason, Req
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
@@ -60,9 +61,12 @@ def _version() -> str:
 class Engine(WeightsAPI, LoRAAPI):
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.args = EngineArgs.from_kwargs(model_path, **kwargs)
+        pause_timeout_s = timeout_from_env()  # before anything is built: a bad value leaks nothing
         logging.getLogger("rollout").setLevel(self.args.log_level.upper())
         self.runner = create_model_runner(self.args.runner_config())
         self.tokenizer = TokenizerWrapper(self.args.model_path, self.args.skip_tokenizer_init)
+        # The checkpoint being served: the launch path until an update_weights_from_disk succeeds.
+        self.model_path = self.tokenizer_path = self.args.model_path
         mc = self.runner.model_config
         self.eos_ids = self.tokenizer.eos_token_ids(mc.eos_token_ids, self.args.model_path)
         self.scheduler = Scheduler(self.runner, self.args.scheduler_config(), self.eos_ids, self.tokenizer.find_stop)
@@ -70,6 +74,8 @@ class Engine(WeightsAPI, LoRAAPI):
         self._num_updates = 0
         self._rng = random.Random(self.args.random_seed)
         self._cv = StepGate()  # the step lock; `with self._cv:` is a control call (see rollout.step_gate)
+        # SGLANG_ENGINE_PAUSE_TIMEOUT: a pause left alone that long ends by itself (rollout/pause_watchdog.py).
+        self._pause_watchdog = PauseWatchdog(pause_timeout_s, self._continue_after_timeout)
         self._paused = False
         self._shutdown = False
         # In flight, by rid (submitted and not yet delivered final). _reqs_lock guards it and the inbox; it
@@ -91,6 +97,7 @@ class Engine(WeightsAPI, LoRAAPI):
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:
+        self._pause_watchdog.disarm()
         with self._cv:
             with self._reqs_lock:  # no submission gets in after this
                 if self._shutdown:
@@ -333,7 +340,8 @@ class Engine(WeightsAPI, LoRAAPI):
                 req = Req(rids[len(reqs)], list(ids), sp, seed, logprob_flags[i], tops[i], stream, index=len(reqs),
                           return_routed_experts=routed_flags[i], logprob_start_len=starts[i],
                           token_ids_logprob=id_lists[i], return_original_logprob=original,
-                          lora_name=lora_names[i])
+                          lora_name=lora_names[i],
+                          return_processed_logprob=self.args.logprobs_mode == "processed_logprobs")
                 req.created_time = now
                 reqs.append(req)
         return reqs, single and sps[0].n == 1
@@ -370,7 +378,7 @@ class Engine(WeightsAPI, LoRAAPI):
             raise ValueError(f"token_ids_logprob has ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if return_original_logprob is None:
             env = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower()
-            return_original_logprob = env in ("1", "true", "yes")
+            return_original_logprob = env in ("1", "true", "yes") or self.args.logprobs_mode == "raw_logprobs"
         if not isinstance(return_original_logprob, bool):
             raise ValueError(f"return_original_logprob must be a bool or None, got {return_original_logprob!r}")
         return starts, [None if ids is None else list(ids) for ids in id_lists], return_original_logprob
@@ -415,6 +423,7 @@ class Engine(WeightsAPI, LoRAAPI):
                 raise ValueError(f"request id(s) already in flight: {dup or 'duplicates in this call'}")
             for req in reqs:
                 req.sink = sink
+                req.weight_version_start = self.weight_version
                 self._reqs[req.rid] = req
                 self._inbox.append(req)
         self._cv.notify_all()
@@ -439,10 +448,12 @@ class Engine(WeightsAPI, LoRAAPI):
         position logprob_start_len on (default -1: only the last prompt token; its first entry is None),
         "output_token_logprobs" every new token; top_logprobs_num adds "input_top_logprobs" /
         "output_top_logprobs", token_ids_logprob (ids) adds "input_token_ids_logprobs" /
-        "output_token_ids_logprobs". max_new_tokens=0 only scores the prompt. The distribution is the one
-        sampled from (after penalties, logit_bias, temperature and top-k/top-p/min-p truncation; prompt
-        positions get temperature only), or with return_original_logprob=True (default: the
-        SGLANG_RETURN_ORIGINAL_LOGPROB environment variable) the log-softmax of the raw logits.
+        "output_token_ids_logprobs". max_new_tokens=0 only scores the prompt. The distribution is SGLang's:
+        log_softmax(logits / temperature) over the whole vocabulary, after penalties and logit_bias but
+        before top-k/top-p/min-p (greedy at temperature 1); the engine's logprobs_mode="processed_logprobs"
+        reports the truncated, renormalised distribution sampled from instead (prompt positions are never
+        truncated). return_original_logprob=True (default: the SGLANG_RETURN_ORIGINAL_LOGPROB environment
+        variable, or logprobs_mode="raw_logprobs") gives the log-softmax of the raw logits.
         lora_path: the name of a loaded LoRA adapter for every prompt, or one name (or None, the base model)
         per prompt (rollout/lora_api.py)."""
         if unsupported:
@@ -527,12 +538,19 @@ class Engine(WeightsAPI, LoRAAPI):
             raise ValueError(f"pause_generation mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._cv:
             self._paused = True
+            self._pause_watchdog.arm()
             if mode == "abort":
                 self._abort_reqs(self._in_flight(), "aborted by pause_generation(mode='abort')")
             elif mode == "retract":
                 self.scheduler.retract_all()
 
     def continue_generation(self) -> None:
+        self._pause_watchdog.disarm()
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def _continue_after_timeout(self) -> None:
         with self._cv:
             self._paused = False
             self._cv.notify_all()

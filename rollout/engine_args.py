@@ -23,6 +23,11 @@ from rollout.scheduler import SchedulerConfig
 from runner.config import RunnerConfig
 from runner.expert_distribution import MODES as EXPERT_RECORDER_MODES
 
+# Which logprobs generate() reports (runner/sampler.py): None = SGLang's, log_softmax(logits /
+# temperature) over the whole vocabulary after penalties and bias, before top-k/top-p/min-p; the others
+# are vLLM's `logprobs_mode` names for the same choices there.
+LOGPROBS_MODES = (None, "processed_logprobs", "raw_logprobs")
+
 
 @dataclass
 class FrontendConfig:
@@ -32,8 +37,15 @@ class FrontendConfig:
     show_progress: bool = True
     log_level: str = "warning"
     expert_distribution_recorder_mode: str = "stat"
+    logprobs_mode: str | None = None
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose one of {LOGPROBS_MODES} (None: SGLang's "
+                             f"log_softmax(logits / temperature) before top-k/top-p; 'processed_logprobs': the "
+                             f"truncated, renormalised distribution sampled from; 'raw_logprobs': the raw logits' "
+                             f"log_softmax). vLLM's 'raw_logits'/'processed_logits' (logits, not logprobs) are "
+                             f"not offered")
         if self.expert_distribution_recorder_mode not in EXPERT_RECORDER_MODES:
             raise ValueError(f"expert_distribution_recorder_mode={self.expert_distribution_recorder_mode!r}: choose "
                              f"one of {EXPERT_RECORDER_MODES}")
@@ -79,6 +91,9 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
                                      "routing is kept per KV slot on the host; captured decode steps yield to "
                                      "eager ones"),
     "expert_distribution_recorder_mode": ("'stat', 'per_pass'", "what dump_expert_distribution_record returns"),
+    "rl_on_policy_target": ("None, 'fsdp'", "'fsdp': the forward follows transformers' op order and dtypes "
+                            "(per-request SDPA in the model dtype, no prepacked or captured kernels), so an HF/FSDP "
+                            "trainer's bf16 logprobs match (runner/hf_numerics.py)"),
     "cpu_offload_gb": (">= 0 on the CPU (weights are on the host already); 0 on CUDA (streaming weights in "
                        "is not supported: use enable_memory_saver + enable_weights_cpu_backup)", "host-resident weights"),
     # ---- accepted, no-ops here ------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from rollout.request import Req
 from rollout.tokenizer import TokenizerWrapper
@@ -36,6 +36,10 @@ def build_output(req: Req, tok: TokenizerWrapper, weight_version: str, final: bo
         "cached_tokens": req.cached_tokens,
         "finish_reason": req.finished_reason.to_dict() if req.finished_reason else None,
         "weight_version": weight_version,
+        # SGLang's pair: the version when the request was submitted and when it finished (the current
+        # one in a stream chunk); they differ when an update landed in between (pause in place).
+        "weight_version_start": req.weight_version_start,
+        "weight_version_end": weight_version,
         "num_retractions": req.num_retractions,
     }
     if text_error:
@@ -184,15 +188,22 @@ class AsyncStream(_StreamBase):
             raise
         return self._on_item(item)
 
-    def ready_nowait(self) -> list[dict]:
+    def ready_nowait(self, keep_first_of: Container[int] | None = None) -> list[dict]:
         """Every output already delivered, without waiting (the HTTP server writes them as one batch).
         A stream chunk is a cumulative snapshot, so only the newest one of each request is built: a later
-        chunk or the request's final output supersedes it and loses nothing."""
+        chunk or the request's final output supersedes it and loses nothing. With `keep_first_of`, a
+        request whose index is not in it also keeps its first pending item (its first token's event)."""
         items = []
         while not self._sink.queue.empty():
             items.append(self._sink.queue.get_nowait())
         newest = {req.index: i for i, (_, req) in enumerate(items)}
-        return [self._on_item(item) for i, item in enumerate(items) if newest[item[1].index] == i or item[0] == "final"]
+        first: dict[int, int] = {}
+        if keep_first_of is not None:
+            for i, (_, req) in enumerate(items):
+                if req.index not in keep_first_of:
+                    first.setdefault(req.index, i)
+        return [self._on_item(item) for i, item in enumerate(items)
+                if newest[item[1].index] == i or item[0] == "final" or first.get(item[1].index) == i]
 
     async def aclose(self) -> None:
         self._close()

@@ -45,7 +45,10 @@ class Req:
     index: int = 0  # position in the caller's batch (after n-expansion)
     logprob_start_len: int = -1  # first prompt position of input_token_logprobs (-1: the last, as SGLang)
     token_ids_logprob: list[int] | None = None  # ids whose logprobs every position reports
-    return_original_logprob: bool = False  # logprobs of the raw logits instead of the sampled distribution
+    return_original_logprob: bool = False  # logprobs of the raw logits (vLLM's "raw_logprobs")
+    # logprobs of the truncated, renormalised distribution sampled from (vLLM's "processed_logprobs")
+    # instead of SGLang's log_softmax(logits / temperature) over the whole vocabulary
+    return_processed_logprob: bool = False
     return_routed_experts: bool = False
     # [rows, num_layers, top_k] int32 on the host, set as it finishes when asked: the experts of every
     # position it computed or read from the prefix cache (rollout.kv_manager keeps them per KV slot)
@@ -72,7 +75,8 @@ class Req:
     last_node: Any = None
     admitted_order: int = -1
     num_retractions: int = 0
-    weight_version: str = "default"
+    weight_version: str = "default"  # the engine's version when the final output was delivered
+    weight_version_start: str = "default"  # ... when the request was submitted
     sink: Any = None  # where the engine delivers outputs
     text: str = ""
     error: str | None = None

@@ -101,10 +101,13 @@ class WeightsAPI:
         if load_format not in (None, "auto", "safetensors"):
             return (False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported; "
                            f"choose None, 'auto' or 'safetensors'", 0)
-        return self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(model_path),
-                            flush_cache, weight_version)
+        result = self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(model_path),
+                              flush_cache, weight_version)
+        if result[0]:  # SGLang reports the checkpoint now served as the model path (/get_model_info)
+            self.model_path = str(model_path)
+        return result
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+    def init_weights_update_group(self, master_address: str, master_port: int | str, rank_offset: int, world_size: int,
                                   group_name: str, backend: str | None = None, timeout_s: float = 120.0
                                   ) -> tuple[bool, str]:
         """Join the trainer's weight-broadcast group (the trainer is rank 0; this engine is rank_offset).

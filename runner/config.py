@@ -207,6 +207,9 @@ def check_tp_size(mc: ModelConfig, tp_size: int) -> None:
         raise ValueError(f"tp_size={tp_size} does not divide intermediate_size={mc.intermediate_size}")
 
 
+RL_ON_POLICY_TARGETS = (None, "fsdp")  # SGLang's accepted values
+
+
 @dataclass
 class RunnerConfig:
     model_path: str
@@ -249,7 +252,26 @@ class RunnerConfig:
     lora_target_modules: list[str] | None = None
     lora_paths: list[str] | dict | list[dict] | None = None  # SGLang's three forms; the CLI takes name=path
 
+    # SGLang's true on-policy switch: "fsdp" makes the forward follow transformers' op order and
+    # dtypes (runner/hf_numerics.py), so an HF/FSDP trainer's logprobs match the engine's.
+    rl_on_policy_target: str | None = None
+
     def __post_init__(self) -> None:
+        if self.rl_on_policy_target not in RL_ON_POLICY_TARGETS:
+            raise ValueError(f"rl_on_policy_target={self.rl_on_policy_target!r}: choose one of {RL_ON_POLICY_TARGETS} "
+                             f"('fsdp': follow transformers' numerics, as SGLang's option)")
+        if self.rl_on_policy_target is not None:
+            if self.enable_deterministic_inference:
+                raise ValueError("rl_on_policy_target='fsdp' and enable_deterministic_inference=True pick different "
+                                 "kernels; choose one")
+            if self.attention_backend not in (None, "torch_native", "hf_sdpa"):
+                raise ValueError(f"attention_backend={self.attention_backend!r} does not follow transformers' "
+                                 f"numerics; rl_on_policy_target='fsdp' uses 'hf_sdpa' (leave it None)")
+            self.attention_backend = "hf_sdpa"
+            self.cpu_prepack = False  # HF's trainer runs plain F.linear
+            self.cuda_graph_bs = None
+            self.disable_cuda_graph = True  # captured steps pad the batch and use their own kernels
+
         from runner.lora.options import validate_lora_options  # reads adapter_config.json files only
 
         validate_lora_options(self)

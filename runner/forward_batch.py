@@ -58,6 +58,9 @@ class ForwardBatch:
     sampling_info: SamplingBatchInfo | None = None
     # LoRA (runner/lora/): per request, the uid of its adapter or None for the base model; None: no adapters
     lora_ids: list[int | None] | None = None
+    # Each request's planned final length (prompt + max_new_tokens; None unknown): the hf_sdpa backend
+    # computes every row as a forward over the whole sequence would (runner/attention/hf_sdpa.py).
+    final_seq_lens_cpu: list[int | None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from runner import batch_invariant
+from runner import batch_invariant, hf_numerics
 from runner.attention import create_attention_backend
 from runner.config import MODEL_DTYPES, ModelConfig, RunnerConfig
 from runner.forward_batch import ForwardBatch, ForwardContext, LogitsOutput, forward_context
@@ -212,7 +212,8 @@ class ModelRunner:
         with (torch.inference_mode(),
               forward_context(ForwardContext(self.attn_backend, self.token_to_kv_pool, self.req_to_token_pool,
                                              lora_mask)),
-              batch_invariant.mode(self.config.enable_deterministic_inference)):
+              batch_invariant.mode(self.config.enable_deterministic_inference),
+              hf_numerics.mode(self.config.rl_on_policy_target == "fsdp")):
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb.input_ids, fb.positions, fb)
 

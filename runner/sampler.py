@@ -7,12 +7,16 @@ the vocabulary), the logit bias, and the min_new_tokens ban. Greedy rows then ta
 the log-softmax of the processed logits. Sampled rows apply temperature, then top-k, top-p and min-p (in
 that order), and draw by inverse CDF from the renormalised distribution.
 
-Which logprob is reported (SGLang's two choices, per row):
-- default: the log-softmax of exactly the distribution sampled from (after the processors, temperature
-  and top-k/top-p/min-p truncation: a token the truncation removed has logprob -inf, and the kept ones
-  are renormalised); for greedy rows, after the processors at temperature 1;
-- `original_rows`: the log-softmax of the model's raw logits, before every processor and temperature
-  (SGLang's RETURN_ORIGINAL_LOGPROB).
+Which logprob is reported (per row; SGLang's default and its two switches, named after vLLM's
+`logprobs_mode` values where one matches):
+- default (SGLang's): log_softmax(processed logits / temperature) over the whole vocabulary, after the
+  penalties, bias and bans but before top-k/top-p/min-p, so a token the truncation removed still has
+  a finite logprob; greedy rows at temperature 1 (SGLang turns temperature 0 into 1 with top_k=1);
+- `processed_rows` (vLLM's "processed_logprobs"): the log-softmax of exactly the distribution sampled
+  from, after top-k/top-p/min-p truncation (removed tokens -inf, kept ones renormalised);
+- `original_rows` (vLLM's "raw_logprobs", SGLang's RETURN_ORIGINAL_LOGPROB): the log-softmax of the
+  model's raw logits, before every processor and temperature.
+Without truncation the first two are the same tensor (bitwise).
 Top logprobs and `token_ids` logprobs come from the same distribution as the token's logprob.
 
 Randomness is counter-based: the uniform for a row is a hash of (request seed, output position),
@@ -87,6 +91,8 @@ class SamplingBatchInfo:
     presence_penalties: torch.Tensor | None = None  # [bs] fp32
     logit_bias: torch.Tensor | None = None  # [bs, vocab] fp32
     original_rows: torch.Tensor | None = None  # [bs] bool: report log_softmax(raw logits) for these rows
+    processed_rows: torch.Tensor | None = None  # [bs] bool: report the truncated, renormalised distribution
+    need_logprobs: bool = True  # False: no row reads its logprobs, so the default ones may be skipped
     token_ids: torch.Tensor | None = None  # [bs, k] int64: ids whose logprobs each row reports (padded)
     seed_mix: torch.Tensor | None = None  # [bs] int64 splitmix64(seeds), filled by the Sampler on first use
 
@@ -163,16 +169,24 @@ def prompt_logprobs(all_logits: torch.Tensor, rows: torch.Tensor, targets: torch
     return out
 
 
-def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """log-softmax of the distribution each row samples from: [bs, vocab], -inf where masked."""
-    scaled = logits
-    if info.need_temperature:
-        greedy = info.temperatures == 0
-        temps = torch.where(greedy, torch.ones_like(info.temperatures), info.temperatures)
-        # Expanded to the logits' shape, so a one-row batch never meets torch's scalar-divisor
-        # special case: every row takes the same elementwise division whatever the batch size.
-        scaled = logits / temps.unsqueeze(1).expand_as(logits)
-    if info.need_top_k or info.need_top_p or info.need_min_p:
+def temperature_scaled(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """logits / temperature per row ([bs, vocab]; greedy rows at temperature 1)."""
+    if not info.need_temperature:
+        return logits
+    greedy = info.temperatures == 0
+    temps = torch.where(greedy, torch.ones_like(info.temperatures), info.temperatures)
+    # Expanded to the logits' shape, so a one-row batch never meets torch's scalar-divisor
+    # special case: every row takes the same elementwise division whatever the batch size.
+    return logits / temps.unsqueeze(1).expand_as(logits)
+
+
+def needs_truncation(info: SamplingBatchInfo) -> bool:
+    return info.need_top_k or info.need_top_p or info.need_min_p
+
+
+def truncated_logprobs(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """log-softmax of `scaled` [bs, vocab] after top-k, top-p and min-p: -inf where removed."""
+    if needs_truncation(info):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
@@ -192,6 +206,11 @@ def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.T
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
     return torch.log_softmax(scaled, dim=-1)
+
+
+def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """log-softmax of the distribution each row samples from: [bs, vocab], -inf where masked."""
+    return truncated_logprobs(temperature_scaled(logits, info), info)
 
 
 # Chunk width of first_argmax: a multiple of the SIMD width; 128 measured best of 64/128/256 here.
@@ -254,12 +273,21 @@ class Sampler:
         if any_greedy:
             lse = logsumexp_at_argmax(logits, argmax)  # [bs]
             greedy = info.temperatures == 0
-        logprobs_all = None
+        logprobs_all = None  # the reported distribution of the sampled rows, [bs, vocab]
         if info.is_all_greedy:
             ids = argmax
         else:
-            logprobs_all = processed_logprobs(logits, info)  # [bs, vocab]
-            cdf = logprobs_all.exp().cumsum_(dim=-1)  # [bs, vocab]
+            scaled = temperature_scaled(logits, info)
+            sample_lp = truncated_logprobs(scaled, info)  # [bs, vocab], what is sampled from
+            logprobs_all = sample_lp
+            if needs_truncation(info) and info.need_logprobs:
+                # SGLang's default reports the untruncated log_softmax(logits / T); rows that asked for
+                # the processed distribution keep the one sampled from.
+                logprobs_all = torch.log_softmax(scaled, dim=-1)
+                if info.processed_rows is not None:
+                    logprobs_all = torch.where(info.processed_rows.unsqueeze(1), sample_lp, logprobs_all)
+            del scaled
+            cdf = sample_lp.exp().cumsum_(dim=-1)  # [bs, vocab]
             if info.seed_mix is None:
                 info.seed_mix = splitmix64(info.seeds)
             u = uniform_from_seed_mix(info.seed_mix, info.steps).to(cdf.dtype)
@@ -267,7 +295,8 @@ class Sampler:
             ids = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
             del cdf
             # Rounding at the very top of the CDF could land on a masked tail token: take argmax then.
-            chosen_ok = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1) > float("-inf")
+            chosen_ok = sample_lp.gather(1, ids.unsqueeze(1)).squeeze(1) > float("-inf")
+            del sample_lp
             if argmax is None and not bool(chosen_ok.all()):  # CPU: reading [bs] bools costs nothing
                 argmax = first_argmax(logits)
             if argmax is not None:

@@ -2,15 +2,12 @@
 
 A bucket packs tensors that share one device into a single 1-D tensor plus a list of `TensorMeta`
 (name, shape, dtype, offsets). Sending one big tensor instead of hundreds of small ones is what makes
-CUDA IPC handles, shared memory and `broadcast` cheap. Two layouts, both SGLang's:
-
-- one dtype: the flat tensor has that dtype and offsets count its elements (SGLang's original
-  `FlattenedTensorBucket`);
-- mixed dtypes: the flat tensor is uint8, offsets count bytes, and each entry's bytes are viewed as
-  its own dtype (SGLang's `supports_multi_dtypes` bucket, which is uint8 even for one dtype).
-
-Either way the bytes are the tensors' bytes concatenated in order, without padding, which is also the
-layout of SGLang's bucketed `update_weights_from_distributed` broadcast.
+CUDA IPC handles, shared memory and `broadcast` cheap. The layout built here is SGLang's current one
+(its `supports_multi_dtypes` bucket), whatever the dtypes: the flat tensor is uint8, the tensors' bytes
+back to back in order without padding, offsets (`start_idx`, `end_idx`, `numel`) count bytes, and each
+entry's bytes are viewed as its own dtype. That is also the layout of SGLang's bucketed
+`update_weights_from_distributed` broadcast. Received buckets may also use SGLang's original layout
+(one dtype, the flat tensor of that dtype, offsets in elements); both are accepted.
 
 SGLang's interface is mirrored (`get_flattened_tensor()`, `get_metadata()`, `reconstruct_tensors()`,
 metadata fields `start_idx` / `end_idx` / `numel`), and `from_dict` accepts our plain dict, SGLang's
@@ -100,7 +97,8 @@ class TensorMeta:
 
 
 class FlattenedTensorBucket:
-    """Many same-device tensors packed into one 1-D tensor (one dtype, or uint8 bytes for mixed dtypes).
+    """Many same-device tensors packed into one 1-D uint8 tensor of their bytes (or, when received, one
+    1-D tensor of their common dtype with element offsets: SGLang's original layout).
 
     Build it from `(name, tensor)` pairs, or from an existing `flattened_tensor` plus `metadata`
     (validated). `named_tensors()` returns views into the flat tensor, not copies.
@@ -130,7 +128,7 @@ class FlattenedTensorBucket:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The flat tensor's dtype: the tensors' dtype, or uint8 for a mixed-dtype bucket."""
+        """The flat tensor's dtype: uint8 for a bucket built here (the tensors' for a typed one received)."""
         return self.flattened_tensor.dtype
 
     @property
@@ -149,7 +147,8 @@ class FlattenedTensorBucket:
 
     def named_tensors(self) -> list[tuple[str, Tensor]]:
         """`(name, tensor)` pairs; each shares storage with `flattened_tensor`, except an entry of a
-        mixed bucket whose byte offset is not a multiple of its dtype's size (torch cannot view it)."""
+        mixed-dtype bucket whose byte offset is not a multiple of its dtype's size (torch cannot view
+        it). In a one-dtype bucket every offset is aligned, so every entry is a view."""
         flat = self.flattened_tensor
         out = []
         for m in self.metadata:
@@ -163,6 +162,7 @@ class FlattenedTensorBucket:
 
     # SGLang's names for the same things.
     def get_flattened_tensor(self) -> Tensor:
+        """The flat tensor: uint8 bytes for a bucket built here, as SGLang's class returns."""
         return self.flattened_tensor
 
     def get_metadata(self) -> list[TensorMeta]:
@@ -204,7 +204,7 @@ class FlattenedTensorBucket:
 
 
 def _flatten(named_tensors: NamedTensors) -> tuple[Tensor, list[TensorMeta]]:
-    """One `torch.cat`: of the tensors (one dtype) or of their bytes (mixed); one device, unique names."""
+    """One `torch.cat` of the tensors' bytes (SGLang's layout for one dtype too); one device, unique names."""
     pairs = []
     names: set[str] = set()
     for name, tensor in named_tensors:
@@ -220,16 +220,13 @@ def _flatten(named_tensors: NamedTensors) -> tuple[Tensor, list[TensorMeta]]:
         pairs.append((name, tensor.detach()))
     if not pairs:
         raise ValueError("cannot build a bucket from zero tensors")
-    mixed = len({t.dtype for _, t in pairs}) > 1
     flats, metadata, offset = [], [], 0
     for name, tensor in pairs:
-        flat = tensor.reshape(-1)  # [numel]
-        if mixed:
-            flat = flat.contiguous().view(torch.uint8)  # [numel * itemsize]
+        flat = tensor.reshape(-1).contiguous().view(torch.uint8)  # [numel * itemsize]
         metadata.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype, offset, offset + flat.numel()))
         flats.append(flat)
         offset += flat.numel()
-    return torch.cat(flats), metadata  # [total elements] or [total bytes] (uint8)
+    return torch.cat(flats), metadata  # [total bytes] uint8
 
 
 def _is_int(x) -> bool:

@@ -2,7 +2,8 @@
 
 Both ends build the same standalone process group with `create_weight_update_group` (a TCPStore and a
 Gloo or NCCL group of their own, so neither side needs a default process group) and free it with
-`destroy_weight_update_group`, after which the same name and port can be joined again.
+`destroy_weight_update_group`, after which the same name and port can be joined again. Its store keys
+are those of SGLang's `init_custom_process_group`, so a trainer built for SGLang joins the engine.
 
 Per update the engine is told `names, dtypes, shapes` and receives with `receive_named_tensors` in one
 of three wire formats (`load_format`), all received before anything is checked or loaded:
@@ -77,26 +78,59 @@ class WeightUpdateGroup:
     destroyed: bool = False
 
 
-def create_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
+def parse_master_port(master_port) -> int:
+    """`master_port` as an int: SGLang's tests and many HTTP bodies send a numeric string ("29500")."""
+    if isinstance(master_port, str) and master_port.strip().isdigit():
+        master_port = int(master_port.strip())
+    if isinstance(master_port, bool) or not isinstance(master_port, int) or not 0 < master_port < 65536:
+        raise ValueError(f"master_port={master_port!r}: give a TCP port number (an int or a numeric string, "
+                         f"1-65535)")
+    return master_port
+
+
+def _group_store(store, group_name: str, device: str):
+    """The store a group's backend talks through, nested the way SGLang's `init_custom_process_group`
+    nests it (so a trainer that built its side with that helper meets ours on the same keys): the
+    helper wraps the rendezvous store in `PrefixStore(group_name)`, torch's process-group factory
+    adds `PrefixStore(group_name + "/")` and then one per device type ("cpu/" for gloo, "cuda/"
+    for nccl; one backend only, since all devices map to the same one)."""
+    outer = dist.PrefixStore(group_name, store)
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", outer))
+
+
+def create_weight_update_group(master_address: str, master_port: int | str, rank: int, world_size: int,
                                group_name: str, backend: str = "gloo",
                                timeout_s: float = DEFAULT_TIMEOUT_S) -> WeightUpdateGroup:
     """Join (rank 0: host) a standalone broadcast group; blocks until all `world_size` ranks joined or
-    `timeout_s` passed."""
+    `timeout_s` passed.
+
+    Wire-compatible with SGLang's `init_custom_process_group` (TCP rendezvous store, then
+    `PrefixStore(group_name, store)`, then a new process group on it), which slime, verl and OpenRLHF
+    use on the trainer side: the same store keys (`_group_store`) and the same sequence-number
+    handshake, so either side may use either helper. Unlike it, nothing is registered in
+    torch.distributed's global group table, so no default process group is needed or touched."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: choose 'gloo' (CPU) or 'nccl' (GPU)")
+    if not isinstance(group_name, str) or not group_name:
+        raise ValueError(f"group_name={group_name!r}: give a non-empty string")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world_size {world_size}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    master_port = parse_master_port(master_port)
     timeout = datetime.timedelta(seconds=timeout_s)
+    # What torch's tcp:// rendezvous builds for SGLang's helper: rank 0 hosts, all wait for world_size.
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        group = dist.ProcessGroupGloo(_group_store(store, group_name, "cpu"), rank, world_size, timeout)
     else:
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        opts.is_high_priority_stream = False
+        group = dist.ProcessGroupNCCL(_group_store(store, group_name, "cuda"), rank, world_size, opts)
+    # torch's factory does this handshake on every new group (rank 0 publishes, the others read);
+    # doing it too keeps both sides' store traffic paired.
+    group._set_sequence_number_for_group()
     return WeightUpdateGroup(group, store, rank, world_size, group_name, backend, timeout_s)
 
 

@@ -73,7 +73,9 @@ class GenerateReqInput(Body):
         names = ("logprob_start_len", "token_ids_logprob", "input_embeds", "image_data", "lora_path",
                  "custom_logit_processor", "return_hidden_states", "return_routed_experts", "session_params", "priority",
                  "return_bytes", "return_entropy")
-        return {n: getattr(self, n) for n in names if getattr(self, n) not in (None, False)}
+        # `is not`, not `in (None, False)`: 0 == False, and logprob_start_len=0 (score the whole prompt)
+        # must go through.
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None and getattr(self, n) is not False}
 
 
 def num_sequences(prompts: int, sampling_params) -> int:
@@ -124,15 +126,24 @@ def coalesce(chunks: list[dict]) -> list[dict]:
 
 
 async def sse(chunks, post=lambda c: c):
-    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`. Whatever the engine delivered
-    while the previous write was going out is sent as one write, keeping only each sequence's newest
-    snapshot (a cumulative chunk supersedes the older ones; SGLang's stream_interval skips the same way):
-    a client that keeps up sees every token, one that falls behind costs the server no extra encode.
-    Closing this generator (the client went away mid-stream) closes `chunks`, which aborts the engine
-    request and frees its KV."""
+    """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`. Each sequence's first chunk (its
+    first token: time to first token) goes out alone, the moment it is read. After that, whatever the
+    engine delivered while the previous write was going out is sent as one write, keeping only each
+    sequence's newest snapshot (a cumulative chunk supersedes the older ones; SGLang's stream_interval
+    skips the same way): a client that keeps up sees every token, one that falls behind costs the server
+    no extra encode. Closing this generator (the client went away mid-stream) closes `chunks`, which
+    aborts the engine request and frees its KV."""
+    started: set[int] = set()  # sequences whose first chunk was sent
     try:
         async for chunk in chunks:
-            batch = coalesce([chunk, *chunks.ready_nowait()])
+            if chunk["index"] not in started:
+                started.add(chunk["index"])
+                yield b"data: " + dumpb(post(chunk)) + b"\n\n"
+                continue
+            ready = chunks.ready_nowait(keep_first_of=started)
+            firsts = [c for c in ready if c["index"] not in started]
+            started.update(c["index"] for c in firsts)
+            batch = firsts + coalesce([chunk, *(c for c in ready if not any(c is f for f in firsts))])
             yield b"".join(b"data: " + dumpb(post(c)) + b"\n\n" for c in batch)
         yield b"data: [DONE]\n\n"
     finally:
@@ -199,7 +210,8 @@ async def health_generate(request: Request):
 @router.get("/get_model_info")
 async def get_model_info(request: Request):
     engine = request.app.state.engine
-    return JSONResponse({"model_path": engine.args.model_path, "tokenizer_path": engine.args.model_path,
+    return JSONResponse({"model_path": getattr(engine, "model_path", engine.args.model_path),
+                         "tokenizer_path": getattr(engine, "tokenizer_path", engine.args.model_path),
                          "is_generation": True, "preferred_sampling_params": None,
                          "weight_version": engine.weight_version})
 
@@ -410,7 +422,7 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
 
 class InitWeightsUpdateGroupReqInput(Body):
     master_address: str
-    master_port: int
+    master_port: int | str  # SGLang's clients often send "29500"; the engine parses and names a bad one
     rank_offset: int
     world_size: int
     group_name: str = "weight_update_group"

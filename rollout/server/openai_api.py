@@ -149,6 +149,11 @@ def _finish(meta: dict) -> tuple[str | None, Any]:
     return fr["type"], fr.get("matched") if fr["type"] == "stop" else None
 
 
+def _metadata(outs: list[dict]) -> dict:
+    """SGLang's response `metadata`: the weight version that finished the request (its first choice)."""
+    return {"weight_version": outs[0]["meta_info"]["weight_version"] if outs else None}
+
+
 def _usage(outs: list[dict], n: int) -> dict:
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])  # each prompt counted once
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -364,7 +369,7 @@ async def completions(req: CompletionRequest, request: Request):
             choices.append({"index": i, "text": o["text"], "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched})
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage(outs, req.n)})
+                             "choices": choices, "usage": _usage(outs, req.n), "metadata": _metadata(outs)})
 
     try:
         merged = _stream_choices(request, prompts, sampling, req.logprobs, req.model)
@@ -483,7 +488,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             choices.append({"index": i, "message": {"role": "assistant", "content": o["text"]}, "logprobs": lp,
                             "finish_reason": reason, "matched_stop": matched})
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage(outs, req.n)})
+                             "choices": choices, "usage": _usage(outs, req.n), "metadata": _metadata(outs)})
 
     try:
         merged = _stream_choices(request, prompts, sampling, num_top, req.model)

@@ -35,9 +35,18 @@ META_KEY = "bucket_metadata"
 
 
 def encode_named_tensors(named_tensors) -> str:
-    """[(name, tensor), ...] or {name: tensor} -> base64 safetensors string."""
+    """[(name, tensor), ...] or {name: tensor} -> base64 safetensors string. Every name is encoded,
+    also names whose tensors share storage (a tied model's embedding and lm_head in its state_dict):
+    safetensors refuses shared storage, so each name after the first on one storage gets its own copy."""
     items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in items}
+    tensors, storages = {}, set()
+    for name, t in items:
+        t = t.detach().to("cpu").contiguous()
+        key = t.untyped_storage().data_ptr()
+        if key in storages or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # shared with another name, or a view of a larger storage
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
     return base64.b64encode(st_save(tensors)).decode("ascii")
 
 

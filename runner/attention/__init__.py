@@ -13,7 +13,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("torch_native", "flashinfer")
+# "hf_sdpa": transformers' SDPA call per request in the model dtype (rl_on_policy_target="fsdp").
+BACKENDS = ("torch_native", "flashinfer", "hf_sdpa")
 
 
 def flashinfer_available() -> bool:
@@ -44,6 +45,10 @@ def create_attention_backend(name: str | None, device, model_config, runner):
         from runner.attention.flashinfer import FlashInferAttnBackend
 
         return FlashInferAttnBackend(runner)
+    if name == "hf_sdpa":
+        from runner.attention.hf_sdpa import HFSdpaAttnBackend
+
+        return HFSdpaAttnBackend(runner)
     from runner.attention.torch_native import TorchNativeAttnBackend
 
     return TorchNativeAttnBackend(runner)

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from runner import batch_invariant
+from runner import batch_invariant, hf_numerics
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -11,4 +11,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if batch_invariant.is_enabled():  # F.silu's bits depend on the tensor size (runner/batch_invariant.py)
         return batch_invariant.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
+    if hf_numerics.is_enabled():  # HF's gate_proj/up_proj outputs are contiguous tensors of their own
+        return F.silu(gate.contiguous()) * up.contiguous()
     return F.silu(gate) * up

@@ -38,7 +38,7 @@ def check_transition(runner, tags: list[str] | None, release: bool) -> list[str]
     else:
         bad = [t for t in tags if saver.is_resident(t)]
         if bad:
-            raise RuntimeError(f"resume_memory_occupation({tags}): {bad} not released (resident); resume "
+            raise RuntimeError(f"resume_memory_occupation({tags}): {bad} not currently released; resume "
                                f"only what release_memory_occupation released")
     return tags
 

@@ -91,7 +91,8 @@ def encode_batch(fb: ForwardBatch, req_to_token: torch.Tensor) -> tuple[dict, li
     opt = [f for f in _OPT_FIELDS if getattr(fb, f) is not None]
     header = {"mode": int(fb.forward_mode), "batch_size": fb.batch_size, "seq_lens_cpu": fb.seq_lens_cpu,
               "extend_prefix_lens_cpu": fb.extend_prefix_lens_cpu, "extend_seq_lens_cpu": fb.extend_seq_lens_cpu,
-              "return_all_logits": fb.return_all_logits, "optional": opt}
+              "return_all_logits": fb.return_all_logits, "final_seq_lens_cpu": fb.final_seq_lens_cpu,
+              "optional": opt}
     return header, [getattr(fb, f) for f in _INT_FIELDS] + [rows] + [getattr(fb, f) for f in opt]
 
 
@@ -111,4 +112,5 @@ def apply_batch(header: dict, tensors: list[torch.Tensor], runner: ModelRunner) 
     return ForwardBatch(ForwardMode(header["mode"]), header["batch_size"], seq_lens_cpu=header["seq_lens_cpu"],
                         extend_prefix_lens_cpu=header["extend_prefix_lens_cpu"],
                         extend_seq_lens_cpu=header["extend_seq_lens_cpu"],
-                        return_all_logits=header["return_all_logits"], **ints, **opt)
+                        return_all_logits=header["return_all_logits"],
+                        final_seq_lens_cpu=header.get("final_seq_lens_cpu"), **ints, **opt)

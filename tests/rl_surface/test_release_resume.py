@@ -87,7 +87,7 @@ def test_release_twice_and_resume_resident_are_refused_and_change_nothing(ckpt_p
         before, outputs = snapshot(engine), run(engine)
         held = {t: saver.bytes_held(t) for t in TAGS}
         assert held["weights"] > 0 and held["kv_cache"] > 0
-        with pytest.raises(RuntimeError, match=r"\['weights', 'kv_cache', 'cuda_graph'\] not released"):
+        with pytest.raises(RuntimeError, match=r"\['weights', 'kv_cache', 'cuda_graph'\] not currently released"):
             engine.resume_memory_occupation()
         engine.release_memory_occupation(["kv_cache"])
         with pytest.raises(RuntimeError, match=r"\['kv_cache'\] already released"):
@@ -101,7 +101,7 @@ def test_release_twice_and_resume_resident_are_refused_and_change_nothing(ckpt_p
         assert {t: saver.bytes_held(t) for t in TAGS} == held
         assert_same_tensors(before, engine)
         engine.generate(input_ids=prompt, sampling_params=sp)
-        with pytest.raises(RuntimeError, match=r"\['kv_cache'\] not released"):
+        with pytest.raises(RuntimeError, match=r"\['kv_cache'\] not currently released"):
             engine.resume_memory_occupation(["kv_cache"])
         assert engine.generate(input_ids=prompt, sampling_params=sp)["meta_info"]["cached_tokens"] > 0
         assert_same_tensors(before, engine)

@@ -106,7 +106,10 @@ def test_mixed_dtype_buckets_and_bf16_tensors(ckpt_factory, reference_outputs):
     assert {t.dtype for t in sd.values()} == {torch.bfloat16}
     sd = {n: (t.float() if "norm" in n else t) for n, t in sd.items()}  # exact: bf16 -> fp32 loses nothing
     buckets = [bk.to_dict() for bk in iter_buckets(sd, bucket_bytes=64 << 10)]
-    assert {bk["flattened_tensor"].dtype for bk in buckets} == {torch.bfloat16, torch.float32}
+    # One dtype per bucket (uint8 bytes on the wire, SGLang's layout), both dtypes among the buckets.
+    assert {bk["flattened_tensor"].dtype for bk in buckets} == {torch.uint8}
+    assert {frozenset(m["dtype"] for m in bk["metadata"]) for bk in buckets} == {frozenset({"bfloat16"}),
+                                                                                 frozenset({"float32"})}
     with make_engine(a) as engine:
         assert engine.update_weights_from_tensor(buckets, load_format="flattened_bucket")[0]
         assert run(engine) == reference_outputs(b16)

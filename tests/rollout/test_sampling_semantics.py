@@ -206,28 +206,56 @@ def test_prompt_logprobs_with_chunked_prefill_and_prefix_cache_hit(tiny_llama, m
     assert again["meta_info"]["cached_tokens"] == len(prompt) - 1
 
 
-@pytest.mark.parametrize("original", [False, True])
-def test_original_vs_tempered_logprobs(env, original):
-    """At temperature 0.7 (top_k 5), output logprobs are log_softmax(logits/0.7) renormalised over the top 5, or
-    with return_original_logprob the log_softmax of the raw logits; prompt logprobs are tempered (no truncation)
+@pytest.mark.parametrize("mode", ["default", "processed_logprobs", "original"])
+def test_original_vs_tempered_logprobs(env, tiny_llama, module_engines, mode):
+    """At temperature 0.7 (top_k 5), output logprobs are log_softmax(logits/0.7) over the whole vocabulary by
+    default (SGLang), renormalised over the top 5 with logprobs_mode="processed_logprobs", or with
+    return_original_logprob the log_softmax of the raw logits; prompt logprobs are tempered (no truncation)
     or raw likewise."""
     engine, hf = env
+    if mode == "processed_logprobs":
+        engine = module_engines(tiny_llama, logprobs_mode="processed_logprobs")
     prompt = random_prompts([9], seed=6)[0]
     out = engine.generate(input_ids=prompt, sampling_params=dict(temperature=0.7, top_k=5, seed=3, max_new_tokens=5,
                                                                  ignore_eos=True),
-                          return_logprob=True, logprob_start_len=0, return_original_logprob=original)
+                          return_logprob=True, logprob_start_len=0, return_original_logprob=mode == "original")
     full = prompt + out["output_ids"]
     raw = hf_logprobs(hf, full)
     tempered = hf_logprobs(hf, full, 0.7)
     for k, (lp, t, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
         row = len(prompt) - 1 + k
-        if original:
+        if mode == "original":
             want = raw[row, t]
-        else:
+        elif mode == "processed_logprobs":
             kept = tempered[row].topk(5).values
             want = tempered[row, t] - torch.logsumexp(kept, dim=0)
+        else:
+            want = tempered[row, t]
         assert math.isclose(lp, want.item(), abs_tol=2e-5)
-    _check_prompt_logprobs(out["meta_info"], prompt, 0, raw if original else tempered)
+    _check_prompt_logprobs(out["meta_info"], prompt, 0, raw if mode == "original" else tempered)
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=3), dict(top_p=0.5), dict(top_k=8, top_p=0.7, min_p=0.05)],
+                         ids=["top_k", "top_p", "combined"])
+def test_default_logprobs_are_sglangs_full_vocab_tempered(env, filters):
+    """With top_k/top_p set, the sampled token's logprob and every returned top-logprob rank (past top_k too)
+    equal log_softmax(logits / T) of an HF forward within 1e-5, so ranks past the truncation are finite."""
+    engine, hf = env
+    temperature, k = 0.8, 10
+    prompts = random_prompts([7, 11], seed=12)
+    outs = engine.generate(input_ids=prompts, sampling_params=dict(temperature=temperature, seed=5, max_new_tokens=6,
+                                                                   ignore_eos=True, **filters),
+                           return_logprob=True, top_logprobs_num=k)
+    for prompt, out in zip(prompts, outs):
+        ref = hf_logprobs(hf, prompt + out["output_ids"], temperature)
+        meta = out["meta_info"]
+        for step, ((lp, t, _), tops) in enumerate(zip(meta["output_token_logprobs"], meta["output_top_logprobs"])):
+            row = ref[len(prompt) - 1 + step]
+            assert abs(lp - row[t].item()) <= 1e-5
+            want_v, want_i = row.topk(k)
+            assert [i for _, i, _ in tops] == want_i.tolist()
+            got_v = torch.tensor([v for v, _, _ in tops], dtype=torch.float64)
+            assert got_v.isfinite().all() and (got_v - want_v).abs().max() <= 1e-5
 
 
 def test_penalised_logprob_is_of_the_penalised_distribution(env):

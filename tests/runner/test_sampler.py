@@ -1,5 +1,6 @@
 """Sampler against naive references: greedy is argmax, top-k/top-p/min-p never emit a masked token,
-reported logprobs are those of the renormalised truncated distribution, draws follow the target
+reported logprobs are SGLang's log_softmax(logits / T) over the whole vocabulary by default and those
+of the renormalised truncated distribution with `processed_rows`, draws follow the target
 distribution (chi-square), a request's draw depends only on its own (seed, step), banned tokens
 never appear."""
 
@@ -67,19 +68,26 @@ FILTERS = [
 @pytest.mark.parametrize("params", FILTERS)
 def test_filters_never_emit_masked_tokens_and_report_truncated_logprobs(params):
     """Over 4000 draws on 4 logit rows: every token is in the naive keep set, every kept token with
-    p >= 1% shows up, and each logprob is log of the renormalised truncated probability."""
+    p >= 1% shows up; each default logprob is log_softmax(logits / T) of the full vocabulary (SGLang),
+    each processed one (same draws) the log of the renormalised truncated probability."""
     base = _logits(4, seed=1)
     num_draws = 4000
     logits = base.repeat(num_draws // 4, 1)  # row i uses base[i % 4]
     rows = [dict(params, seed=1000 + i // 7, step=i % 7) for i in range(num_draws)]
     out = sampler(logits, _info(rows))
+    info = _info(rows)
+    info.processed_rows = torch.ones(num_draws, dtype=torch.bool)
+    processed = sampler(logits, info)
+    assert torch.equal(processed.next_token_ids, out.next_token_ids)  # the mode changes reports, not draws
     for b in range(4):
         q = naive_distribution(base[b], **params)
+        full = torch.log_softmax(base[b].double() / params["temperature"], dim=-1)
         ids = out.next_token_ids[b::4]
         assert q[ids].min() > 0, f"a masked token was sampled for row {b}"
         common = set((q >= 0.01).nonzero().flatten().tolist())
         assert common <= set(ids.tolist()), "a kept token never came up: over-masking"
-        torch.testing.assert_close(out.logprobs[b::4].double(), q[ids].log(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.logprobs[b::4].double(), full[ids], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(processed.logprobs[b::4].double(), q[ids].log(), atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_is_argmax_with_raw_logprob():
@@ -169,22 +177,29 @@ def test_draws_follow_the_target_distribution(params, vary):
         assert not _chi_square_ok(observed, naive_distribution(base) * n)[0]
 
 
-def test_top_logprobs_are_the_k_largest_of_the_sampled_distribution():
-    """top_logprobs/ids are the k largest log-probabilities of the distribution sampled from
-    (truncated, -inf past the kept set), and the raw distribution's for greedy rows."""
+@pytest.mark.parametrize("processed", [False, True], ids=["default", "processed"])
+def test_top_logprobs_are_the_k_largest_of_the_reported_distribution(processed):
+    """top_logprobs/ids are the k largest log-probabilities of the reported distribution: by default
+    log_softmax(logits / T) of the whole vocabulary (finite past top_k), with processed_rows the one
+    sampled from (truncated, -inf past the kept set); the raw distribution's for greedy rows."""
     logits = _logits(3, seed=3)
     rows = [{"temperature": 0.8, "top_k": 3, "seed": 1}, {"temperature": 1.1, "top_p": 0.35, "seed": 2},
             {"temperature": 0.0}]
     k = 5
-    out = sampler(logits, _info(rows, top_logprobs_num=k))
+    info = _info(rows, top_logprobs_num=k)
+    if processed:
+        info.processed_rows = torch.ones(3, dtype=torch.bool)
+    out = sampler(logits, info)
     for b, row in enumerate(rows):
         if row["temperature"] == 0:
             logq = torch.log_softmax(logits[b].double(), dim=-1)
-        else:
+        elif processed:
             logq = naive_distribution(logits[b], **{key: v for key, v in row.items() if key != "seed"}).log()
+        else:
+            logq = torch.log_softmax(logits[b].double() / row["temperature"], dim=-1)
         want_vals, want_ids = logq.topk(k)
         finite = want_vals.isfinite()
-        assert finite.sum() < k or row["temperature"] == 0  # truncation shows as -inf
+        assert (finite.sum() < k) == (processed and row["temperature"] != 0)  # truncation shows as -inf
         assert torch.equal(out.top_logprob_ids[b][finite], want_ids[finite])
         torch.testing.assert_close(out.top_logprobs[b].double(), want_vals, atol=1e-5, rtol=1e-5)
 

@@ -109,14 +109,15 @@ def test_update_from_tensor_plain_and_bucketed(wclient, ckpts, expected):
 
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_update_from_distributed(wserver, wclient, ckpts, expected, load_format):
-    """init group over HTTP, trainer broadcasts B (per tensor, or one bucket), engine loads it: B's outputs."""
+    """init group over HTTP (master_port an int, or a numeric string as SGLang's clients send), trainer
+    broadcasts B (per tensor, or one bucket), engine loads it: B's outputs."""
     sd = sorted(read_state_dict(ckpts[1]).items())
     port, name = free_port(), f"wug-{load_format}"
     joined: dict = {}
 
     def engine_joins():
         joined["r"] = wserver.client().post("/init_weights_update_group", json=dict(
-            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=name,
+            master_address="127.0.0.1", master_port=str(port) if load_format else port, rank_offset=1, world_size=2, group_name=name,
             backend="gloo"))
 
     t = threading.Thread(target=engine_joins)

@@ -27,11 +27,16 @@ def _mixed_model():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_round_trip_is_bit_exact_views(dtype):
-    """Unpacked tensors equal the inputs bit for bit and are views of the one flat tensor."""
+    """A one-dtype bucket is SGLang's layout (uint8 bytes, byte offsets); unpacked tensors equal the
+    inputs bit for bit and are views of the one flat tensor."""
     src = _tensors(dtype)
     bucket = FlattenedTensorBucket(src)
-    assert bucket.flattened_tensor.dim() == 1 and bucket.dtype == dtype
-    assert bucket.nbytes == sum(t.numel() for _, t in src) * bucket.flattened_tensor.element_size()
+    assert bucket.flattened_tensor.dim() == 1 and bucket.dtype == torch.uint8
+    assert torch.equal(bucket.get_flattened_tensor(), torch.cat([t.reshape(-1).view(torch.uint8) for _, t in src]))
+    sizes = [t.numel() * t.element_size() for _, t in src]
+    assert [(m.start_idx, m.end_idx, m.numel) for m in bucket.metadata] == [
+        (sum(sizes[:i]), sum(sizes[: i + 1]), sizes[i]) for i in range(len(src))]
+    assert bucket.nbytes == sum(sizes)
     out = bucket.named_tensors()
     flat_ptr = bucket.flattened_tensor.untyped_storage().data_ptr()
     assert [n for n, _ in out] == [n for n, _ in src]
@@ -45,7 +50,7 @@ def test_to_dict_from_dict_round_trip_plain_types():
     """to_dict carries only plain types besides the flat tensor, and from_dict rebuilds it without copying."""
     bucket = FlattenedTensorBucket(_tensors(torch.bfloat16))
     d = bucket.to_dict()
-    want = {"name": "a.weight", "shape": [3, 4], "dtype": "bfloat16", "start": 0, "end": 12}
+    want = {"name": "a.weight", "shape": [3, 4], "dtype": "bfloat16", "start": 0, "end": 24}  # bytes
     assert d["metadata"][0] == want
     back = FlattenedTensorBucket.from_dict(d)
     assert back.flattened_tensor is bucket.flattened_tensor
@@ -96,9 +101,9 @@ def _bad_dict(**changes):
         ({"start": -1}, "'b.bias'.*out of bounds"),
         ({"start": 14, "end": 13}, "'b.bias'.*out of bounds"),
         ({"dtype": "float13"}, "'b.bias'.*unknown dtype"),
-        ({"dtype": "bfloat16"}, "'b.bias'.*dtype"),
+        ({"dtype": "bfloat16"}, "'b.bias'.*bfloat16 needs 10 bytes"),  # byte offsets: the size shows it
         ({"name": "a.weight"}, "'a.weight'.*duplicate"),
-        ({"shape": [6]}, "'b.bias'.*needs 6"),
+        ({"shape": [6]}, "'b.bias'.*needs 24 bytes"),
         ({"shape": [5.0]}, "'b.bias'.*shape"),
         ({"shape": 5}, "'b.bias'.*shape"),
         ({"start": True}, "'b.bias'.*out of bounds"),

@@ -3,8 +3,8 @@ overlaps or runs out of range is refused before any tensor is built.
 
 The SGLang side is written here from its documented layout, not with weight_sync's code: a metadata
 dataclass with torch.Size / torch.dtype fields (name, shape, dtype, start_idx, end_idx, numel) and a
-bucket with `get_flattened_tensor()` / `get_metadata()`, in both of SGLang's layouts (one dtype with
-element offsets; uint8 bytes with byte offsets for mixed dtypes).
+bucket with `get_flattened_tensor()` / `get_metadata()`, in both of SGLang's layouts (its original one
+dtype with element offsets; its current uint8 bytes with byte offsets, for one dtype or several).
 """
 
 from __future__ import annotations
@@ -106,6 +106,37 @@ def test_our_buckets_read_like_sglangs():
     assert_same(bucket.reconstruct_tensors(), named)
 
 
+def test_one_dtype_bucket_is_sglangs_bytes_layout():
+    """A one-dtype bucket built here is what SGLang's class builds for it: uint8 bytes back to back,
+    start_idx/end_idx/numel in bytes (compared field by field with SGLang's layout written above)."""
+    named = [("w.a", torch.randn(3, 5)), ("w.b", torch.randn(7)), ("w.c", torch.tensor(1.5))]
+    ours, theirs = FlattenedTensorBucket(named), sglang_bytes_bucket(named)
+    flat = ours.get_flattened_tensor()
+    assert flat.dtype == torch.uint8 and torch.equal(flat, theirs.get_flattened_tensor())
+    assert [(m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) for m in ours.get_metadata()] == \
+        [(m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) for m in theirs.get_metadata()]
+
+
+def test_engine_loads_sglangs_one_dtype_bytes_bucket(tiny_llama, ckpt_factory):
+    """The engine's update_weights_from_tensor(load_format="flattened_bucket") takes SGLang's bytes
+    bucket of one dtype (and its original typed one) and then equals a fresh engine on those weights."""
+    from rollout import Engine
+    from tests.rl_surface.conftest import read_state_dict
+
+    b = ckpt_factory("llama", seed=1)
+    sd = sorted(read_state_dict(b).items())
+    kw = dict(device="cpu", max_total_tokens=512, show_progress=False)
+    with Engine(str(b), **kw) as fresh:
+        want = fresh.get_weights_checksum()["checksum"]
+    for make in (sglang_bytes_bucket, sglang_typed_bucket):
+        with Engine(str(tiny_llama), **kw) as engine:
+            bucket = make(sd)
+            payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+            ok, msg = engine.update_weights_from_tensor([payload], load_format="flattened_bucket")
+            assert ok, msg
+            assert engine.get_weights_checksum()["checksum"] == want, make.__name__
+
+
 @pytest.mark.parametrize("change, pattern", [
     ({1: {"start_idx": 4, "end_idx": 20}}, r"'w.bf16' \[0, 6\) and 'w.f32' \[4, 20\) overlap"),
     ({2: {"start_idx": 18, "end_idx": 42}}, r"'w.f32' \[6, 22\) and 'w.i64' \[18, 42\) overlap"),
@@ -135,7 +166,7 @@ def test_bad_sglang_metadata_is_refused_before_any_tensor_is_built(change, patte
 def test_overlap_in_our_dict_form_is_refused():
     """The same overlap check guards our own dict form (what RemoteEngine's shared memory carries)."""
     d = FlattenedTensorBucket([("a", torch.zeros(4)), ("b", torch.zeros(4))]).to_dict()
-    d["metadata"][1].update(start=2, end=6)
+    d["metadata"][1].update(start=8, end=24)  # byte offsets: b would start inside a
     with pytest.raises(ValueError, match="'a'.*'b'.*overlap"):
         FlattenedTensorBucket.from_dict(d)
     d["metadata"][1].update(start=4, end=8, name="a")

@@ -1,0 +1,107 @@
+"""SGLang's request/response fields that RL clients read: logprob_start_len=0 over HTTP, the weight
+versions a request started and finished under, and OpenAI responses' `metadata.weight_version`.
+
+Oracles: the Engine called directly on the same request, the prompt length, and versions set by the
+test itself with update_weight_version (in the scheduler's thread between two decode steps, so the
+change lands mid-request deterministically).
+"""
+
+from __future__ import annotations
+
+import openai
+
+from tests.rl_surface.conftest import at_step
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_logprob_start_len_zero_scores_the_whole_prompt_over_http(server, client):
+    """/generate with logprob_start_len=0 returns one input_token_logprobs entry per prompt token (the
+    first None), equal to the Engine's, not just the last one."""
+    body = dict(input_ids=PROMPT, sampling_params=dict(temperature=0, max_new_tokens=2), return_logprob=True,
+                logprob_start_len=0)
+    assert client.post("/flush_cache").status_code == 200
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()["meta_info"]["input_token_logprobs"]
+    assert server.engine.flush_cache()
+    want = server.engine.generate(**body)["meta_info"]["input_token_logprobs"]
+    assert len(got) == len(PROMPT) and [e[1] for e in got] == PROMPT
+    assert got[0][0] is None and [e[0] for e in got] == [e[0] for e in want]
+
+
+def test_weight_version_start_and_end_bracket_an_update_mid_request(server):
+    """A request submitted under version "a" that finishes after update_weight_version("b") reports
+    weight_version_start "a", weight_version_end "b" (= weight_version); an untouched one reports "b" twice."""
+    engine = server.engine
+    engine.update_weight_version("a")
+    state = at_step(engine, 3, lambda: engine.update_weight_version("b"))
+    out = engine.generate(input_ids=PROMPT, sampling_params=dict(temperature=0, max_new_tokens=8, ignore_eos=True))
+    assert state["done"].is_set() and "error" not in state
+    meta = out["meta_info"]
+    assert (meta["weight_version_start"], meta["weight_version_end"], meta["weight_version"]) == ("a", "b", "b")
+    meta = engine.generate(input_ids=PROMPT, sampling_params=dict(max_new_tokens=2))["meta_info"]
+    assert (meta["weight_version_start"], meta["weight_version_end"]) == ("b", "b")
+
+
+def test_openai_responses_carry_metadata_weight_version(server):
+    """/v1/completions and /v1/chat/completions responses carry metadata.weight_version, the served one."""
+    server.engine.update_weight_version("step-7")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0) as oai:
+        comp = oai.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
+        chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                           temperature=0)
+    assert comp.model_extra["metadata"] == {"weight_version": "step-7"}
+    assert chat.metadata == {"weight_version": "step-7"}  # a declared field of the client's ChatCompletion
+
+
+def test_get_model_info_reports_the_checkpoint_loaded_from_disk(server, client, tiny_llama, tmp_path):
+    """After /update_weights_from_disk from another directory, /get_model_info's model_path is that
+    directory (SGLang's behaviour); a failed update keeps it."""
+    import shutil
+
+    copy = shutil.copytree(tiny_llama, tmp_path / "ckpt-copy")  # same weights, another path
+    assert client.get("/get_model_info").json()["model_path"] == str(tiny_llama)
+    try:
+        r = client.post("/update_weights_from_disk", json={"model_path": str(copy)})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert client.get("/get_model_info").json()["model_path"] == str(copy)
+        r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
+        assert not r.json()["success"]
+        assert client.get("/get_model_info").json()["model_path"] == str(copy)
+    finally:
+        assert client.post("/update_weights_from_disk", json={"model_path": str(tiny_llama)}).json()["success"]
+
+
+def test_streamed_generate_sends_the_first_token_at_once(server):
+    """A streamed /generate of 24 tokens whose reader only gets to it after all 24 exist (the tiny model
+    outruns the event loop) still sends the first token as its own first event, then the newest
+    snapshot (all 24, extending the first), then [DONE]; over HTTP too the first event holds 1 token."""
+    import asyncio
+    import json
+    import time
+
+    from rollout.server.native import sse
+
+    engine = server.engine
+    sp = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
+    want = engine.generate(input_ids=PROMPT, sampling_params=sp)["output_ids"]
+
+    async def read_late():
+        stream = await engine.async_generate(input_ids=PROMPT, sampling_params=sp, stream=True)
+        deadline = time.monotonic() + 30
+        while engine.get_server_info()["num_in_flight"]:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # every delivery is queued before the first read
+        return [part async for part in sse(stream)]
+
+    parts = asyncio.run(read_late())
+    events = [json.loads(e[6:]) for p in parts[:-1] for e in p.split(b"\n\n") if e]
+    assert parts[-1] == b"data: [DONE]\n\n" and len(parts) == 3  # first token alone, then the rest in one write
+    assert [e["output_ids"] for e in events] == [want[:1], want] and len(want) == 24
+    lines = []
+    with server.client() as c, c.stream("POST", "/generate", json=dict(input_ids=PROMPT, sampling_params=sp,
+                                                                        stream=True)) as r:
+        lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert lines[0]["output_ids"] == want[:1] and lines[-1]["output_ids"] == want
