@@ -308,7 +308,9 @@ class Engine(WeightsAPI):
         with self._cv:
             if self._shutdown or not self._thread.is_alive():
                 raise RuntimeError("engine is shut down")
-            if not self.runner.weights_valid:
+            if not self.runner.weights_valid and not self._paused:
+                # While paused they wait like any request: the trainer is expected to load weights before
+                # continue_generation() (if it does not, they fail then with this same message).
                 raise RuntimeError(self.runner.invalid_weights_message())
             resident = self.runner.memory_saver.is_resident("weights") and \
                 self.runner.memory_saver.is_resident("kv_cache")

@@ -101,7 +101,14 @@ class WeightsAPI:
         if load_format not in (None, "auto", "safetensors"):
             return (False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported; "
                            f"choose None, 'auto' or 'safetensors'", 0)
-        return self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(model_path),
+        source = model_path
+        opener = getattr(self.runner, "open_checkpoint", None)  # the TP runner's workers open their own
+        if opener is not None:
+            try:  # without the engine lock: a slow or stuck file system stalls only this call, not serving
+                source = opener(model_path)
+            except WeightUpdateError as e:
+                return False, f"update_weights_from_disk failed: {e}", 0
+        return self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(source),
                             flush_cache, weight_version)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,

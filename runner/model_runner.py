@@ -347,12 +347,27 @@ class ModelRunner:
 
         return self._write(fill, repack_all=True)
 
-    def update_weights_from_disk(self, model_path: str | Path) -> int:
-        """Load a whole HF checkpoint directory, read as one snapshot (see runner/checkpoint.py)."""
+    def open_checkpoint(self, model_path: str | Path) -> CheckpointIndex:
+        """Open (headers, config check, mappings) a checkpoint for update_weights_from_disk. It touches no
+        runner state, so a caller runs it without its locks: a slow disk stalls only that call."""
+        try:
+            index = CheckpointIndex(model_path)
+        except CheckpointError as e:
+            raise WeightUpdateError(str(e)) from None
+        try:
+            self._check_checkpoint_config(index)
+        except BaseException:
+            index.close()
+            raise
+        return index
+
+    def update_weights_from_disk(self, model_path: str | Path | CheckpointIndex) -> int:
+        """Load a whole HF checkpoint directory (or one open_checkpoint opened), read as one snapshot
+        (see runner/checkpoint.py)."""
         self._require_weights_resident()
         try:
-            with CheckpointIndex(model_path) as index:
-                self._check_checkpoint_config(index)
+            index = model_path if isinstance(model_path, CheckpointIndex) else self.open_checkpoint(model_path)
+            with index:
                 return self._write(lambda writer: self._load_checkpoint(index, writer, check=True))
         except CheckpointError as e:
             raise WeightUpdateError(str(e)) from None

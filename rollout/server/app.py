@@ -2,15 +2,15 @@
 
 It wires the route modules (native.py: SGLang's endpoints; openai_api.py: /v1/*; metrics.py:
 /metrics), turns every validation failure into a 400 whose message names the field (FastAPI's default
-is 422; SGLang answers 400), and, with `--api-key`, requires `Authorization: Bearer <key>` on every path
-but /health (a pure ASGI middleware, so streaming and disconnect detection are untouched).
+is 422; SGLang answers 400), and installs the pure ASGI middlewares, outermost first: the body-size limit
+(limits.py), the Host/Origin/method/content-type guard and, with `--api-key`, the key check
+(security.py).
 
 It does not own the engine: whoever built the engine shuts it down (launch_server.py, the tests).
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -21,12 +21,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.server import metrics, native, openai_api
+from rollout.server import limits, metrics, native, openai_api, security
 from rollout.server.args import ServerArgs
 from rollout.server.common import error_response
 
 VERSION = "0.1.0"
-OPEN_PATHS = frozenset({"/health"})
 
 
 def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
@@ -51,22 +50,6 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(unique[:6]) + (f" (+{len(unique) - 6} more)" if len(unique) > 6 else ""), first
 
 
-class APIKeyMiddleware:
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            return await self.app(scope, receive, send)
-        message = "missing Authorization header" if not given else "invalid API key"
-        resp = error_response(f"Unauthorized: {message}; send 'Authorization: Bearer <key>'", 401)
-        await resp(scope, receive, send)
-
-
 def _chat_template(value: str | None) -> str | None:
     if value and Path(value).is_file():
         return Path(value).read_text()
@@ -81,6 +64,8 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
         yield
         app.state.engine_shut_down = True
         app.state.executor.shutdown(wait=False, cancel_futures=True)
+        app.state.tokenize_executor.shutdown(wait=False, cancel_futures=True)
+        app.state.join_executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rollout-engine", version=VERSION, lifespan=lifespan, openapi_url=None)
     app.state.engine = engine
@@ -92,6 +77,17 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     # Control calls block on the engine lock (and a distributed receive waits on the trainer): their own
     # pool, so they never starve each other of threads or the event loop of time.
     app.state.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollout-http")
+    # Tokenizing prompts and encoding big responses: CPU work that must leave the loop, in a pool of its
+    # own so it never takes a control call's thread.
+    app.state.tokenize_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollout-tokenize")
+    # Weight-group joins wait on the network for up to their timeout: their own small pool, and
+    # native.py refuses joins beyond it, so joins to dead addresses never starve the control calls.
+    app.state.join_executor = ThreadPoolExecutor(max_workers=server_args.max_concurrent_weight_group_joins,
+                                                 thread_name_prefix="rollout-join")
+    app.state.num_joins = 0
+    tok = engine.tokenizer.tokenizer
+    app.state.max_prompt_chars = None if tok is None else \
+        2 * engine.runner.context_len * limits.max_token_chars(tok)  # 2x: normalizers may merge characters
     app.state.metrics_registry = metrics.make_registry(engine, app.state.model_name)
 
     @app.exception_handler(RequestValidationError)
@@ -111,6 +107,12 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     app.include_router(native.router)
     app.include_router(openai_api.router)
     app.include_router(metrics.router)
+    # add_middleware puts each new one outside the previous: the key check runs last, the size limit first.
     if server_args.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
+        app.add_middleware(security.APIKeyMiddleware, api_key=server_args.api_key)
+    hosts = server_args.allowed_hosts or security.default_allowed_hosts(server_args.host)
+    app.add_middleware(security.RequestGuard, allowed_hosts=hosts, allowed_origins=server_args.allowed_origins or [])
+    app.add_middleware(limits.BodySizeLimit, max_bytes=server_args.max_request_bytes,
+                       max_weights_bytes=server_args.max_weights_request_bytes)
+    security.warn_if_exposed(server_args.host, server_args.api_key)
     return app
