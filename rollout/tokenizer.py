@@ -38,6 +38,8 @@ class TokenizerWrapper:
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer (none in the checkpoint, or skip_tokenizer_init=True): "
                              "pass input_ids instead of prompt")
+        if not isinstance(text, str):  # else the tokenizer's own "TextEncodeInput must be Union[...]"
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int], req: Req | None = None) -> str | None:

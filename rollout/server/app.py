@@ -31,14 +31,17 @@ VERSION = "0.1.0"
 def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     """pydantic errors -> ("field: problem; ...", first field). Malformed JSON gets its own wording."""
     parts, first = [], None
+    unions = _union_errors(errors)
+    if unions:
+        return unions
     for err in errors:
         loc = [str(x) for x in err.get("loc", ())]
         if loc and loc[0] == "body":
             loc = loc[1:]
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", "body"
-        if not loc:  # the body itself is not an object (not JSON, or a list/str/number)
-            return f"request body must be a JSON object: {err.get('msg')}", "body"
+        if not loc:  # the body itself is not an object (a list, a string, a number, null)
+            return f"request body must be a JSON object, got {_json_type(err.get('input'))}", "body"
         field = ".".join(loc)
         first = first or (loc[0] if loc else "body")
         msg = err.get("msg", "invalid")
@@ -48,6 +51,27 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     # A union type reports one error per branch; a few are enough to act on.
     unique = list(dict.fromkeys(parts))
     return "; ".join(unique[:6]) + (f" (+{len(unique) - 6} more)" if len(unique) > 6 else ""), first
+
+
+def _json_type(value) -> str:
+    return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _union_errors(errors: list[dict]) -> tuple[str, str] | None:
+    """A field typed as a union (`text: str | list[str]`) fails once per branch, each error's location
+    tagged with its branch ("str", "list[str]"): say once which shapes the field takes and what came."""
+    locs = [[str(x) for x in e.get("loc", ()) if x != "body"] for e in errors]
+    if not locs or any(len(loc) < 2 for loc in locs) or len({loc[0] for loc in locs}) != 1:
+        return None
+    if not all("[" in loc[1] or loc[1] in ("str", "int", "float", "bool", "none") for loc in locs):
+        return None
+    field = locs[0][0]
+    shapes = " | ".join(dict.fromkeys(loc[1] for loc in locs))
+    got = next((e.get("input") for e, loc in zip(errors, locs) if len(loc) == 2), None)
+    deepest = max(zip(errors, locs), key=lambda p: len(p[1]))
+    detail = f" (in {field}[{']['.join(deepest[1][2:])}]: {deepest[0].get('msg')})" if len(deepest[1]) > 2 else ""
+    return f"{field}: must be {shapes}; got {_json_type(got)}{detail}", field
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -110,7 +134,7 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     # add_middleware puts each new one outside the previous: the key check runs last, the size limit first.
     if server_args.api_key:
         app.add_middleware(security.APIKeyMiddleware, api_key=server_args.api_key)
-    hosts = server_args.allowed_hosts or security.default_allowed_hosts(server_args.host)
+    hosts = security.allowed_hosts(server_args.host, server_args.allowed_hosts)
     app.add_middleware(security.RequestGuard, allowed_hosts=hosts, allowed_origins=server_args.allowed_origins or [])
     app.add_middleware(limits.BodySizeLimit, max_bytes=server_args.max_request_bytes,
                        max_weights_bytes=server_args.max_weights_request_bytes)

@@ -30,7 +30,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from rollout.server import limits, security
-from rollout.server.common import JSONResponse, dumpb, engine_error, error_response, run_blocking
+from rollout.server.common import JSONResponse, dumpb, engine_error, error_response, run_blocking, truncate
 from rollout.server.tensor_codec import decode_buckets, decode_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -357,7 +357,7 @@ async def dump_expert_distribution_record(request: Request):
 def _result(res) -> JSONResponse:
     """Engine (ok, msg) or (ok, msg, num_paused) -> SGLang's {"success", "message"[, ...]}, 200 or 400."""
     ok, msg = res[0], res[1]
-    body = {"success": bool(ok), "message": msg}
+    body = {"success": bool(ok), "message": truncate(str(msg))}
     if len(res) > 2:
         body["num_paused_requests"] = res[2]
     return JSONResponse(body, status_code=200 if ok else 400)

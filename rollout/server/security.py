@@ -7,7 +7,8 @@ its own name resolve to 127.0.0.1. `RequestGuard` closes those doors before any 
 - Host: the `Host` header must name the bound address. A server bound to one address accepts that
   address and the loopback aliases (127.0.0.1, localhost, [::1]); one bound to every interface
   (0.0.0.0 or ::) accepts any name, since it cannot know which names point at it (it needs `--api-key`
-  then; `warn_if_exposed` says so at start-up). `--allowed-hosts` replaces the list ('*' = any).
+  then; `warn_if_exposed` says so at start-up). `--allowed-hosts` adds names ('*' = any); on a server
+  bound to every interface it replaces "any" with loopback plus those names.
 - Origin: a browser names the page that sent a request. It is accepted when it is the server's own
   origin (its host and port equal the `Host` header) or listed in `--allowed-origins` ('*' = any);
   clients that send no Origin (curl, httpx, the openai client, sglang-router) are unaffected.
@@ -70,10 +71,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def default_allowed_hosts(bound_host: str) -> list[str]:
-    if bound_host in WILDCARD_HOSTS:
+def allowed_hosts(bound_host: str, extra: list[str] | None) -> list[str]:
+    """The loopback aliases and the bound address, plus `extra` (--allowed-hosts); any name ('*') for a
+    server bound to every interface unless --allowed-hosts narrows it."""
+    if bound_host in WILDCARD_HOSTS and not extra:
         return ["*"]
-    return list(dict.fromkeys([*LOOPBACK_NAMES, bound_host.strip("[]").lower()]))
+    bound = [] if bound_host in WILDCARD_HOSTS else [bound_host.strip("[]").lower()]
+    return list(dict.fromkeys([*LOOPBACK_NAMES, *bound, *(extra or [])]))
 
 
 class RequestGuard:
@@ -114,7 +118,7 @@ class RequestGuard:
         if scope["type"] == "http":
             refusal = self._refusal(scope)
             if refusal is not None:
-                resp = error_response(refusal[0], refusal[1], type_="Forbidden" if refusal[1] == 403 else None)
+                resp = error_response(refusal[0], refusal[1])
                 return await resp(scope, receive, send)
         return await self.app(scope, receive, send)
 
