@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+_BUILD_INLINE_BELOW = 1 << 15  # output entries an awaited call builds on the event loop itself
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("rollout-engine")
@@ -390,14 +393,26 @@ class Engine(WeightsAPI):
         self._submit(reqs, sink)
         if stream:
             return AsyncStream(reqs, sink, self._output, self._abort_quietly)
-        results: list[dict | None] = [None] * len(reqs)
+        finished: list[Req] = []
         try:
             for _ in range(len(reqs)):
                 _, req = await sink.get()
-                results[req.index] = self._output(req, final=True)
+                finished.append(req)
         except asyncio.CancelledError:  # a cancelled caller's requests stop generating
             self._abort_quietly(reqs)
             raise
+        results: list[dict | None] = [None] * len(reqs)
+
+        def build() -> None:
+            for req in finished:
+                results[req.index] = self._output(req, final=True)
+
+        # Outputs with many logprobs take seconds to build: in a worker thread, not on the caller's loop.
+        size = sum(len(r.output_ids) * (1 + r.top_logprobs_num) for r in finished)
+        if size > _BUILD_INLINE_BELOW:
+            await asyncio.to_thread(build)
+        else:
+            build()
         return results[0] if single else results
 
     # ---- control (SGLang's semantics) -------------------------------------------------------------

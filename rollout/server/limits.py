@@ -160,10 +160,11 @@ def check_work(request: Request, ids_list: list[list[int]], sampling_params, **l
     return None
 
 
-async def json_response_off_loop(request: Request, content, status_code: int = 200) -> Response:
-    """Encode in the tokenizer pool: a large response must not stall every other client on the loop."""
+async def json_response_off_loop(request: Request, make_content, status_code: int = 200) -> Response:
+    """Build (`make_content()`) and encode in the tokenizer pool: a large response must not stall every
+    other client on the loop."""
     loop = asyncio.get_running_loop()
-    body = await loop.run_in_executor(request.app.state.tokenize_executor, dumpb, content)
+    body = await loop.run_in_executor(request.app.state.tokenize_executor, lambda: dumpb(make_content()))
     return Response(body, status_code=status_code, media_type="application/json")
 
 

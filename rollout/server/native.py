@@ -178,8 +178,8 @@ async def generate(obj: GenerateReqInput, request: Request):
     except Exception as e:
         return engine_error(e)
     if not obj.stream:
-        return await limits.json_response_off_loop(request, [post(o) for o in out] if isinstance(out, list)
-                                                   else post(out))
+        return await limits.json_response_off_loop(
+            request, lambda: [post(o) for o in out] if isinstance(out, list) else post(out))
 
     return StreamingResponse(sse(chunks, post), media_type="text/event-stream")
 
