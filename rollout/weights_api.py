@@ -102,10 +102,12 @@ class WeightsAPI:
             return (False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported; "
                            f"choose None, 'auto' or 'safetensors'", 0)
         source = model_path
-        opener = getattr(self.runner, "open_checkpoint", None)  # the TP runner's workers open their own
+        # On the class: the TP runner forwards unknown attributes to its rank-0 runner, but its workers
+        # open their own copy of the checkpoint, so it takes the path.
+        opener = getattr(type(self.runner), "open_checkpoint", None)
         if opener is not None:
             try:  # without the engine lock: a slow or stuck file system stalls only this call, not serving
-                source = opener(model_path)
+                source = opener(self.runner, model_path)
             except WeightUpdateError as e:
                 return False, f"update_weights_from_disk failed: {e}", 0
         return self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(source),

@@ -54,13 +54,13 @@ def test_checkpoint_is_opened_without_the_engine_lock(server, client, monkeypatc
     lock, so a slow disk stalls only that call; the load then succeeds and the weights are unchanged."""
     runner, cv = server.engine.runner, server.engine._cv
     held: list[bool] = []
-    real = runner.open_checkpoint
+    real = type(runner).open_checkpoint
 
-    def spy(path):
+    def spy(self, path):
         held.append(cv._is_owned())  # the engine Condition's lock, by this thread
-        return real(path)
+        return real(self, path)
 
-    monkeypatch.setattr(runner, "open_checkpoint", spy)
+    monkeypatch.setattr(type(runner), "open_checkpoint", spy)
     before = _checksum(client)
     r = client.post("/update_weights_from_disk", json={"model_path": server.path})
     assert r.status_code == 200 and r.json()["success"], r.text
