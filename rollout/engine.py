@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+_BUILD_INLINE_BELOW = 1 << 15  # output entries an awaited call builds on the event loop itself
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("rollout-engine")
@@ -408,7 +411,9 @@ class Engine(WeightsAPI, LoRAAPI):
         with self._reqs_lock:
             if self._shutdown or not self._thread.is_alive():
                 raise RuntimeError("engine is shut down")
-            if not self.runner.weights_valid:
+            if not self.runner.weights_valid and not self._paused:
+                # While paused they wait like any request: the trainer is expected to load weights before
+                # continue_generation() (if it does not, they fail then with this same message).
                 raise RuntimeError(self.runner.invalid_weights_message())
             resident = self.runner.memory_saver.is_resident("weights") and \
                 self.runner.memory_saver.is_resident("kv_cache")
@@ -497,14 +502,26 @@ class Engine(WeightsAPI, LoRAAPI):
         self._submit(reqs, sink)
         if stream:
             return AsyncStream(reqs, sink, self._output, self._abort_quietly)
-        results: list[dict | None] = [None] * len(reqs)
+        finished: list[Req] = []
         try:
             for _ in range(len(reqs)):
                 _, req = await sink.get()
-                results[req.index] = self._output(req, final=True)
+                finished.append(req)
         except asyncio.CancelledError:  # a cancelled caller's requests stop generating
             self._abort_quietly(reqs)
             raise
+        results: list[dict | None] = [None] * len(reqs)
+
+        def build() -> None:
+            for req in finished:
+                results[req.index] = self._output(req, final=True)
+
+        # Outputs with many logprobs take seconds to build: in a worker thread, not on the caller's loop.
+        size = sum(len(r.output_ids) * (1 + r.top_logprobs_num) for r in finished)
+        if size > _BUILD_INLINE_BELOW:
+            await asyncio.to_thread(build)
+        else:
+            build()
         return results[0] if single else results
 
     # ---- control (SGLang's semantics) -------------------------------------------------------------

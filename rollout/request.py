@@ -79,6 +79,8 @@ class Req:
     weight_version_start: str = "default"  # ... when the request was submitted
     sink: Any = None  # where the engine delivers outputs
     text: str = ""
+    stop_scan_from: int = 0  # decoded characters already searched for stop strings (rollout.stop_match)
+    stop_at: int | None = None  # where in the decoded output the stop match begins
     error: str | None = None
     created_time: float = 0.0  # time.perf_counter() at submission
     finished_time: float = 0.0  # ... when the final output was delivered

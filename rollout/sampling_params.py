@@ -7,7 +7,8 @@ Penalties follow the reference definitions: `repetition_penalty` is Hugging Face
 RepetitionPenaltyLogitsProcessor over every token seen so far (prompt and output: a positive logit is
 divided by it, a negative one multiplied); `frequency_penalty` / `presence_penalty` are OpenAI's (and
 SGLang's), over the output tokens only: logit -= frequency_penalty * count + presence_penalty * (count > 0).
-`logit_bias` ({token id: bias}, keys as ints or decimal strings as JSON sends them) is added to the logits.
+`logit_bias` ({token id: bias}, keys as ints or decimal strings as JSON sends them) is added to the logits;
+a bias may be at most MAX_LOGIT_BIAS, and one below -MAX_LOGIT_BIAS (or -inf) bans the token.
 All of them act on the logits before temperature and truncation. `max_new_tokens=None` means "up to the
 context length". `stop_regex` patterns are searched in the decoded output, like `stop` strings.
 """
@@ -15,10 +16,13 @@ context length". `stop_regex` patterns are searched in the decoded output, like 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, fields, replace
 
+from rollout import stop_match
+
 _GREEDY_BELOW = 1e-6  # temperatures under this are greedy
+# |bias| / temperature stays below 1e12 (float32's max is 3.4e38): finite however many tokens are biased.
+MAX_LOGIT_BIAS = 1e6
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
@@ -127,11 +131,7 @@ class SamplingParams:
         if not isinstance(regexes, list | tuple) or not all(isinstance(r, str) and r for r in regexes):
             raise ValueError(f"sampling param stop_regex must be a string or a list of non-empty strings, "
                              f"got {self.stop_regex!r}")
-        for r in regexes:
-            try:
-                re.compile(r)
-            except re.error as e:
-                raise ValueError(f"sampling param stop_regex {r!r} is not a valid regular expression: {e}") from None
+        stop_match.validate(self.stop, list(regexes))  # counts, lengths, compiles (bounded matching)
         self.stop_regex = list(regexes)
 
     @staticmethod
@@ -142,13 +142,21 @@ class SamplingParams:
             raise ValueError(f"sampling param logit_bias must be a dict {{token id: bias}}, got {bias!r}")
         out = {}
         for k, v in bias.items():
-            tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+            digits = k.strip().removeprefix("-") if isinstance(k, str) else ""
+            # ASCII digits only: str.isdigit() also accepts '²' or '٣', which int() then refuses or reads
+            tid = int(k) if digits and digits.isascii() and digits.isdigit() else k
             if not isinstance(tid, int) or isinstance(tid, bool):
-                raise ValueError(f"sampling param logit_bias key {k!r} must be a token id (int or decimal string)")
-            if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v) or v == math.inf:
-                # -inf is allowed (bans the token); +inf would make every probability nan
-                raise ValueError(f"sampling param logit_bias[{k!r}] must be a number below +inf, got {v!r}")
-            out[tid] = float(v)
+                raise ValueError(f"sampling param logit_bias key {str(k)[:50]!r} must be a token id (an int or a "
+                                 f"string of ASCII digits)")
+            if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v):
+                raise ValueError(f"sampling param logit_bias[{tid}] must be a number, got {v!r}")
+            if v > MAX_LOGIT_BIAS:
+                # Logits are float32: a bigger bias (1e308 is inf there) turns the row into inf - inf = nan
+                # after temperature, and the sampled token would have no logprob.
+                raise ValueError(f"sampling param logit_bias[{tid}] = {v!r} is over the largest bias, "
+                                 f"{MAX_LOGIT_BIAS:g} (it must stay finite in float32 after temperature)")
+            # Any bias below -MAX_LOGIT_BIAS already gives the token probability 0: it is a ban (-inf).
+            out[tid] = float(v) if v >= -MAX_LOGIT_BIAS else -math.inf
         return out
 
     @property

@@ -555,6 +555,8 @@ class Scheduler:
             return FinishReason("length", self.runner.context_len)
         if (sp.stop or sp.stop_regex) and num_out >= sp.min_new_tokens:
             matched = self.stop_checker(req)
+            if isinstance(matched, FinishReason):  # a stop_regex that ran out of time (rollout.stop_match)
+                return matched
             if matched is not None:
                 return FinishReason("stop", matched)
         return None

@@ -7,9 +7,9 @@ A checkpoint without tokenizer files, or `skip_tokenizer_init=True`, gives a Tok
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
+from rollout import stop_match
 from rollout.request import Req
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -38,6 +38,8 @@ class TokenizerWrapper:
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer (none in the checkpoint, or skip_tokenizer_init=True): "
                              "pass input_ids instead of prompt")
+        if not isinstance(text, str):  # else the tokenizer's own "TextEncodeInput must be Union[...]"
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int], req: Req | None = None) -> str | None:
@@ -52,24 +54,15 @@ class TokenizerWrapper:
     def token_text(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def find_stop(self, req: Req) -> str | None:
-        """The first stop string or stop_regex pattern found in req's decoded output, if any (checked on
-        text, as SGLang); a regex is reported by its pattern."""
+    def find_stop(self, req: Req):
+        """The first stop string or stop_regex pattern found in req's new decoded output, if any (checked
+        on text, as SGLang; a regex is reported by its pattern), or an abort FinishReason when a pattern
+        ran out of time (rollout.stop_match)."""
         text = self.decode(req.output_ids, req)
         if text is None:
             return None
-        hits = [(text.find(s), s) for s in req.sampling_params.stop if s in text]
-        hits += [(m.start(), r) for r in req.sampling_params.stop_regex if (m := re.search(r, text))]
-        return min(hits)[1] if hits else None
+        return stop_match.find(req, text)
 
     def final_text(self, req: Req) -> str | None:
         text = self.decode(req.output_ids, req)
-        reason = req.finished_reason
-        if text is not None and reason is not None and isinstance(reason.matched, str):
-            if not req.sampling_params.no_stop_trim:
-                if reason.matched in req.sampling_params.stop_regex:  # cut where the pattern matches
-                    m = re.search(reason.matched, text)
-                    text = text[: m.start()] if m else text
-                else:
-                    text = text[: text.find(reason.matched)] if reason.matched in text else text
-        return text
+        return None if text is None else stop_match.trimmed(req, text)

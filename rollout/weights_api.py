@@ -101,7 +101,16 @@ class WeightsAPI:
         if load_format not in (None, "auto", "safetensors"):
             return (False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported; "
                            f"choose None, 'auto' or 'safetensors'", 0)
-        result = self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(model_path),
+        source = model_path
+        # On the class: the TP runner forwards unknown attributes to its rank-0 runner, but its workers
+        # open their own copy of the checkpoint, so it takes the path.
+        opener = getattr(type(self.runner), "open_checkpoint", None)
+        if opener is not None:
+            try:  # without the engine lock: a slow or stuck file system stalls only this call, not serving
+                source = opener(self.runner, model_path)
+            except WeightUpdateError as e:
+                return False, f"update_weights_from_disk failed: {e}", 0
+        result = self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(source),
                               flush_cache, weight_version)
         if result[0]:  # SGLang reports the checkpoint now served as the model path (/get_model_info)
             self.model_path = str(model_path)

@@ -246,8 +246,14 @@ class ModelRunner:
         checked before the first is written. Returns how many tensors were written."""
         return routes.update_from_tensor(self, named_tensors, load_format)
 
-    def update_weights_from_disk(self, model_path: str | Path) -> int:
-        """Load a whole HF checkpoint directory, read as one snapshot (see runner/weights/checkpoint.py)."""
+    def open_checkpoint(self, model_path: str | Path) -> CheckpointIndex:
+        """Open (headers, config check, mappings) a checkpoint for update_weights_from_disk. It touches no
+        runner state, so a caller runs it without its locks: a slow disk stalls only that call."""
+        return routes.open_checkpoint(self, model_path)
+
+    def update_weights_from_disk(self, model_path: str | Path | CheckpointIndex) -> int:
+        """Load a whole HF checkpoint directory (or one open_checkpoint opened), read as one snapshot
+        (see runner/weights/checkpoint.py)."""
         return routes.update_from_disk(self, model_path)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync.bucket import FlattenedTensorBucket, as_dtype, dtype_to_str, iter_buckets
+from weight_sync.rendezvous import wait_for_master
 
 DEFAULT_TIMEOUT_S = 120.0
 LOAD_FORMATS = (None, "flattened_bucket", "checked_bucket")
@@ -118,9 +119,12 @@ def create_weight_update_group(master_address: str, master_port: int | str, rank
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     master_port = parse_master_port(master_port)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)  # also every later collective's
+    store_timeout = timeout
+    if rank != 0:  # torch's connect overshoots its timeout and waits on the resolver: reach rank 0 first
+        store_timeout = datetime.timedelta(seconds=wait_for_master(master_address, master_port, timeout_s))
     # What torch's tcp:// rendezvous builds for SGLang's helper: rank 0 hosts, all wait for world_size.
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=store_timeout)
     if backend == "gloo":
         group = dist.ProcessGroupGloo(_group_store(store, group_name, "cpu"), rank, world_size, timeout)
     else:

@@ -2,15 +2,15 @@
 
 It wires the route modules (native.py: SGLang's endpoints; openai_api.py: /v1/*; metrics.py:
 /metrics), turns every validation failure into a 400 whose message names the field (FastAPI's default
-is 422; SGLang answers 400), and, with `--api-key`, requires `Authorization: Bearer <key>` on every path
-but /health (a pure ASGI middleware, so streaming and disconnect detection are untouched).
+is 422; SGLang answers 400), and installs the pure ASGI middlewares, outermost first: the body-size limit
+(limits.py), the Host/Origin/method/content-type guard and, with `--api-key`, the key check
+(security.py).
 
 It does not own the engine: whoever built the engine shuts it down (launch_server.py, the tests).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,27 +21,29 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.server import lora, metrics, native, openai_api
+from rollout.server import limits, lora, metrics, native, openai_api, security
 from rollout.server.args import ServerArgs
 from rollout.server.chat_template import resolve_chat_template
 from rollout.server.common import error_response
 
 VERSION = "0.1.0"
-OPEN_PATHS = frozenset({"/health"})
 logger = logging.getLogger("rollout.server")
 
 
 def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     """pydantic errors -> ("field: problem; ...", first field). Malformed JSON gets its own wording."""
     parts, first = [], None
+    unions = _union_errors(errors)
+    if unions:
+        return unions
     for err in errors:
         loc = [str(x) for x in err.get("loc", ())]
         if loc and loc[0] == "body":
             loc = loc[1:]
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", "body"
-        if not loc:  # the body itself is not an object (not JSON, or a list/str/number)
-            return f"request body must be a JSON object: {err.get('msg')}", "body"
+        if not loc:  # the body itself is not an object (a list, a string, a number, null)
+            return f"request body must be a JSON object, got {_json_type(err.get('input'))}", "body"
         field = ".".join(loc)
         first = first or (loc[0] if loc else "body")
         msg = err.get("msg", "invalid")
@@ -53,20 +55,25 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(unique[:6]) + (f" (+{len(unique) - 6} more)" if len(unique) > 6 else ""), first
 
 
-class APIKeyMiddleware:
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+def _json_type(value) -> str:
+    return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            return await self.app(scope, receive, send)
-        message = "missing Authorization header" if not given else "invalid API key"
-        resp = error_response(f"Unauthorized: {message}; send 'Authorization: Bearer <key>'", 401)
-        await resp(scope, receive, send)
+
+def _union_errors(errors: list[dict]) -> tuple[str, str] | None:
+    """A field typed as a union (`text: str | list[str]`) fails once per branch, each error's location
+    tagged with its branch ("str", "list[str]"): say once which shapes the field takes and what came."""
+    locs = [[str(x) for x in e.get("loc", ()) if x != "body"] for e in errors]
+    if not locs or any(len(loc) < 2 for loc in locs) or len({loc[0] for loc in locs}) != 1:
+        return None
+    if not all("[" in loc[1] or loc[1] in ("str", "int", "float", "bool", "none") for loc in locs):
+        return None
+    field = locs[0][0]
+    shapes = " | ".join(dict.fromkeys(loc[1] for loc in locs))
+    got = next((e.get("input") for e, loc in zip(errors, locs) if len(loc) == 2), None)
+    deepest = max(zip(errors, locs), key=lambda p: len(p[1]))
+    detail = f" (in {field}[{']['.join(deepest[1][2:])}]: {deepest[0].get('msg')})" if len(deepest[1]) > 2 else ""
+    return f"{field}: must be {shapes}; got {_json_type(got)}{detail}", field
 
 
 def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
@@ -79,6 +86,8 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
         if hasattr(app.state.engine, "remove_finish_observer"):  # the engine may outlive this app (tests)
             app.state.engine.remove_finish_observer(app.state.request_metrics)
         app.state.executor.shutdown(wait=False, cancel_futures=True)
+        app.state.tokenize_executor.shutdown(wait=False, cancel_futures=True)
+        app.state.join_executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rollout-engine", version=VERSION, lifespan=lifespan, openapi_url=None)
     app.state.engine = engine
@@ -92,6 +101,17 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     # Control calls block on the engine lock (and a distributed receive waits on the trainer): their own
     # pool, so they never starve each other of threads or the event loop of time.
     app.state.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollout-http")
+    # Tokenizing prompts and encoding big responses: CPU work that must leave the loop, in a pool of its
+    # own so it never takes a control call's thread.
+    app.state.tokenize_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollout-tokenize")
+    # Weight-group joins wait on the network for up to their timeout: their own small pool, and
+    # native.py refuses joins beyond it, so joins to dead addresses never starve the control calls.
+    app.state.join_executor = ThreadPoolExecutor(max_workers=server_args.max_concurrent_weight_group_joins,
+                                                 thread_name_prefix="rollout-join")
+    app.state.num_joins = 0
+    tok = engine.tokenizer.tokenizer
+    app.state.max_prompt_chars = None if tok is None else \
+        2 * engine.runner.context_len * limits.max_token_chars(tok)  # 2x: normalizers may merge characters
     app.state.metrics_registry, app.state.request_metrics = metrics.make_registry(engine, app.state.model_name)
     if hasattr(engine, "add_finish_observer"):
         engine.add_finish_observer(app.state.request_metrics)
@@ -114,6 +134,12 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     app.include_router(lora.router)
     app.include_router(openai_api.router)
     app.include_router(metrics.router)
+    # add_middleware puts each new one outside the previous: the key check runs last, the size limit first.
     if server_args.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
+        app.add_middleware(security.APIKeyMiddleware, api_key=server_args.api_key)
+    hosts = security.allowed_hosts(server_args.host, server_args.allowed_hosts)
+    app.add_middleware(security.RequestGuard, allowed_hosts=hosts, allowed_origins=server_args.allowed_origins or [])
+    app.add_middleware(limits.BodySizeLimit, max_bytes=server_args.max_request_bytes,
+                       max_weights_bytes=server_args.max_weights_request_bytes)
+    security.warn_if_exposed(server_args.host, server_args.api_key)
     return app

@@ -14,11 +14,14 @@ This module parses and validates; it does not build the engine or the app.
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
 from dataclasses import MISSING, dataclass, fields
 
 from rollout.engine_args import EngineArgs
+
+API_KEY_ENV = "SGLANG_API_KEY"  # also read by SGLang's client tooling
 
 
 @dataclass
@@ -29,14 +32,28 @@ class ServerArgs:
     served_model_name: str | None = None  # default: the model path
     chat_template: str | None = None  # a Jinja file, a built-in name or an inline template; default: the tokenizer's own
     max_n: int = 256  # refuse a request asking for more sequences (prompts x n) than this
+    # Security (rollout/server/security.py): None = the defaults described there; '*' = any.
+    allowed_hosts: list[str] | None = None
+    allowed_origins: list[str] | None = None
+    allowed_disk_roots: list[str] | None = None  # update_weights_from_disk only under these; None = anywhere
+    # Limits (rollout/server/limits.py)
+    max_request_bytes: int = 32 * 2**20
+    max_weights_request_bytes: int = 8 * 2**30  # /update_weights_from_tensor carries the tensors' bytes
+    max_response_entries: int = 2**21  # new tokens + logprob entries one request may ask for
+    max_concurrent_weight_group_joins: int = 2  # more concurrent /init_weights_update_group calls get 503
+    weight_group_join_timeout_s: float = 60.0  # default join timeout (a request's timeout_s overrides)
     # ---- operator options (logging) --------------------------------------------------------
     access_log: bool = True  # uvicorn's access log, one line per request at --log-level info; --no-access-log
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65536), got {self.port}")
-        if self.max_n < 1:
-            raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
+        for name in ("max_n", "max_request_bytes", "max_weights_request_bytes", "max_response_entries",
+                     "max_concurrent_weight_group_joins"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.weight_group_join_timeout_s > 0:
+            raise ValueError(f"--weight-group-join-timeout-s must be > 0, got {self.weight_group_join_timeout_s}")
         if self.api_key == "":
             raise ValueError("--api-key must not be empty (omit it to disable authentication)")
 
@@ -123,8 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerArgs, dict]:
-    """-> (ServerArgs, Engine kwargs including model_path)."""
+    """-> (ServerArgs, Engine kwargs including model_path). Without --api-key the key comes from the
+    SGLANG_API_KEY environment variable when it is set (a command line is visible to every local user)."""
     ns = vars(build_parser().parse_args(argv))
+    if ns.get("api_key") is None and os.environ.get(API_KEY_ENV):
+        ns["api_key"] = os.environ[API_KEY_ENV]
     server_names = {f.name for f in fields(ServerArgs)}
     server = ServerArgs(**{k: v for k, v in ns.items() if k in server_names})
     engine_kwargs = {k: v for k, v in ns.items() if k not in server_names}

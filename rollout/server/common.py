@@ -58,10 +58,23 @@ class JSONResponse(Response):
         return dumpb(content)
 
 
+MAX_ERROR_CHARS = 2000  # error bodies never echo a huge input back whole
+
+
+def truncate(message: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """Keep the head and the tail (where messages often say what to do), drop the middle."""
+    if len(message) <= limit:
+        return message
+    head, tail = limit * 3 // 4, limit // 4
+    return f"{message[:head]} ...[{len(message) - head - tail} characters omitted]... {message[-tail:]}"
+
+
 def error_response(message: str, status_code: int = 400, param: str | None = None,
                    type_: str | None = None) -> JSONResponse:
+    message = truncate(message)
     kind = type_ or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                     413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status_code, "ServerError")
+                     403: "Forbidden", 405: "MethodNotAllowed", 413: "RequestTooLarge",
+                     415: "UnsupportedMediaType", 503: "ServiceUnavailable"}.get(status_code, "ServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status_code}},
                         status_code=status_code)
 

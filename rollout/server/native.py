@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Literal
@@ -28,7 +29,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from rollout.server.common import JSONResponse, dumpb, engine_error, error_response, run_blocking
+from rollout.server import limits, security
+from rollout.server.common import JSONResponse, dumpb, engine_error, error_response, run_blocking, truncate
 from rollout.server.tensor_codec import decode_buckets, decode_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -162,7 +164,18 @@ async def generate(obj: GenerateReqInput, request: Request):
     bad_n = check_n(request, num_sequences(num_prompts, obj.sampling_params))
     if bad_n is not None:
         return bad_n
-    kwargs = dict(prompt=obj.text, input_ids=obj.input_ids, sampling_params=obj.sampling_params,
+    prepared = await limits.prepare_prompts(request, obj.text, obj.input_ids)
+    if isinstance(prepared, Response):
+        return prepared
+    text, input_ids = prepared
+    if input_ids is not None:
+        ids_list = [input_ids] if input_ids and isinstance(input_ids[0], int) else input_ids
+        too_much = limits.check_work(request, ids_list, obj.sampling_params, return_logprob=obj.return_logprob,
+                                     top_logprobs_num=obj.top_logprobs_num, token_ids_logprob=obj.token_ids_logprob,
+                                     logprob_start_len=obj.logprob_start_len)
+        if too_much is not None:
+            return too_much
+    kwargs = dict(prompt=text, input_ids=input_ids, sampling_params=obj.sampling_params,
                   return_logprob=obj.return_logprob, top_logprobs_num=obj.top_logprobs_num, rid=obj.rid,
                   **obj.passthrough())
     post = (lambda o: o) if obj.return_text_in_logprobs else _strip_logprob_text
@@ -176,7 +189,8 @@ async def generate(obj: GenerateReqInput, request: Request):
     except Exception as e:
         return engine_error(e)
     if not obj.stream:
-        return JSONResponse([post(o) for o in out] if isinstance(out, list) else post(out))
+        return await limits.json_response_off_loop(
+            request, lambda: [post(o) for o in out] if isinstance(out, list) else post(out))
 
     return StreamingResponse(sse(chunks, post), media_type="text/event-stream")
 
@@ -247,7 +261,7 @@ async def get_load(request: Request):
 
 
 # ---- cache and scheduling control -------------------------------------------------------------
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.api_route("/flush_cache", methods=["GET", "POST"])  # GET kept: slime calls it so (security.py)
 async def flush_cache(request: Request):
     ok = await run_blocking(request, request.app.state.engine.flush_cache)
     if ok is False:
@@ -302,12 +316,12 @@ class MemoryOccupationReqInput(Body):
     tags: list[str] | None = None
 
 
-@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+@router.post("/release_memory_occupation")  # POST only: it changes state (security.py)
 async def release_memory_occupation(request: Request):
     return await _memory(request, "release_memory_occupation")
 
 
-@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+@router.post("/resume_memory_occupation")  # POST only: it changes state (security.py)
 async def resume_memory_occupation(request: Request):
     return await _memory(request, "resume_memory_occupation")
 
@@ -338,19 +352,19 @@ async def _expert_record(request: Request, method: str):
         return engine_error(e)
 
 
-@router.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+@router.post("/start_expert_distribution_record")  # POST only: it changes state (security.py)
 async def start_expert_distribution_record(request: Request):
     out = await _expert_record(request, "start_expert_distribution_record")
     return out if isinstance(out, Response) else Response("Start recording the expert distribution.\n")
 
 
-@router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+@router.post("/stop_expert_distribution_record")  # POST only: it changes state (security.py)
 async def stop_expert_distribution_record(request: Request):
     out = await _expert_record(request, "stop_expert_distribution_record")
     return out if isinstance(out, Response) else Response("Stop recording the expert distribution.\n")
 
 
-@router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+@router.post("/dump_expert_distribution_record")  # POST only: it changes state (security.py)
 async def dump_expert_distribution_record(request: Request):
     """SGLang writes the record to a server-side file and answers with a line of text; over HTTP the
     record itself is more use, so this answers with it as JSON ({"logical_count": [layer][expert], ...})."""
@@ -362,7 +376,7 @@ async def dump_expert_distribution_record(request: Request):
 def _result(res) -> JSONResponse:
     """Engine (ok, msg) or (ok, msg, num_paused) -> SGLang's {"success", "message"[, ...]}, 200 or 400."""
     ok, msg = res[0], res[1]
-    body = {"success": bool(ok), "message": msg}
+    body = {"success": bool(ok), "message": truncate(str(msg))}
     if len(res) > 2:
         body["num_paused_requests"] = res[2]
     return JSONResponse(body, status_code=200 if ok else 400)
@@ -384,6 +398,9 @@ class UpdateWeightFromDiskReqInput(Body):
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: Request):
     engine = request.app.state.engine
+    refused = security.disk_path_refusal(obj.model_path, request.app.state.server_args.allowed_disk_roots)
+    if refused is not None:
+        return JSONResponse({"success": False, "message": refused, "num_paused_requests": 0}, status_code=400)
     await _abort_all_first(request, obj.abort_all_requests)
     res = await run_blocking(request, engine.update_weights_from_disk, obj.model_path, load_format=obj.load_format,
                              weight_version=obj.weight_version, flush_cache=obj.flush_cache)
@@ -427,12 +444,30 @@ class InitWeightsUpdateGroupReqInput(Body):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str | None = None  # SGLang defaults to nccl; None lets the engine pick for its device
+    timeout_s: float | None = None  # ours: the join's deadline; default --weight-group-join-timeout-s
 
 
 @router.post("/init_weights_update_group")
 async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput, request: Request):
+    """Joins wait on the network: they run in their own pool, at most --max-concurrent-weight-group-joins
+    at once (more get 503), so a join to a dead address never holds up a control call."""
+    state = request.app.state
+    limit = state.server_args.max_concurrent_weight_group_joins
+    if obj.timeout_s is not None and not 0 < obj.timeout_s <= 3600:
+        return error_response(f"timeout_s must be in (0, 3600] seconds, got {obj.timeout_s}", 400, param="timeout_s")
+    if state.num_joins >= limit:
+        return error_response(f"{state.num_joins} weight update group joins are already in progress; this server "
+                              f"runs at most --max-concurrent-weight-group-joins {limit} at once: retry later", 503)
     kwargs = obj.model_dump(exclude_none=True)
-    return _result(await run_blocking(request, request.app.state.engine.init_weights_update_group, **kwargs))
+    kwargs["timeout_s"] = obj.timeout_s or state.server_args.weight_group_join_timeout_s
+    state.num_joins += 1  # only the event loop touches it
+    try:
+        loop = asyncio.get_running_loop()
+        res = await loop.run_in_executor(state.join_executor,
+                                         functools.partial(state.engine.init_weights_update_group, **kwargs))
+    finally:
+        state.num_joins -= 1
+    return _result(res)
 
 
 class UpdateWeightsFromDistributedReqInput(Body):

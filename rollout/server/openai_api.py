@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.server import limits
 from rollout.server.chat_template import ChatTemplate, NoChatTemplate, resolve_chat_template
 from rollout.server.common import JSONResponse, dumps, engine_error, error_response, run_blocking
 from rollout.server.lora import adapter_cards, lora_of_model
@@ -162,6 +163,21 @@ def _usage(outs: list[dict], n: int) -> dict:
 
 def _token_text(engine, tid: int, text: str | None) -> str:
     return text if text is not None else (engine.tokenizer.token_text(tid) or "")
+
+
+async def _prepare(request: Request, prompts: list, sampling: dict, num_top: int | None) -> list | Response:
+    """Text prompts tokenized off the event loop, and the request's size checked (limits.py)."""
+    if prompts and isinstance(prompts[0], str):
+        prepared = await limits.prepare_prompts(request, prompts, None)
+        if isinstance(prepared, Response):
+            return prepared
+        prompts = prepared[1] if prepared[1] is not None else prompts
+    if prompts and isinstance(prompts[0], list):
+        too_much = limits.check_work(request, prompts, sampling, return_logprob=num_top is not None,
+                                     top_logprobs_num=num_top or 0)
+        if too_much is not None:
+            return too_much
+    return prompts
 
 
 async def _generate(request: Request, prompts: list, sampling: dict, num_top: int | None, rid,
@@ -352,6 +368,9 @@ async def completions(req: CompletionRequest, request: Request):
         return bad
     sampling = req.sampling_params(req.max_tokens)
     names = _openai_names()
+    prompts = await _prepare(request, prompts, sampling, req.logprobs)
+    if isinstance(prompts, Response):
+        return prompts
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
         outs = await _generate(request, prompts, sampling, req.logprobs, req.rid, names, req.model)
@@ -472,6 +491,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     sampling = req.sampling_params(req.max_completion_tokens if req.max_completion_tokens is not None
                                    else req.max_tokens)
     names = _openai_names("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    prompts = await _prepare(request, prompts, sampling, num_top)
+    if isinstance(prompts, Response):
+        return prompts
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
         outs = await _generate(request, prompts, sampling, num_top, req.rid, names, req.model)

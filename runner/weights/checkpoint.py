@@ -19,6 +19,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -112,6 +113,16 @@ def _check_inside(index_file: Path, shard: object) -> str:
     return shard
 
 
+def _open_regular(dir_fd: int, name: str, root: Path) -> int:
+    """Open a regular file only. O_NONBLOCK: opening a FIFO (or a device) must not block the caller;
+    it is refused by the S_ISREG check right after (O_NONBLOCK changes nothing for a regular file)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{root / name}: not a regular file (only regular files are read from a checkpoint)")
+    return fd
+
+
 class CheckpointIndex:
     """One checkpoint directory, opened once: entries (name -> TensorEntry) and the tensor data.
 
@@ -158,7 +169,7 @@ class CheckpointIndex:
 
     def _read_text(self, dir_fd: int, name: str) -> str:
         try:
-            fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+            fd = _open_regular(dir_fd, name, self.root)
         except OSError as e:
             raise CheckpointError(f"{self.root / name}: cannot open: {e}") from e
         try:
@@ -170,7 +181,7 @@ class CheckpointIndex:
     def _open_shard(self, dir_fd: int, name: str, weight_map: dict) -> None:
         path = self.root / name
         try:
-            fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+            fd = _open_regular(dir_fd, name, self.root)
         except FileNotFoundError:
             held = [n for n, fn in weight_map.items() if fn == name]
             what = f"listed in {INDEX_FILE} is missing (holds {len(held)} tensors, e.g. {held[:1]})" if held else \

@@ -117,12 +117,28 @@ def custom_load(runner, path: str, named_tensors) -> int:
     return write(runner, fill, repack_all=True)
 
 
-def update_from_disk(runner, model_path: str | Path) -> int:
-    """Load a whole HF checkpoint directory, read as one snapshot (see runner/weights/checkpoint.py)."""
+def open_checkpoint(runner, model_path: str | Path) -> CheckpointIndex:
+    """Open a checkpoint (headers, config check, mappings) without touching runner state, so a caller can
+    do it outside its locks: a slow or stuck file system stalls only that call."""
+    try:
+        index = CheckpointIndex(model_path)
+    except CheckpointError as e:
+        raise WeightUpdateError(str(e)) from None
+    try:
+        check_checkpoint_config(runner, index)
+    except BaseException:
+        index.close()
+        raise
+    return index
+
+
+def update_from_disk(runner, model_path: str | Path | CheckpointIndex) -> int:
+    """Load a whole HF checkpoint directory (or one open_checkpoint opened), read as one snapshot (see
+    runner/weights/checkpoint.py)."""
     require_weights_resident(runner)
     try:
-        with CheckpointIndex(model_path) as index:
-            check_checkpoint_config(runner, index)
+        index = model_path if isinstance(model_path, CheckpointIndex) else open_checkpoint(runner, model_path)
+        with index:
             return write(runner, lambda writer: load_checkpoint(runner, index, writer, check=True))
     except CheckpointError as e:
         raise WeightUpdateError(str(e)) from None

@@ -1,0 +1,112 @@
+"""Stop strings and stop_regex in bounded time, and logit_bias that cannot break the sampler.
+
+Windowed stop-string matching is checked against the naive reference (search the whole greedy text);
+a catastrophically backtracking pattern finishes its request as abort within a time bound while a
+request beside it is unaffected; the count and size limits are refused by name; a bias too big for
+float32 is refused, and a large finite one still gives every sampled token a finite logprob.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from rollout import stop_match
+from rollout.request import Req
+from rollout.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, module_engines):
+    return module_engines(tiny_llama)
+
+
+def _token_of(engine, char: str) -> int:
+    return engine.tokenizer.tokenizer.encode(char, add_special_tokens=False)[-1]
+
+
+def test_stop_strings_match_the_naive_full_text_search(engine):
+    """Stop strings found on new text only cut the output exactly where a search of the whole greedy text
+    finds them first, for stops of 1 to 6 characters taken from the middle and the end of the text."""
+    free = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=40))
+    text = free["text"]
+    assert len(text) > 20
+    for start, length in [(12, 1), (9, 3), (15, 6), (len(text) - 4, 4)]:
+        stop = text[start:start + length]
+        out = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=40, stop=["\x00never", stop]))
+        assert out["text"] == text[: text.find(stop)], (stop, out["text"])
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_backtracking_stop_regex_is_bounded(engine):
+    """'(a|aa)+b' over an all-'a' output (exponential in `re`) finishes that request as abort naming the
+    pattern within seconds, and a greedy request running beside it gives its usual output."""
+    a = _token_of(engine, "a")
+    reference = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=12))
+    side: dict = {}
+    t = threading.Thread(target=lambda: side.update(engine.generate(PROMPT, dict(GREEDY, max_new_tokens=12))))
+    t0 = time.perf_counter()
+    t.start()
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params=dict(
+        GREEDY, max_new_tokens=80, logit_bias={a: 100.0}, stop_regex="(a|aa)+b"))
+    elapsed = time.perf_counter() - t0
+    t.join(30)
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "(a|aa)+b" in reason["message"], reason
+    assert elapsed < 10, elapsed  # `re` needs ~2^40 steps here; the bound is a behaviour bound, not a speed claim
+    assert side["output_ids"] == reference["output_ids"]
+
+
+def test_stop_regex_matches_only_in_the_tail_window():
+    """A pattern is searched in the last REGEX_WINDOW_CHARS characters with anchors kept: a match there is
+    found (and its start recorded), one only before the window is not, and '^' still means the text start."""
+    def req(**sp):
+        return Req("r", [1], SamplingParams.from_dict(dict(max_new_tokens=10, **sp)), seed=0)
+
+    w = stop_match.REGEX_WINDOW_CHARS
+    text = "x" * (w + 10) + "END"
+    r = req(stop_regex="E.D")
+    assert stop_match.find(r, text) == "E.D" and r.stop_at == w + 10
+    assert stop_match.find(req(stop_regex="^x"), text) is None  # position 0 lies before the window
+    assert stop_match.find(req(stop_regex="y"), "y" + "x" * (w + 5)) is None
+    r = req(stop="END")
+    assert stop_match.find(r, text) == "END" and stop_match.find(r, text + "more") == "END"
+
+
+@pytest.mark.parametrize("sp,needle", [
+    (dict(stop_regex=[f"p{i}" for i in range(stop_match.MAX_STOP_REGEXES + 1)]), "at most 16"),
+    (dict(stop_regex="a" * (stop_match.MAX_STOP_REGEX_CHARS + 1)), "characters"),
+    (dict(stop=[f"s{i}" for i in range(stop_match.MAX_STOP_STRINGS + 1)]), "at most 64"),
+    (dict(stop="s" * (stop_match.MAX_STOP_STRING_CHARS + 1)), "characters"),
+    (dict(stop_regex="(unclosed"), "not a valid regular expression"),
+])
+def test_stop_limits_are_refused_by_name(engine, sp, needle):
+    """Too many or too long stop strings / patterns: ValueError naming the field and the limit."""
+    with pytest.raises(ValueError, match="stop") as e:
+        engine.generate(PROMPT, dict(max_new_tokens=2, **sp))
+    assert needle in str(e.value)
+
+
+def test_logit_bias_limits(engine):
+    """A bias over MAX_LOGIT_BIAS (1e308 is inf in float32) is refused naming the key; a non-ASCII digit key is
+    refused by name; a bias under -MAX_LOGIT_BIAS bans the token; MAX_LOGIT_BIAS itself at temperature 0.7
+    samples the biased token every time, each with a finite logprob."""
+    with pytest.raises(ValueError, match=r"logit_bias\[5\]"):
+        engine.generate(PROMPT, dict(max_new_tokens=2, logit_bias={5: 1e308}))
+    with pytest.raises(ValueError, match="ASCII digits"):
+        engine.generate(PROMPT, dict(max_new_tokens=2, logit_bias={"\u00b2": 1.0}))
+    plain = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=4))["output_ids"]
+    banned = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=4, logit_bias={plain[0]: -1e308}))["output_ids"]
+    assert plain[0] not in banned
+    target = 17
+    out = engine.generate(PROMPT, dict(temperature=0.7, ignore_eos=True, max_new_tokens=6, seed=1,
+                                       logit_bias={str(target): MAX_LOGIT_BIAS}), return_logprob=True)
+    assert out["output_ids"] == [target] * 6
+    logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert all(lp is not None and math.isfinite(lp) and lp <= 0 for lp in logprobs), logprobs
