@@ -84,6 +84,16 @@ ARG_HELP: dict[str, str] = {
     "max_loaded_loras": "adapters resident at once (default: max(--max-loras-per-batch, initial adapters))",
     "lora_target_modules": "projections adapters may target (q_proj ... down_proj; default: the initial adapters')",
     "lora_paths": "adapters to load at start-up, as name=path (PEFT directories)",
+    "allowed_hosts": "Host header names served besides loopback and the bound address ('*': any; DNS-rebinding guard)",
+    "allowed_origins": "browser Origins allowed besides the server's own ('*': any; cross-site request guard)",
+    "allowed_disk_roots": "update_weights_from_disk reads only checkpoints under these directories (default: any)",
+    "max_request_bytes": "refuse request bodies larger than this with 413 (weight routes: --max-weights-request-bytes)",
+    "max_weights_request_bytes": "body limit of /update_weights_from_tensor, which carries the tensors' bytes",
+    "max_response_entries": "refuse a request whose output could exceed this many tokens + logprob entries",
+    "max_concurrent_weight_group_joins": "concurrent /init_weights_update_group joins; more get 503",
+    "weight_group_join_timeout_s": "default deadline of a weight-group join (a request's timeout_s overrides it)",
+    "logprobs_mode": "None: SGLang's logprobs (log_softmax(logits/T) before top-k/p); processed_logprobs: the "
+                     "truncated distribution sampled from; raw_logprobs: log_softmax of the raw logits",
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import openai
 
 from tests.rl_surface.conftest import at_step
+from tests.server.conftest import start_server
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -47,7 +48,9 @@ def test_weight_version_start_and_end_bracket_an_update_mid_request(server):
 def test_openai_responses_carry_metadata_weight_version(server):
     """/v1/completions and /v1/chat/completions responses carry metadata.weight_version, the served one."""
     server.engine.update_weight_version("step-7")
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0) as oai:
+    # The tiny tokenizer has no chat template of its own: chat needs --chat-template.
+    with start_server(server.path, engine=server.engine, chat_template="plain") as s, \
+            openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=60, max_retries=0) as oai:
         comp = oai.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
         chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                            temperature=0)

@@ -57,7 +57,7 @@ def test_checkpoint_is_opened_without_the_engine_lock(server, client, monkeypatc
     real = type(runner).open_checkpoint
 
     def spy(self, path):
-        held.append(cv._is_owned())  # the engine Condition's lock, by this thread
+        held.append(cv._lock._is_owned())  # the engine's step lock (rollout.step_gate), by this thread
         return real(self, path)
 
     monkeypatch.setattr(type(runner), "open_checkpoint", spy)
