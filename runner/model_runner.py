@@ -47,6 +47,12 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
+        if self.device.type == "cuda":
+            # Make it the current device: torch_memory_saver keys its pools by the current device, and
+            # kernels launched without an explicit device (flashinfer's workspace, graphs) go there.
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
@@ -120,13 +126,14 @@ class ModelRunner:
             prepack.unpack(m)
 
     def _init_dummy_weights(self) -> None:
-        gen = torch.Generator().manual_seed(self.config.random_seed)
+        # Drawn where the parameter lives, in its dtype: no fp32 host copy of a 7B model first.
+        gen = torch.Generator(device=self.device).manual_seed(self.config.random_seed)
         with torch.no_grad():
             for name, p in self.name_map.params.items():
                 if "norm" in name:
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                    p.normal_(0.0, 0.02, generator=gen)
 
     def configure_kv_cache_dtype(self) -> None:
         kv = self.config.kv_cache_dtype
@@ -172,7 +179,7 @@ class ModelRunner:
                 CudaGraphRunner,  # the GPU path only; never imported on CPU
             )
 
-            self.graph_runner = CudaGraphRunner(self)
+            self.graph_runner = CudaGraphRunner(self, capture_sizes=self.config.cuda_graph_bs)
         elif self.device.type == "cpu" and self.config.cuda_graph_bs:
             # Opt-in on the CPU: compiling costs seconds to minutes per size, measured gains were small
             # (0.92x eager on a 40M model, slower on tiny ones), and a step compiled mid-run rounds
@@ -191,7 +198,10 @@ class ModelRunner:
         if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
             # Freed storages would be read (or written) out of bounds.
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
-        if fb.forward_mode.is_decode() and self.graph_runner is not None and self.graph_runner.can_run(fb):
+        # While the cuda_graph tag is released the graphs' memory is unmapped (torch_memory_saver in
+        # preload mode): replaying would fault, so decode runs eagerly until it is resumed.
+        if (fb.forward_mode.is_decode() and self.graph_runner is not None
+                and self.memory_saver.is_resident("cuda_graph") and self.graph_runner.can_run(fb)):
             return self.graph_runner.replay(fb)
         # The eager step runs in inference mode: no version counters or view tracking, ~6% of a tiny
         # model's step. Not the captured one above: compiled graphs guard on the autograd mode.
