@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -55,10 +56,13 @@ def write_config(shape: str, root: Path) -> Path:
 
 
 def record(json_path: Path, row: dict) -> None:
+    """Append `row` to the JSON file and print it at once as a table row (a later phase may not finish)."""
+    row = {**row, "load_avg": round(os.getloadavg()[0], 2)}
     rows = json.loads(json_path.read_text()) if json_path.is_file() else []
     rows.append(row)
     json_path.write_text(json.dumps(rows, indent=1))
     print(json.dumps(row), flush=True)
+    print("ROW " + table_row(row), flush=True)
 
 
 def free_gpu() -> None:
@@ -180,23 +184,24 @@ def decode_step_ms(path: Path, bs: int, ctx: int = 128, steps: int = 40) -> tupl
     info = SamplingBatchInfo.from_lists([0.0] * bs, [1.0] * bs, [-1] * bs, [0.0] * bs, list(range(bs)), [0] * bs,
                                         r.model_config.vocab_size, dev)
     rows = [r.req_to_token_pool.alloc() for _ in range(bs)]
+    rows_t = torch.tensor(rows, device=dev)
+    table = r.req_to_token_pool.req_to_token  # [max_reqs, max_context]
     locs = r.token_to_kv_pool.alloc(bs * ctx)
-    for i, row in enumerate(rows):
-        r.req_to_token_pool.write(row, 0, locs[i * ctx : (i + 1) * ctx].to(dev))
+    table[rows_t, :ctx] = locs.to(dev).view(bs, ctx)  # one write for the whole batch, not one per request
     lens = [ctx] * bs
     ids = torch.randint(10, r.model_config.vocab_size, (bs * ctx,), device=dev)
     fb = ForwardBatch(ForwardMode.EXTEND, bs, ids, torch.arange(ctx, device=dev).repeat(bs),
-                      torch.tensor(rows, device=dev), torch.tensor(lens, device=dev), locs.to(dev), list(lens),
+                      rows_t, torch.tensor(lens, device=dev), locs.to(dev), list(lens),
                       extend_prefix_lens_cpu=[0] * bs, extend_seq_lens_cpu=[ctx] * bs, sampling_info=info)
     state = {"next": r.sample(r.forward(fb), fb).next_token_ids, "lens": lens}
 
     def step():
         new = r.token_to_kv_pool.alloc(bs).to(dev)
-        for i, row in enumerate(rows):
-            r.req_to_token_pool.write(row, state["lens"][i], new[i : i + 1])
-        state["lens"] = [n + 1 for n in state["lens"]]
         seq = torch.tensor(state["lens"], device=dev)
-        f = ForwardBatch(ForwardMode.DECODE, bs, state["next"], seq - 1, torch.tensor(rows, device=dev), seq, new,
+        table[rows_t, seq] = new  # each request's next slot at its current length: one index_put
+        state["lens"] = [n + 1 for n in state["lens"]]
+        seq = seq + 1
+        f = ForwardBatch(ForwardMode.DECODE, bs, state["next"], seq - 1, rows_t, seq, new,
                          list(state["lens"]), sampling_info=info)
         state["next"] = r.sample(r.forward(f), f).next_token_ids
         state["next"].tolist()
@@ -316,13 +321,17 @@ def phase_memory(args, root: Path) -> dict:
 GOALS = {"throughput": ("ratio", ">= 15x HF (0.5B)"), "gemm": ("ratio", "<= 1.5"), "memory": ("freed_share", ">= 0.99")}
 
 
+def table_row(row: dict) -> str:
+    figures = ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("phase", "shape", "batch"))
+    return (f"| {row['phase']} | {row.get('shape', '')} | {row.get('batch', '')} | {figures} | "
+            f"{GOALS.get(row['phase'], ('', ''))[1]} |")
+
+
 def print_table(json_path: Path) -> None:
     rows = json.loads(json_path.read_text()) if json_path.is_file() else []
     print("\n| phase | shape | batch | figures | goal |\n|---|---|---|---|---|")
     for row in rows:
-        figures = ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("phase", "shape", "batch"))
-        print(f"| {row['phase']} | {row.get('shape', '')} | {row.get('batch', '')} | {figures} | "
-              f"{GOALS.get(row['phase'], ('', ''))[1]} |")
+        print(table_row(row))
 
 
 def main(argv=None) -> None:
