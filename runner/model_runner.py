@@ -35,6 +35,7 @@ from runner.sampler import SampleOutput, Sampler
 from runner.weights import routes
 from runner.weights.checkpoint import CheckpointIndex
 from runner.weights.loader import WeightNameMap, WeightWriter
+from runner.weights.same_gpu import explain_nccl_error
 from runner.weights.update_groups import UpdateGroupRegistry
 
 __all__ = ["ModelRunner", "RunnerConfig"]  # RunnerConfig lives in runner.config
@@ -250,8 +251,14 @@ class ModelRunner:
         backend None: nccl on CUDA, gloo otherwise."""
         if backend is None:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.update_groups.join(master_address, master_port, rank_offset, world_size, group_name, backend,
-                                timeout_s)
+        try:
+            self.update_groups.join(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                    timeout_s)
+        except Exception as e:
+            better = explain_nccl_error(e, self.device, group_name)
+            if better is None:
+                raise
+            raise better from e
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str, load_format: str | None = None,
@@ -264,8 +271,14 @@ class ModelRunner:
         are in. `load_format` is the wire format (weight_sync.distributed: None = one broadcast per
         tensor, SGLang's default). A failed or timed-out receive writes nothing.
         """
-        return self.update_groups.receive(group_name, names, dtypes, shapes, self.device, load_format,
-                                          load or self.update_weights_from_tensor)
+        try:
+            return self.update_groups.receive(group_name, names, dtypes, shapes, self.device, load_format,
+                                              load or self.update_weights_from_tensor)
+        except Exception as e:  # NCCL builds its communicator at the first collective: it refuses here
+            better = explain_nccl_error(e, self.device, group_name)
+            if better is None:
+                raise
+            raise better from e
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave `group_name` and free the name; waits for a receive in progress on it to end."""

@@ -46,6 +46,9 @@ class RLConfig:
     dtype: str = field(default="float32", metadata={"help": "engine and policy dtype: float32 | bfloat16"})
     routing_replay: bool = field(default=False, metadata={"help": "MoE policies: the trainer's forward uses the "
                                                                   "experts the rollout routed each token to (R3)"})
+    engine_process: bool = field(default=False, metadata={"help": "run the engine in its own process "
+                                                                  "(RemoteEngine); weights go by CUDA IPC on a GPU, "
+                                                                  "by shared memory on the CPU"})
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,6 +72,12 @@ class RLConfig:
              "with --routing-replay"),
             (not (self.deterministic and self.tp_size != 1), "--deterministic needs --tp-size 1"),
             (self.bucket_mb >= 1, f"--bucket-mb must be >= 1, got {self.bucket_mb}"),
+            (not (self.engine_process and self.num_engines != 1),
+             "--engine-process runs one engine in a child process; with --num-engines > 1 the engines are Ray "
+             "actors already: drop one of the two"),
+            (not (self.engine_process and self.deterministic),
+             "--deterministic reads the engine's model in the trainer's process; it cannot be combined with "
+             "--engine-process"),
         ]
         for ok, msg in checks:
             if not ok:
