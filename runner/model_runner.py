@@ -17,6 +17,7 @@ It knows nothing of requests: pausing, cache flushes and versions are the caller
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from runner.weights.checkpoint import CheckpointIndex
 from runner.weights.loader import WeightNameMap, WeightWriter
 from runner.weights.same_gpu import explain_nccl_error
 from runner.weights.update_groups import UpdateGroupRegistry
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "RunnerConfig"]  # RunnerConfig lives in runner.config
 
@@ -71,6 +74,7 @@ class ModelRunner:
         self.update_groups = UpdateGroupRegistry()  # broadcast groups joined for distributed updates
         self.custom_loaders = routes.import_custom_loaders(config.custom_weight_loader)
         self.is_shut_down = False
+        self.piecewise_runner = None  # prefill graphs (CUDA, enable_piecewise_cuda_graph); set by init_device_graphs
         self.initialize()
 
     @property
@@ -173,6 +177,17 @@ class ModelRunner:
         """Build the captured-decode runner (runner/graphs/graph_runner.py) unless disable_cuda_graph:
         CUDA graphs on CUDA, the compiled static-shape decode step on the CPU."""
         self.graph_runner = None
+        self.piecewise_runner = None
+        if self.device.type == "cuda" and self.config.enable_piecewise_cuda_graph:
+            from runner.graphs.piecewise_runner import PiecewiseExtendRunner  # GPU path only
+
+            pw = PiecewiseExtendRunner(self)
+            if pw.supports_model():
+                pw.capture()
+                self.piecewise_runner = pw
+            else:
+                logger.info("piecewise CUDA graphs: %s is not supported; prefill runs eagerly",
+                            type(self.model).__name__)
         if self.config.disable_cuda_graph:
             return
         if self.device.type == "cuda":
@@ -201,9 +216,11 @@ class ModelRunner:
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
         # While the cuda_graph tag is released the graphs' memory is unmapped (torch_memory_saver in
         # preload mode): replaying would fault, so decode runs eagerly until it is resumed.
-        if (fb.forward_mode.is_decode() and self.graph_runner is not None
-                and self.memory_saver.is_resident("cuda_graph") and self.graph_runner.can_run(fb)):
-            return self.graph_runner.replay(fb)
+        if self.memory_saver.is_resident("cuda_graph"):
+            if fb.forward_mode.is_decode() and self.graph_runner is not None and self.graph_runner.can_run(fb):
+                return self.graph_runner.replay(fb)
+            if fb.forward_mode.is_extend() and self.piecewise_runner is not None and self.piecewise_runner.can_run(fb):
+                return self.piecewise_runner.replay(fb)
         # The eager step runs in inference mode: no version counters or view tracking, ~6% of a tiny
         # model's step. Not the captured one above: compiled graphs guard on the autograd mode.
         with (torch.inference_mode(),

@@ -53,6 +53,8 @@ def release(runner, tags: list[str] | None = None) -> None:
             runner._drop_packs()  # shadows of the weights go with them
         if tag == "kv_cache":
             runner.token_to_kv_pool.clear()
+        if tag == "cuda_graph" and getattr(runner, "piecewise_runner", None) is not None:
+            runner.piecewise_runner.reset()  # ordinary torch memory: dropped now, captured again after resume
         if tag == "weights" and not saver.has_cpu_backup("weights"):
             runner.weights_valid = False
             runner.invalid_weights = set(runner.name_map.hf_names())
@@ -87,13 +89,17 @@ def free_all(runner) -> None:
     runner.invalid_reason = "the engine was shut down"
     runner._drop_packs()
     tensors = [*runner.model.parameters(), *runner.model.buffers()]
+    pw = getattr(runner, "piecewise_runner", None)
+    if pw is not None:
+        pw.reset()
+        tensors += [v for v in vars(pw.inputs).values() if isinstance(v, torch.Tensor)]
     for holder in (runner.token_to_kv_pool, runner.req_to_token_pool, runner.graph_runner, runner.attn_backend):
         tensors += [v for v in vars(holder).values() if isinstance(v, torch.Tensor)] if holder else []
     for t in tensors:
         t.untyped_storage().resize_(0)
     runner.memory_saver.free()
     # Graphs (and their private pools), compiled steps and backends hold more: drop them too.
-    runner.graph_runner = runner.attn_backend = None
+    runner.graph_runner = runner.attn_backend = runner.piecewise_runner = None
     gc.collect()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
