@@ -23,15 +23,18 @@ rm -f "$RESULTS"
 START=$(date +%s)
 stamp() { echo "[gpu_check $MODE +$(( $(date +%s) - START ))s] $*"; }
 
-# Phase timeouts (seconds). quick: 30 + 190 + 90 + 40 + 40 + 30 = 420. long: 30 + 150 + 60 + 120 + 60 = 420.
+# Phase timeouts (seconds). quick: 30 + 180 + 90 + 40 + 40 + 40 = 420. long: 30 + 150 + 60 + 120 + 60 = 420.
 T_WHEELS=30
 if [ "$MODE" = quick ]; then
-  T_TESTS=190; T_TPUT=90; T_GEMM64=40; T_GEMM256=40; T_PREFILL=30
-  stamp "phase budget $((T_WHEELS + T_TESTS + T_TPUT + T_GEMM64 + T_GEMM256 + T_PREFILL)) s"
+  T_TESTS=180; T_TPUT=90; T_GEMM64=40; T_GEMM256=40; T_PREFILL=40
+  BUDGET=$((T_WHEELS + T_TESTS + T_TPUT + T_GEMM64 + T_GEMM256 + T_PREFILL))
 else
   T_TPUT7=150; T_GEMM7=60; T_MEM=120; T_PROC=60
-  stamp "phase budget $((T_WHEELS + T_TPUT7 + T_GEMM7 + T_MEM + T_PROC)) s"
+  BUDGET=$((T_WHEELS + T_TPUT7 + T_GEMM7 + T_MEM + T_PROC))
 fi
+stamp "phase budget $BUDGET s"
+# One device call allows 8 minutes of command time: the phases must leave room for start-up and the table.
+[ "$BUDGET" -le 420 ] || { stamp "phase budget $BUDGET s exceeds 420 s: lower a phase timeout"; exit 2; }
 
 # ---- wheels -------------------------------------------------------------------------------------------
 SITE=/tmp/site
@@ -95,9 +98,9 @@ if [ "$MODE" = quick ]; then
   LD_PRELOAD="$PRELOAD" timeout -k 5 "$T_TESTS" python3 -m pytest -v -rA -m gpu -p no:cacheprovider tests/gpu \
     -o junit_family=xunit1 --junitxml="$OUT_DIR/gpu_tests.xml" >"$OUT_DIR/gpu_tests.log" 2>&1
   TESTS_RC=$?
-  PASSED=$(grep -c '"outcome": "passed"' "$GPU_TEST_RESULTS" 2>/dev/null || echo 0)
-  FAILED=$(grep -c '"outcome": "failed"' "$GPU_TEST_RESULTS" 2>/dev/null || echo 0)
-  SKIPPED=$(grep -c '"outcome": "skipped"' "$GPU_TEST_RESULTS" 2>/dev/null || echo 0)
+  PASSED=$(grep -c '"outcome": "passed"' "$GPU_TEST_RESULTS" 2>/dev/null); PASSED=${PASSED:-0}
+  FAILED=$(grep -c '"outcome": "failed"' "$GPU_TEST_RESULTS" 2>/dev/null); FAILED=${FAILED:-0}
+  SKIPPED=$(grep -c '"outcome": "skipped"' "$GPU_TEST_RESULTS" 2>/dev/null); SKIPPED=${SKIPPED:-0}
   grep -E '^(FAILED|ERROR)' "$OUT_DIR/gpu_tests.log" | cut -c1-300
   if [ "$TESTS_RC" = 124 ] || [ "$TESTS_RC" = 137 ]; then TESTS_NOTE="TIMEOUT; "; else TESTS_NOTE=""; fi
   stamp "ROW | tests/gpu | | | ${TESTS_NOTE}rc=$TESTS_RC passed=$PASSED failed=$FAILED skipped=$SKIPPED | all pass |"
