@@ -8,13 +8,12 @@ the forward of `model.model` (hidden states, not logits) is captured as L+1 CUDA
 piece 0 runs from the embedding to layer 0's attention input, piece i from layer i-1's attention
 output to layer i's attention input, the last piece to the final norm. The split is made at the
 attention backend's `forward_extend`: during capture the runner puts `_SplitAtAttention` in the
-forward context as the backend; each call ends the graph being captured, runs the real attention
-eagerly on the dummy batch, keeps its output in a static tensor the next piece reads, and begins the
-next graph (all pieces share one memory pool). A replay copies the batch into static [max_tokens]
+forward context as the backend; each call copies q into a static buffer (inside the graph), ends the
+graph being captured, runs the real attention eagerly on the dummy batch into a static output the
+next piece reads, and begins the next graph (all pieces share one memory pool). A replay copies the batch into static [max_tokens]
 buffers (padding tokens: id 0, position 0, KV slot 0, the pool's padding slot), plans the real
 attention for the real batch, replays piece 0, then per layer runs the backend's `forward_extend` on
-the first n rows of that layer's static q, copies the result into the static output and replays the
-next piece; logits are computed eagerly from the first n hidden rows (they select each request's
+the first n rows of the static q, copies the result into the static output and replays the next piece; logits are computed eagerly from the first n hidden rows (they select each request's
 last token, a per-batch choice). Padding rows only ever meet row-wise ops inside the graphs and never
 reach attention, so they cannot change the real rows.
 
@@ -39,6 +38,7 @@ import torch
 
 from runner.forward_batch import ForwardBatch, ForwardContext, ForwardMode, LogitsOutput, forward_context
 from runner.graphs.graph_runner import PAD_REQ_ROW, padded_size
+from runner.layers.attention import PagedAttention
 from runner.layers.logits import compute_logits
 
 logger = logging.getLogger(__name__)
@@ -108,28 +108,24 @@ class PiecewiseGraphApi:
 
 
 @dataclass
-class _Piece:
-    """One attention call between two graphs: the layer, its static q (an output of the graph before)
-    and the static tensor its output is copied into (an input of the graph after)."""
-
-    layer: torch.nn.Module
-    q: torch.Tensor  # [N, heads, head_dim] (or [N, heads * head_dim]), written by the previous graph
-    out: torch.Tensor  # what forward_extend returned, static
-
-
-@dataclass
 class _Bucket:
     tokens: int
     graphs: list = field(default_factory=list)  # L + 1
-    pieces: list[_Piece] = field(default_factory=list)  # L
+    layers: list = field(default_factory=list)  # the L attention layers, in call order
     hidden: torch.Tensor | None = None  # [N, hidden_size], written by the last graph
 
 
 class _SplitAtAttention:
-    """The attention backend the model sees while a bucket is captured: splits the capture at each call."""
+    """The attention backend the model sees while a bucket is captured: splits the capture at each call.
 
-    def __init__(self, real, api, bucket: _Bucket, pool) -> None:
+    Each piece ends by copying its q into the one static q buffer (a copy inside the graph), and the
+    next piece starts from the one static attention output: two [max_tokens, heads, head_dim] buffers
+    for every layer and bucket, instead of a q and an output per layer per bucket (gigabytes at 7B).
+    """
+
+    def __init__(self, real, api, bucket: _Bucket, pool, static_q: torch.Tensor, static_out: torch.Tensor) -> None:
         self.real, self.api, self.bucket, self.pool = real, api, bucket, pool
+        self.static_q, self.static_out = static_q, static_out
         self.graph = None
 
     def begin(self) -> None:
@@ -143,12 +139,15 @@ class _SplitAtAttention:
         self.graph = None
 
     def forward_extend(self, q: torch.Tensor, layer, fb=None) -> torch.Tensor:
+        n = q.shape[0]
+        qs = self.static_q[:n]
+        qs.copy_(q.reshape(qs.shape))  # captured: the piece's last op
         self.end()
-        out = self.real.forward_extend(q, layer, fb)  # eager, on the dummy batch: real shapes and dtypes
-        static = out.clone()  # outside any graph: ordinary memory, read by the next piece
-        self.bucket.pieces.append(_Piece(layer, q, static))
+        out = self.real.forward_extend(qs, layer, fb)  # eager, on the dummy batch
+        self.static_out[:n].copy_(out.reshape(qs.shape))
+        self.bucket.layers.append(layer)
         self.begin()
-        return static
+        return self.static_out[:n]  # [n, heads, head_dim], read by the next piece
 
     def forward_decode(self, q, layer, fb=None):
         raise RuntimeError("piecewise capture runs EXTEND batches only")
@@ -171,6 +170,11 @@ class PiecewiseExtendRunner:
         self.inputs = StaticExtendInputs(self.max_tokens, runner.device)
         self.captured: dict[int, _Bucket] = {}
         self.pool = None
+        attn = next((m for m in runner.model.modules() if isinstance(m, PagedAttention)), None)
+        shape = (self.max_tokens, attn.num_heads, attn.head_dim) if attn is not None else (0,)
+        # Static q and attention output shared by every layer and bucket (see _SplitAtAttention).
+        self.static_q = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+        self.static_out = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
         self.num_captures = 0
         self.num_replays = 0
         self.capture_seconds = 0.0
@@ -217,7 +221,7 @@ class PiecewiseExtendRunner:
                     self.runner.model.model(fb.input_ids, fb.positions, fb)
                 api.synchronize()
                 bucket = _Bucket(n)
-                split = _SplitAtAttention(real, api, bucket, self.pool)
+                split = _SplitAtAttention(real, api, bucket, self.pool, self.static_q, self.static_out)
                 split.begin()
                 with forward_context(self._context(split)):
                     bucket.hidden = self.runner.model.model(fb.input_ids, fb.positions, fb)  # [n, hidden]
@@ -241,10 +245,10 @@ class PiecewiseExtendRunner:
         backend = self.runner.attn_backend
         with torch.no_grad(), forward_context(self._context(backend)):
             backend.init_forward_metadata(fb)  # the real batch's attention plan
+            q, out = self.static_q[:n], self.static_out[:n]
             bucket.graphs[0].replay()
-            for piece, graph in zip(bucket.pieces, bucket.graphs[1:]):
-                out = backend.forward_extend(piece.q[:n], piece.layer, fb)  # real rows only
-                piece.out[:n].copy_(out)
+            for layer, graph in zip(bucket.layers, bucket.graphs[1:]):
+                out.copy_(backend.forward_extend(q, layer, fb).reshape(out.shape))  # real rows only
                 graph.replay()
             self.num_replays += 1
             return compute_logits(bucket.hidden[:n], self.runner.model.lm_head, fb)

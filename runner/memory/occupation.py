@@ -92,7 +92,7 @@ def free_all(runner) -> None:
     pw = getattr(runner, "piecewise_runner", None)
     if pw is not None:
         pw.reset()
-        tensors += [v for v in vars(pw.inputs).values() if isinstance(v, torch.Tensor)]
+        tensors += [v for v in (*vars(pw.inputs).values(), *vars(pw).values()) if isinstance(v, torch.Tensor)]
     for holder in (runner.token_to_kv_pool, runner.req_to_token_pool, runner.graph_runner, runner.attn_backend):
         tensors += [v for v in vars(holder).values() if isinstance(v, torch.Tensor)] if holder else []
     for t in tensors:

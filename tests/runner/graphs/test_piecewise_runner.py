@@ -41,12 +41,12 @@ class _Pause:
         self.api, self.bucket, self.j = api, bucket, 0
 
     def forward_extend(self, q, layer, fb=None):
-        piece = self.bucket.pieces[self.j]
-        assert piece.layer is layer
-        piece.q.copy_(q)  # the graph before writes its q output in place
+        assert self.bucket.layers[self.j] is layer
+        n, pw = q.shape[0], self.api.pw
+        pw.static_q[:n].copy_(q.reshape(pw.static_q[:n].shape))  # the graph's last op: q into the static buffer
         self.j += 1
         self.api.yield_to_runner()
-        return piece.out  # the graph after reads the static output the runner filled
+        return pw.static_out[:n]  # the graph after reads the static output the runner filled
 
 
 class StandInPiecewiseApi:
@@ -149,7 +149,7 @@ def test_capture_splits_at_every_attention_call(tiny_llama):
     assert all(p is pw.pool for _, p in begins[1:]) and [e[0] for e in api.log[:2]] == ["begin", "end"]
     assert list(pw.captured) == [24, 8]
     for n, bucket in pw.captured.items():
-        assert len(bucket.graphs) == len(layers) + 1 and [p.layer for p in bucket.pieces] == layers
+        assert len(bucket.graphs) == len(layers) + 1 and bucket.layers == layers
         fb = pw._dummy_batch(n)
         runner.attn_backend.init_forward_metadata(fb)
         with torch.no_grad(), forward_context(ForwardContext(runner.attn_backend, runner.token_to_kv_pool,
@@ -212,3 +212,15 @@ def test_piecewise_needs_cuda():
 
     with pytest.raises(ValueError, match="enable_piecewise_cuda_graph needs a CUDA device"):
         RunnerConfig(model_path="x", device="cpu", enable_piecewise_cuda_graph=True)
+
+
+def test_shutdown_frees_the_piecewise_buffers(tiny_llama):
+    """shutdown() frees the piecewise runner's static buffers in place and drops its graphs."""
+    runner, api, pw = _piecewise(tiny_llama, [8])
+    runner.piecewise_runner = pw
+    pw.capture()
+    bufs = [pw.static_q, pw.static_out, pw.inputs.input_ids]
+    assert all(b.untyped_storage().nbytes() > 0 for b in bufs)
+    runner.shutdown()
+    assert all(b.untyped_storage().nbytes() == 0 for b in bufs) and pw.captured == {}
+    assert runner.piecewise_runner is None
