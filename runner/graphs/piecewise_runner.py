@@ -97,7 +97,9 @@ class PiecewiseGraphApi:
 
     def begin(self, pool):
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=pool)
+        # thread_local: a recapture (after a resume) runs on the scheduler thread while other threads
+        # may make CUDA calls; only this thread's calls must be capture-safe.
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         return graph
 
     def end(self, graph) -> None:
