@@ -209,18 +209,24 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> LogitsOutput | None:
         if fb.forward_mode.is_idle():
             return None
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)  # the current device is per thread (the scheduler's is not ours)
         if not self.weights_valid:
             raise RuntimeError(self.invalid_weights_message())
         if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
             # Freed storages would be read (or written) out of bounds.
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
-        # While the cuda_graph tag is released the graphs' memory is unmapped (torch_memory_saver in
-        # preload mode): replaying would fault, so decode runs eagerly until it is resumed.
-        if self.memory_saver.is_resident("cuda_graph"):
-            if fb.forward_mode.is_decode() and self.graph_runner is not None and self.graph_runner.can_run(fb):
-                return self.graph_runner.replay(fb)
-            if fb.forward_mode.is_extend() and self.piecewise_runner is not None and self.piecewise_runner.can_run(fb):
-                return self.piecewise_runner.replay(fb)
+        # While the cuda_graph tag is released CUDA graph memory is unmapped (torch_memory_saver in preload
+        # mode) or dropped: replaying would fault, so those steps run eagerly until it is resumed. The
+        # compiled CPU step holds no such memory and keeps running (its numerics must not switch).
+        graphs_resident = self.memory_saver.is_resident("cuda_graph")
+        gr = self.graph_runner
+        if (fb.forward_mode.is_decode() and gr is not None
+                and (graphs_resident or not getattr(gr, "released_with_cuda_graph_tag", False)) and gr.can_run(fb)):
+            return gr.replay(fb)
+        pw = self.piecewise_runner
+        if fb.forward_mode.is_extend() and pw is not None and graphs_resident and pw.can_run(fb):
+            return pw.replay(fb)
         # The eager step runs in inference mode: no version counters or view tracking, ~6% of a tiny
         # model's step. Not the captured one above: compiled graphs guard on the autograd mode.
         with (torch.inference_mode(),

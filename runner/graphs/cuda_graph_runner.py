@@ -85,6 +85,7 @@ class CudaGraphApi:
 
 
 class CudaGraphRunner:
+    released_with_cuda_graph_tag = True  # ModelRunner.forward runs eagerly while that tag is released
     def __init__(self, runner, max_bs: int | None = None, capture_sizes: list[int] | None = None,
                  api: CudaGraphApi | None = None) -> None:
         self.runner = runner

@@ -169,3 +169,34 @@ def test_no_replay_while_cuda_graph_tag_is_released(tiny_llama):
     with pytest.raises(RuntimeError, match="cuda_graph memory tag is released"):
         with saver.graph_capture(object()):
             pass
+
+
+def test_cpu_compiled_step_keeps_running_while_cuda_graph_is_released(tiny_llama):
+    """A graph runner holding no releasable graph memory (the compiled CPU step) keeps replaying while the
+    cuda_graph tag is released, so a rollout's numerics never switch paths."""
+
+    class Recorder:  # stands in for CpuGraphRunner: no released_with_cuda_graph_tag
+        def __init__(self):
+            self.calls = 0
+
+        def can_run(self, fb):
+            return True
+
+        def replay(self, fb):
+            self.calls += 1
+            return eager_forward(fb)
+
+    runner = make_runner(tiny_llama, disable_cuda_graph=True, enable_memory_saver=True, enable_weights_cpu_backup=True)
+    rec = Recorder()
+
+    def eager_forward(fb):
+        runner.graph_runner = None
+        try:
+            return runner.forward(fb)
+        finally:
+            runner.graph_runner = rec
+
+    runner.graph_runner = rec
+    runner.release_memory_occupation(["cuda_graph"])
+    _decode_logits(runner, BATCHES[:1])
+    assert rec.calls == 2
