@@ -8,6 +8,9 @@ Phases (random weights, `load_format="dummy"` for the engine, config-only checkp
 - `gemm`: one decode step's GEMM chain (every layer's qkv, o, gate_up, down + the LM head, bf16)
   replayed in a CUDA graph, against our captured decode step (`ModelRunner.forward` + `sample`,
   one host read) at the same batch and ~128-token context; goal ratio <= 1.5.
+- `prefill`: a prefill of `--batch` x `--in` tokens, eager against piecewise CUDA graphs (one bucket).
+- `engine_process`: update_weights_from_tensor GB/s into an engine process over CUDA IPC against an
+  in-process engine.
 - `memory`: share of the engine's device memory (mem_get_info before/after it was built) that
   `release_memory_occupation()` returns; KV release + resume ms; weight backup GB/s each way (second
   cycle: the pinned host buffer exists by then); `update_weights_from_tensor` GB/s from GPU tensors
@@ -24,6 +27,7 @@ import argparse
 import gc
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -55,10 +59,13 @@ def write_config(shape: str, root: Path) -> Path:
 
 
 def record(json_path: Path, row: dict) -> None:
+    """Append `row` to the JSON file and print it at once as a table row (a later phase may not finish)."""
+    row = {**row, "load_avg": round(os.getloadavg()[0], 2)}
     rows = json.loads(json_path.read_text()) if json_path.is_file() else []
     rows.append(row)
     json_path.write_text(json.dumps(rows, indent=1))
     print(json.dumps(row), flush=True)
+    print("ROW " + table_row(row), flush=True)
 
 
 def free_gpu() -> None:
@@ -180,23 +187,24 @@ def decode_step_ms(path: Path, bs: int, ctx: int = 128, steps: int = 40) -> tupl
     info = SamplingBatchInfo.from_lists([0.0] * bs, [1.0] * bs, [-1] * bs, [0.0] * bs, list(range(bs)), [0] * bs,
                                         r.model_config.vocab_size, dev)
     rows = [r.req_to_token_pool.alloc() for _ in range(bs)]
+    rows_t = torch.tensor(rows, device=dev)
+    table = r.req_to_token_pool.req_to_token  # [max_reqs, max_context]
     locs = r.token_to_kv_pool.alloc(bs * ctx)
-    for i, row in enumerate(rows):
-        r.req_to_token_pool.write(row, 0, locs[i * ctx : (i + 1) * ctx].to(dev))
+    table[rows_t, :ctx] = locs.to(dev).view(bs, ctx)  # one write for the whole batch, not one per request
     lens = [ctx] * bs
     ids = torch.randint(10, r.model_config.vocab_size, (bs * ctx,), device=dev)
     fb = ForwardBatch(ForwardMode.EXTEND, bs, ids, torch.arange(ctx, device=dev).repeat(bs),
-                      torch.tensor(rows, device=dev), torch.tensor(lens, device=dev), locs.to(dev), list(lens),
+                      rows_t, torch.tensor(lens, device=dev), locs.to(dev), list(lens),
                       extend_prefix_lens_cpu=[0] * bs, extend_seq_lens_cpu=[ctx] * bs, sampling_info=info)
     state = {"next": r.sample(r.forward(fb), fb).next_token_ids, "lens": lens}
 
     def step():
         new = r.token_to_kv_pool.alloc(bs).to(dev)
-        for i, row in enumerate(rows):
-            r.req_to_token_pool.write(row, state["lens"][i], new[i : i + 1])
-        state["lens"] = [n + 1 for n in state["lens"]]
         seq = torch.tensor(state["lens"], device=dev)
-        f = ForwardBatch(ForwardMode.DECODE, bs, state["next"], seq - 1, torch.tensor(rows, device=dev), seq, new,
+        table[rows_t, seq] = new  # each request's next slot at its current length: one index_put
+        state["lens"] = [n + 1 for n in state["lens"]]
+        seq = seq + 1
+        f = ForwardBatch(ForwardMode.DECODE, bs, state["next"], seq - 1, rows_t, seq, new,
                          list(state["lens"]), sampling_info=info)
         state["next"] = r.sample(r.forward(f), f).next_token_ids
         state["next"].tolist()
@@ -312,22 +320,92 @@ def phase_memory(args, root: Path) -> dict:
                 update_ipc_gb_s=round(ipc, 1))
 
 
+# ---- piecewise prefill graphs vs eager prefill ------------------------------------------------------
+def phase_prefill(args, root: Path) -> dict:
+    """Median ms of a prefill of `--batch` x `--in` tokens (generate with one new token), eager against
+    piecewise graphs (one bucket of exactly that many tokens), same engine options otherwise."""
+    path = write_config(args.shape, root)
+    ids = prompts(args.batch, args.in_len, SHAPES[args.shape]["vocab_size"])
+    sp = dict(temperature=0, max_new_tokens=1, ignore_eos=True)
+    res = {}
+    for name, kw in (("eager", {}), ("piecewise", dict(enable_piecewise_cuda_graph=True,
+                                                        piecewise_cuda_graph_tokens=[args.batch * args.in_len]))):
+        t0 = time.perf_counter()
+        eng = engine(path, max_running_requests=args.batch, mem_fraction_static=0.3, disable_radix_cache=True,
+                     chunked_prefill_size=max(8192, args.batch * args.in_len), **kw)
+        init_s = time.perf_counter() - t0
+        out = eng.generate(input_ids=ids, sampling_params=sp)  # warm-up (JIT)
+
+        def run(eng=eng):
+            eng.generate(input_ids=ids, sampling_params=sp)
+
+        ms = _median_ms(run, 5)
+        res[name] = (ms, [o["output_ids"] for o in out], init_s)
+        pw = eng.runner.piecewise_runner
+        res[name + "_replays"] = pw.num_replays if pw is not None else 0
+        eng.shutdown()
+        del eng
+        free_gpu()
+    return dict(phase="prefill", shape=args.shape, batch=args.batch, tokens=args.batch * args.in_len,
+                eager_ms=round(res["eager"][0], 2), piecewise_ms=round(res["piecewise"][0], 2),
+                ratio=round(res["piecewise"][0] / res["eager"][0], 3), piecewise_replays=res["piecewise_replays"],
+                capture_init_s=round(res["piecewise"][2], 1), same_tokens=res["eager"][1] == res["piecewise"][1])
+
+
+# ---- weights into an engine process by CUDA IPC ----------------------------------------------------
+def phase_engine_process(args, root: Path) -> dict:
+    """update_weights_from_tensor GB/s from this process's GPU tensors: into an Engine in a child process
+    (RemoteEngine, CUDA IPC handles) against an in-process Engine, same weights."""
+    from weight_sync.cross_process import RemoteEngine
+
+    path = write_config(args.shape, root)
+    kw = {"device": "cuda", "dtype": "bfloat16", "load_format": "dummy", "skip_tokenizer_init": True,
+          "show_progress": False, "disable_cuda_graph": True, "attention_backend": "torch_native",
+          "max_running_requests": 8, "mem_fraction_static": 0.25}
+    local = engine(path, **kw)
+    named, nbytes = _random_state(local.runner)
+    local.update_weights_from_tensor(named)  # warm-up
+    inproc = nbytes / _timed(lambda: local.update_weights_from_tensor(named)) / GB
+    local.shutdown()
+    local = None
+    free_gpu()
+    with RemoteEngine("rollout:Engine", weight_transport="cuda_ipc", model_path=str(path), **kw) as r:
+        ok, msg = r.update_weights_from_tensor(named)  # warm-up: opens the handles
+        assert ok, msg
+        t0 = time.perf_counter()
+        ok, msg = r.update_weights_from_tensor(named)
+        ipc = nbytes / (time.perf_counter() - t0) / GB
+        assert ok, msg
+        served = r.get_weights_by_name(named[-1][0], truncate_size=2)
+    want = named[-1][1][:2].float().cpu()
+    return dict(phase="engine_process", shape=args.shape, weights_gb=round(nbytes / GB, 2),
+                ipc_update_gb_s=round(ipc, 1), inproc_update_gb_s=round(inproc, 1), ratio=round(ipc / inproc, 2),
+                served_equal=bool(torch.allclose(torch.tensor(served), want)))
+
+
 # ---- table --------------------------------------------------------------------------------------
-GOALS = {"throughput": ("ratio", ">= 15x HF (0.5B)"), "gemm": ("ratio", "<= 1.5"), "memory": ("freed_share", ">= 0.99")}
+GOALS = {"throughput": ("ratio", ">= 15x HF (0.5B)"), "gemm": ("ratio", "<= 1.5"), "memory": ("freed_share", ">= 0.99"),
+         "prefill": ("ratio", "< 1 (piecewise faster), same tokens"),
+         "engine_process": ("ratio", "IPC near in-process")}
+
+
+def table_row(row: dict) -> str:
+    figures = ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("phase", "shape", "batch"))
+    return (f"| {row['phase']} | {row.get('shape', '')} | {row.get('batch', '')} | {figures} | "
+            f"{GOALS.get(row['phase'], ('', ''))[1]} |")
 
 
 def print_table(json_path: Path) -> None:
     rows = json.loads(json_path.read_text()) if json_path.is_file() else []
     print("\n| phase | shape | batch | figures | goal |\n|---|---|---|---|---|")
     for row in rows:
-        figures = ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("phase", "shape", "batch"))
-        print(f"| {row['phase']} | {row.get('shape', '')} | {row.get('batch', '')} | {figures} | "
-              f"{GOALS.get(row['phase'], ('', ''))[1]} |")
+        print(table_row(row))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--phase", choices=("throughput", "gemm", "memory", "table"), required=True)
+    p.add_argument("--phase", choices=("throughput", "gemm", "memory", "prefill", "engine_process", "table"),
+                   required=True)
     p.add_argument("--shape", choices=tuple(SHAPES), default="0.5b")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--in", dest="in_len", type=int, default=128)
@@ -340,7 +418,8 @@ def main(argv=None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu_bench needs CUDA")
-    fn = {"throughput": phase_throughput, "gemm": phase_gemm, "memory": phase_memory}[args.phase]
+    fn = {"throughput": phase_throughput, "gemm": phase_gemm, "memory": phase_memory, "prefill": phase_prefill,
+          "engine_process": phase_engine_process}[args.phase]
     try:
         row = fn(args, args.workdir)
         free_gpu()

@@ -1,36 +1,53 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a bare H200 machine, ~8 minutes, flashinfer JIT included (the per-step timeouts bound it at ~10.5):
-#   1. install the carried wheels (build/gpu_wheels/: flashinfer-python 0.6.13, apache-tvm-ffi,
-#      torch-memory-saver 0.0.10, and the small pure-python dependencies) into /tmp/site, no network;
-#   2. run the gpu-marked tests (tests/gpu) with torch_memory_saver's preload hook;
-#   3. run bench/gpu_bench.py phase by phase, each in its own process with its own timeout, appending to
-#      one JSON file ($OUT/gpu_results.json when $OUT is set) so a phase that fails or runs out of time
-#      does not lose the others;
-#   4. print one table last.
-# Get the wheels on a networked machine first (run from the repo root):
+# GPU check for a bare H200 machine, sized to fit one device call (<= 8 min) per mode:
+#   bash bench/gpu_check.sh          quick (default): wheels, the gpu-marked tests, the 0.5B rows
+#   bash bench/gpu_check.sh long     a second call: the 7B rows, the memory/IPC phase, the engine-process row
+# The phase timeouts of each mode add up to <= 420 s (printed at the start). Every phase prints its
+# table row ("ROW | ... |"), or its failure with the reason, the moment it ends; test results are written
+# as each test completes ($OUT/gpu_tests.jsonl, one JSON line per test, and $OUT/gpu_tests.log, pytest -rA
+# -v), so a phase that dies or times out loses nothing before it. All results also go to
+# $OUT/gpu_results.json (or /tmp/gpu_check_out without $OUT); the table is printed again at the end.
+# Wheels (no network there): on a networked machine, from the repo root,
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #     --platform manylinux2014_x86_64 -d build/gpu_wheels flashinfer-python==0.6.13 \
 #     apache-tvm-ffi==0.1.15.post2 torch-memory-saver==0.0.10 ninja nvidia-ml-py einops tabulate click
-# and carry build/gpu_wheels. Usage: bash bench/gpu_check.sh [quick]   ("quick": tests and the 0.5B rows only)
+# and carry build/gpu_wheels.
 set -u
 cd "$(dirname "$0")/.."
+MODE="${1:-quick}"
+case "$MODE" in quick|long) ;; *) echo "usage: bash bench/gpu_check.sh [quick|long]"; exit 2 ;; esac
 OUT_DIR="${OUT:-/tmp/gpu_check_out}"
 mkdir -p "$OUT_DIR"
 RESULTS="$OUT_DIR/gpu_results.json"
 rm -f "$RESULTS"
 START=$(date +%s)
-stamp() { echo "[gpu_check +$(( $(date +%s) - START ))s] $*"; }
+stamp() { echo "[gpu_check $MODE +$(( $(date +%s) - START ))s] $*"; }
 
-# ---- 1. wheels ---------------------------------------------------------------------------------
+# Phase timeouts (seconds). quick: 30 + 180 + 90 + 40 + 40 + 40 = 420. long: 30 + 150 + 60 + 120 + 60 = 420.
+T_WHEELS=30
+if [ "$MODE" = quick ]; then
+  T_TESTS=180; T_TPUT=90; T_GEMM64=40; T_GEMM256=40; T_PREFILL=40
+  BUDGET=$((T_WHEELS + T_TESTS + T_TPUT + T_GEMM64 + T_GEMM256 + T_PREFILL))
+else
+  T_TPUT7=150; T_GEMM7=60; T_MEM=120; T_PROC=60
+  BUDGET=$((T_WHEELS + T_TPUT7 + T_GEMM7 + T_MEM + T_PROC))
+fi
+stamp "phase budget $BUDGET s"
+# One device call allows 8 minutes of command time: the phases must leave room for start-up and the table.
+[ "$BUDGET" -le 420 ] || { stamp "phase budget $BUDGET s exceeds 420 s: lower a phase timeout"; exit 2; }
+
+# ---- wheels -------------------------------------------------------------------------------------------
 SITE=/tmp/site
 if ls build/gpu_wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install --quiet --no-index --no-deps --target "$SITE" build/gpu_wheels/*.whl \
-    || stamp "pip install of the carried wheels failed"
+  timeout "$T_WHEELS" python3 -m pip install --quiet --no-index --no-deps --target "$SITE" build/gpu_wheels/*.whl \
+    && stamp "ROW | wheels | | | installed $(ls build/gpu_wheels/*.whl | wc -l) wheels | |" \
+    || stamp "ROW | wheels | | | FAILED: pip install of the carried wheels (rc $?) | |"
 else
-  stamp "no wheels in build/gpu_wheels: flashinfer and torch_memory_saver tests will be skipped"
+  stamp "ROW | wheels | | | none in build/gpu_wheels: flashinfer / torch_memory_saver tests will skip | |"
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"
+export PYTHONUNBUFFERED=1
 # One JIT cache for the whole run: the tests compile the head_dim-64 kernels, the benchmarks reuse them.
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer_cache
 export MAX_JOBS=16
@@ -39,41 +56,66 @@ TMS_SO=$(python3 -c "import torch_memory_saver.utils as u; print(u.get_binary_pa
 PRELOAD=""
 if [ -n "$TMS_SO" ] && [ -f "$TMS_SO" ]; then PRELOAD="$TMS_SO"; fi
 stamp "torch $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)'); preload hook: ${PRELOAD:-none}"
-python3 - <<'EOF'
-import importlib.util
+python3 - <<'PY'
 for m in ("flashinfer", "torch_memory_saver", "ninja"):
-    print(f"  {m}: {'present' if importlib.util.find_spec(m) else 'MISSING'}")
-EOF
+    try:
+        __import__(m)
+        print(f"  {m}: imports")
+    except Exception as e:  # noqa: BLE001
+        print(f"  {m}: does not import ({type(e).__name__}: {e})")
+PY
 
-# ---- 2. gpu-marked tests ------------------------------------------------------------------------
-stamp "tests/gpu"
-LD_PRELOAD="$PRELOAD" timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu \
-  -o junit_family=xunit1 --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tail -25
-TESTS_RC=${PIPESTATUS[0]}
-stamp "tests rc=$TESTS_RC"
-
-# ---- 3. benchmarks --------------------------------------------------------------------------------
-bench() {  # bench TIMEOUT ARGS...
-  local t=$1; shift
-  stamp "gpu_bench $*"
-  LD_PRELOAD="$PRELOAD" timeout "$t" python3 -m bench.gpu_bench --json "$RESULTS" "$@" 2>&1 | grep -v Warning | tail -4
-  if [ "${PIPESTATUS[0]}" = 124 ]; then
-    python3 - "$RESULTS" "$*" <<'EOF'
+# A phase that is killed or crashes before writing its row gets one here, with the reason.
+fail_row() {  # fail_row NAME RC LOGFILE
+  local why="exit code $2"
+  [ "$2" = 124 ] || [ "$2" = 137 ] && why="TIMEOUT (killed at its limit)"
+  local tail_msg
+  tail_msg=$(grep -v -i warning "$3" | tail -2 | tr '\n|' '  ' | cut -c1-240)
+  stamp "ROW | $1 | | | FAILED: $why; last output: $tail_msg | |"
+  python3 - "$RESULTS" "$1" "$why" "$tail_msg" <<'PY'
 import json, pathlib, sys
 p = pathlib.Path(sys.argv[1]); rows = json.loads(p.read_text()) if p.is_file() else []
-rows.append({"phase": "timeout", "shape": "", "batch": "", "args": sys.argv[2]}); p.write_text(json.dumps(rows))
-EOF
-  fi
+rows.append({"phase": sys.argv[2], "shape": "", "batch": "", "error": f"{sys.argv[3]}: {sys.argv[4]}"})
+p.write_text(json.dumps(rows, indent=1))
+PY
 }
-bench 110 --phase throughput --shape 0.5b --batch 256 --in 128 --out 256
-bench 40 --phase gemm --shape 0.5b --batch 64
-bench 40 --phase gemm --shape 0.5b --batch 256
-if [ "${1:-}" != "quick" ]; then
-  bench 130 --phase throughput --shape 7b --batch 64 --in 128 --out 128
-  bench 40 --phase gemm --shape 7b --batch 64
-  bench 90 --phase memory --shape 7b
+
+bench() {  # bench NAME TIMEOUT ARGS...
+  local name=$1 t=$2; shift 2
+  local log="$OUT_DIR/bench_$name.log"
+  stamp "$name: gpu_bench $* (limit ${t}s)"
+  LD_PRELOAD="$PRELOAD" timeout -k 5 "$t" python3 -m bench.gpu_bench --json "$RESULTS" "$@" >"$log" 2>&1
+  local rc=$?
+  grep '^ROW ' "$log" | sed "s/^/[gpu_check $MODE] /"
+  grep -q '^ROW ' "$log" || fail_row "$name" "$rc" "$log"
+}
+
+if [ "$MODE" = quick ]; then
+  # ---- gpu-marked tests, results streamed as they complete -------------------------------------------
+  stamp "tests/gpu (limit ${T_TESTS}s)"
+  export GPU_TEST_RESULTS="$OUT_DIR/gpu_tests.jsonl"
+  rm -f "$GPU_TEST_RESULTS"
+  LD_PRELOAD="$PRELOAD" timeout -k 5 "$T_TESTS" python3 -m pytest -v -rA -m gpu -p no:cacheprovider tests/gpu \
+    -o junit_family=xunit1 --junitxml="$OUT_DIR/gpu_tests.xml" >"$OUT_DIR/gpu_tests.log" 2>&1
+  TESTS_RC=$?
+  PASSED=$(grep -c '"outcome": "passed"' "$GPU_TEST_RESULTS" 2>/dev/null); PASSED=${PASSED:-0}
+  FAILED=$(grep -c '"outcome": "failed"' "$GPU_TEST_RESULTS" 2>/dev/null); FAILED=${FAILED:-0}
+  SKIPPED=$(grep -c '"outcome": "skipped"' "$GPU_TEST_RESULTS" 2>/dev/null); SKIPPED=${SKIPPED:-0}
+  grep -E '^(FAILED|ERROR)' "$OUT_DIR/gpu_tests.log" | cut -c1-300
+  if [ "$TESTS_RC" = 124 ] || [ "$TESTS_RC" = 137 ]; then TESTS_NOTE="TIMEOUT; "; else TESTS_NOTE=""; fi
+  stamp "ROW | tests/gpu | | | ${TESTS_NOTE}rc=$TESTS_RC passed=$PASSED failed=$FAILED skipped=$SKIPPED | all pass |"
+
+  # ---- 0.5B rows -----------------------------------------------------------------------------------
+  bench throughput-0.5b "$T_TPUT" --phase throughput --shape 0.5b --batch 256 --in 128 --out 256
+  bench gemm-0.5b-64 "$T_GEMM64" --phase gemm --shape 0.5b --batch 64
+  bench gemm-0.5b-256 "$T_GEMM256" --phase gemm --shape 0.5b --batch 256
+  bench prefill-graphs-0.5b "$T_PREFILL" --phase prefill --shape 0.5b --batch 8 --in 128
+else
+  bench throughput-7b "$T_TPUT7" --phase throughput --shape 7b --batch 64 --in 128 --out 128
+  bench gemm-7b-64 "$T_GEMM7" --phase gemm --shape 7b --batch 64
+  bench memory-7b "$T_MEM" --phase memory --shape 7b
+  bench engine-process-0.5b "$T_PROC" --phase engine_process --shape 0.5b
 fi
 
-# ---- 4. the table ------------------------------------------------------------------------------------
-stamp "done (tests rc=$TESTS_RC)"
+stamp "done"
 python3 -m bench.gpu_bench --phase table --json "$RESULTS"

@@ -76,6 +76,10 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "disable_cuda_graph": ("bool", "no captured decode step"),
     "cuda_graph_max_bs": ("None or >= 1", "largest captured decode batch"),
     "cuda_graph_bs": ("None or list of sizes", "exact captured decode batches"),
+    "enable_piecewise_cuda_graph": ("bool (CUDA only)", "prefill captured per token bucket, attention eager "
+                                    "between the pieces (runner/graphs/piecewise_runner.py)"),
+    "piecewise_cuda_graph_max_tokens": ("None (= 4096) or >= 1", "largest captured prefill token count"),
+    "piecewise_cuda_graph_tokens": ("None or list of token counts", "exact captured prefill token buckets"),
     "enable_memory_saver": ("bool", "release/resume_memory_occupation work"),
     "enable_weights_cpu_backup": ("bool", "released weights kept on the host and restored on resume"),
     "tp_size": (">= 1", "tensor parallelism: one process per rank (runner/tp), gloo on CPU, NCCL on CUDA"),
@@ -99,7 +103,8 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     # ---- accepted, no-ops here ------------------------------------------------------------------
     "trust_remote_code": ("bool", "no-op: only built-in architectures load, no checkpoint code ever runs"),
     "skip_server_warmup": ("bool", "no-op: there is no warmup request"),
-    "disable_piecewise_cuda_graph": ("bool", "no-op: no piecewise (prefill) graphs are captured"),
+    "disable_piecewise_cuda_graph": ("bool", "no-op: piecewise (prefill) graphs are off unless "
+                                     "enable_piecewise_cuda_graph=True"),
     "enable_draft_weights_cpu_backup": ("bool", "no-op: no draft model (no speculative decoding)"),
     "mm_attention_backend": ("None or str", "no-op: no multimodal models"),
     "dp_size": ("1", "one Engine is one data-parallel rank; rollout.ray.launch_engines runs several"),

@@ -229,6 +229,11 @@ class RunnerConfig:
     # compiled decode step is opt-in: only the sizes in `cuda_graph_bs`, compiled at init.
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
+    # Piecewise CUDA graphs for prefill (runner/graphs/piecewise_runner.py; CUDA only, SGLang's names):
+    # token-count buckets up to piecewise_cuda_graph_max_tokens (None: 4096), or exactly these.
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int | None = None
+    piecewise_cuda_graph_tokens: list[int] | None = None
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
     tp_size: int = 1
@@ -283,6 +288,7 @@ class RunnerConfig:
             self.cpu_prepack = False
             self.cuda_graph_bs = None
             self.disable_cuda_graph = True  # captured steps pad the batch and use their own kernels
+            self.enable_piecewise_cuda_graph = False
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size={self.tp_size!r} must be an integer >= 1")
         if self.tp_size > 1 and self.cuda_graph_bs and str(self.device).startswith("cpu"):
@@ -302,6 +308,15 @@ class RunnerConfig:
             raise ValueError(f"cuda_graph_max_bs={self.cuda_graph_max_bs} must be >= 1")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
             raise ValueError(f"cuda_graph_bs={self.cuda_graph_bs} must be a non-empty list of sizes >= 1")
+        if self.enable_piecewise_cuda_graph and not str(self.device).startswith("cuda"):
+            raise ValueError(f"enable_piecewise_cuda_graph needs a CUDA device, got device={self.device!r}; "
+                             f"drop it on the CPU")
+        if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 1:
+            raise ValueError(f"piecewise_cuda_graph_max_tokens={self.piecewise_cuda_graph_max_tokens} must be >= 1")
+        if self.piecewise_cuda_graph_tokens is not None and (not self.piecewise_cuda_graph_tokens
+                                                             or min(self.piecewise_cuda_graph_tokens) < 1):
+            raise ValueError(f"piecewise_cuda_graph_tokens={self.piecewise_cuda_graph_tokens} must be a non-empty "
+                             f"list of token counts >= 1")
         if self.kv_cache_dtype not in ("auto", *MODEL_DTYPES):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose 'auto' or {', '.join(MODEL_DTYPES)}")
         if isinstance(self.custom_weight_loader, str):

@@ -17,6 +17,7 @@ It knows nothing of requests: pausing, cache flushes and versions are the caller
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +36,10 @@ from runner.sampler import SampleOutput, Sampler
 from runner.weights import routes
 from runner.weights.checkpoint import CheckpointIndex
 from runner.weights.loader import WeightNameMap, WeightWriter
+from runner.weights.same_gpu import explain_nccl_error
 from runner.weights.update_groups import UpdateGroupRegistry
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "RunnerConfig"]  # RunnerConfig lives in runner.config
 
@@ -47,6 +51,12 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
+        if self.device.type == "cuda":
+            # Make it the current device: torch_memory_saver keys its pools by the current device, and
+            # kernels launched without an explicit device (flashinfer's workspace, graphs) go there.
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
@@ -64,6 +74,7 @@ class ModelRunner:
         self.update_groups = UpdateGroupRegistry()  # broadcast groups joined for distributed updates
         self.custom_loaders = routes.import_custom_loaders(config.custom_weight_loader)
         self.is_shut_down = False
+        self.piecewise_runner = None  # prefill graphs (CUDA, enable_piecewise_cuda_graph); set by init_device_graphs
         self.initialize()
 
     @property
@@ -132,13 +143,14 @@ class ModelRunner:
             prepack.unpack(m)
 
     def _init_dummy_weights(self) -> None:
-        gen = torch.Generator().manual_seed(self.config.random_seed)
+        # Drawn where the parameter lives, in its dtype: no fp32 host copy of a 7B model first.
+        gen = torch.Generator(device=self.device).manual_seed(self.config.random_seed)
         with torch.no_grad():
             for name, p in self.name_map.params.items():
                 if "norm" in name:
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                    p.normal_(0.0, 0.02, generator=gen)
 
     def configure_kv_cache_dtype(self) -> None:
         kv = self.config.kv_cache_dtype
@@ -177,6 +189,17 @@ class ModelRunner:
         """Build the captured-decode runner (runner/graphs/graph_runner.py) unless disable_cuda_graph:
         CUDA graphs on CUDA, the compiled static-shape decode step on the CPU."""
         self.graph_runner = None
+        self.piecewise_runner = None
+        if self.device.type == "cuda" and self.config.enable_piecewise_cuda_graph:
+            from runner.graphs.piecewise_runner import PiecewiseExtendRunner  # GPU path only
+
+            pw = PiecewiseExtendRunner(self)
+            if pw.supports_model():
+                pw.capture()
+                self.piecewise_runner = pw
+            else:
+                logger.info("piecewise CUDA graphs: %s is not supported; prefill runs eagerly",
+                            type(self.model).__name__)
         if self.config.disable_cuda_graph:
             return
         if self.device.type == "cuda":
@@ -184,7 +207,7 @@ class ModelRunner:
                 CudaGraphRunner,  # the GPU path only; never imported on CPU
             )
 
-            self.graph_runner = CudaGraphRunner(self)
+            self.graph_runner = CudaGraphRunner(self, capture_sizes=self.config.cuda_graph_bs)
         elif self.device.type == "cpu" and self.config.cuda_graph_bs:
             # Opt-in on the CPU: compiling costs seconds to minutes per size, measured gains were small
             # (0.92x eager on a 40M model, slower on tiny ones), and a step compiled mid-run rounds
@@ -198,15 +221,27 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> LogitsOutput | None:
         if fb.forward_mode.is_idle():
             return None
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)  # the current device is per thread (the scheduler's is not ours)
         if not self.weights_valid:
             raise RuntimeError(self.invalid_weights_message())
         if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
             # Freed storages would be read (or written) out of bounds.
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
         lora_mask = self.lora_manager.prepare(fb) if self.lora_manager is not None else None
-        if (fb.forward_mode.is_decode() and lora_mask is None and self.graph_runner is not None
-                and self.graph_runner.can_run(fb)):  # captured steps hold no adapter: those run eager
-            return self.graph_runner.replay(fb)
+        # While the cuda_graph tag is released CUDA graph memory is unmapped (torch_memory_saver in preload
+        # mode) or dropped: replaying would fault, so those steps run eagerly until it is resumed. The
+        # compiled CPU step holds no such memory and keeps running (its numerics must not switch).
+        # Captured steps hold no adapter: batches with LoRA run eager.
+        graphs_resident = self.memory_saver.is_resident("cuda_graph")
+        gr = self.graph_runner
+        if (fb.forward_mode.is_decode() and gr is not None and lora_mask is None
+                and (graphs_resident or not getattr(gr, "released_with_cuda_graph_tag", False)) and gr.can_run(fb)):
+            return gr.replay(fb)
+        pw = self.piecewise_runner
+        if (fb.forward_mode.is_extend() and pw is not None and lora_mask is None and graphs_resident
+                and pw.can_run(fb)):
+            return pw.replay(fb)
         # The eager step runs in inference mode: no version counters or view tracking, ~6% of a tiny
         # model's step. Not the captured one above: compiled graphs guard on the autograd mode.
         with (torch.inference_mode(),
@@ -262,8 +297,14 @@ class ModelRunner:
         backend None: nccl on CUDA, gloo otherwise."""
         if backend is None:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.update_groups.join(master_address, master_port, rank_offset, world_size, group_name, backend,
-                                timeout_s)
+        try:
+            self.update_groups.join(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                    timeout_s)
+        except Exception as e:
+            better = explain_nccl_error(e, self.device, group_name)
+            if better is None:
+                raise
+            raise better from e
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str, load_format: str | None = None,
@@ -276,8 +317,14 @@ class ModelRunner:
         are in. `load_format` is the wire format (weight_sync.distributed: None = one broadcast per
         tensor, SGLang's default). A failed or timed-out receive writes nothing.
         """
-        return self.update_groups.receive(group_name, names, dtypes, shapes, self.device, load_format,
-                                          load or self.update_weights_from_tensor)
+        try:
+            return self.update_groups.receive(group_name, names, dtypes, shapes, self.device, load_format,
+                                              load or self.update_weights_from_tensor)
+        except Exception as e:  # NCCL builds its communicator at the first collective: it refuses here
+            better = explain_nccl_error(e, self.device, group_name)
+            if better is None:
+                raise
+            raise better from e
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave `group_name` and free the name; waits for a receive in progress on it to end."""

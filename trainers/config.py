@@ -51,6 +51,9 @@ class RLConfig:
                                                         "fine-tuning); only the adapter is synced each step"})
     lora_alpha: float = field(default=0.0, metadata={"help": "LoRA alpha (0 = 2 * lora_rank)"})
     no_progress: bool = field(default=False, metadata={"help": "hide the run-level progress bar (steps, ETA)"})
+    engine_process: bool = field(default=False, metadata={"help": "run the engine in its own process "
+                                                                  "(RemoteEngine); weights go by CUDA IPC on a GPU, "
+                                                                  "by shared memory on the CPU"})
 
     def __post_init__(self) -> None:
         checks = [
@@ -79,6 +82,12 @@ class RLConfig:
             (not (self.lora_rank and self.deterministic),
              "--deterministic with --lora-rank is not supported: the engine's LoRA matmuls are not batch-invariant"),
             (not (self.lora_rank and self.tp_size != 1), "--lora-rank needs --tp-size 1 (adapters are not sharded)"),
+            (not (self.engine_process and self.num_engines != 1),
+             "--engine-process runs one engine in a child process; with --num-engines > 1 the engines are Ray "
+             "actors already: drop one of the two"),
+            (not (self.engine_process and self.deterministic),
+             "--deterministic reads the engine's model in the trainer's process; it cannot be combined with "
+             "--engine-process"),
         ]
         for ok, msg in checks:
             if not ok:

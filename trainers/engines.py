@@ -1,4 +1,5 @@
-"""The trainers' rollout engines: one in-process Engine, or several as Ray actors behind one group.
+"""The trainers' rollout engines: one in-process Engine, one Engine in a child process (--engine-process),
+or several as Ray actors behind one group.
 
 Both answer the same calls the loops make (generate, release/resume, update_weights_from_tensor via
 sync_weights, get_server_info), so GRPO and PPO do not care which they hold. Does not place trainer
@@ -29,6 +30,8 @@ def make_engine(cfg):
                   enable_weights_cpu_backup=True)
     if getattr(cfg, "routing_replay", False):  # the trainer replays the experts each rollout token used
         kw["enable_return_routed_experts"] = True
+    if getattr(cfg, "engine_process", False):
+        return engine_process(cfg.model, **kw)
     if cfg.num_engines == 1:
         return Engine(cfg.model, **kw)
     import ray
@@ -40,6 +43,23 @@ def make_engine(cfg):
                  configure_logging=False)
     gpus = 1 / cfg.num_engines if cfg.device == "cuda" else 0  # co-located: engines share the trainer's GPU
     return launch_engines(cfg.num_engines, cfg.model, num_cpus_per_engine=0.5, num_gpus_per_engine=gpus, **kw)
+
+
+def engine_process(model: str, **kw):
+    """The Engine in a child process (weight_sync.cross_process.RemoteEngine): CUDA weights reach it as
+    CUDA IPC handles, host weights through shared memory. On CUDA with torch_memory_saver installed the
+    child starts with its preload hook (LD_PRELOAD), so its graph memory is pauseable too."""
+    from weight_sync.cross_process import RemoteEngine
+
+    env = {}
+    if kw.get("device") == "cuda":
+        try:
+            import torch_memory_saver.utils as tms_utils
+
+            env["LD_PRELOAD"] = tms_utils.get_binary_path_from_package("torch_memory_saver_hook_mode_preload")
+        except Exception:  # noqa: BLE001 - not installed or no binary: the child uses the portable saver
+            pass
+    return RemoteEngine("rollout:Engine", child_env=env, model_path=model, **kw)
 
 
 def engine_bytes(engine) -> int:

@@ -18,9 +18,17 @@ default is a string resolved in the child only: this leaf package never imports 
   without registering them with its resource tracker (Python < 3.13 registers every attach, and the
   tracker then unlinks the creator's segment when the attaching process exits).
 
+- CUDA IPC: buckets of CUDA tensors (a trainer and the engine on the same GPU) go as CUDA IPC handles
+  (`cuda_ipc`: a fixed JSON schema of the fields of torch's `reduce_tensor`, the device as its UUID),
+  never through host memory. The child validates every descriptor before it maps any, loads all the
+  buckets as one update (the engine's checks and all-or-nothing write), synchronizes so nothing still
+  reads the sender's memory, drops its mappings, then replies; the parent keeps the buckets alive
+  until that reply. `weight_transport`: "auto" (CUDA tensors by IPC, host tensors by shared memory),
+  "shm" (CUDA tensors refused, never copied silently) or "cuda_ipc".
+- `child_env`: environment variables set for the child only (e.g. torch_memory_saver's preload
+  library in LD_PRELOAD, which must be there from the child's start).
+
 `generate(stream=True)` is refused in the parent with a clear error: a stream cannot cross the pipe.
-CUDA tensors (CUDA IPC handles) are not handled here: they are refused with a clear error rather
-than silently copied through host memory (see `cuda_ipc`).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ ALLOWED_METHODS = frozenset({
     "get_weights_by_name",
 })
 DEFAULT_START_TIMEOUT_S = 600.0
+WEIGHT_TRANSPORTS = ("auto", "shm", "cuda_ipc")
 _POLL_S = 0.2  # how often a waiting parent checks that the child still lives
 
 
@@ -218,6 +227,8 @@ def _serve(conn, factory: str, kwargs: dict, segment_prefix: str) -> None:
                     raise ValueError("generate(stream=True) is not supported across processes; use stream=False")
                 if method == "update_weights_from_tensor" and args.get("load_format") == "shm_bucket":
                     result = _update_from_shm(engine, args, segment_prefix)
+                elif method == "update_weights_from_tensor" and args.get("load_format") == "cuda_ipc":
+                    result = _update_from_ipc(engine, args)
                 else:
                     result = getattr(engine, method)(*pos, **args)
                 reply = {"ok": True, "result": _jsonable(result)}
@@ -243,6 +254,24 @@ def _update_from_shm(engine, args: dict, segment_prefix: str):
             seg.close()
         except BufferError:  # a view is still referenced somewhere; the mapping goes with it
             pass
+
+
+def _update_from_ipc(engine, args: dict):
+    """Map the CUDA IPC buckets (all validated first), load them as one update, release the mappings."""
+    from weight_sync import cuda_ipc
+
+    args = dict(args)
+    try:
+        buckets = cuda_ipc.decode_request(args.pop("named_tensors"))
+    except (ValueError, RuntimeError, TypeError) as e:
+        return [False, f"update_weights_from_tensor failed: bad CUDA IPC payload: {e}"]
+    args["load_format"] = "flattened_bucket"
+    try:
+        return engine.update_weights_from_tensor([b.to_dict() for b in buckets], **args)
+    finally:
+        if any(b.device.type == "cuda" for b in buckets):
+            torch.cuda.synchronize()  # the sender may reuse its memory once we reply
+        del buckets
 
 
 def _factory_name(factory: str | Callable) -> str:
@@ -280,8 +309,12 @@ class RemoteEngine:
     """
 
     def __init__(self, factory: str | Callable = DEFAULT_FACTORY, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                 weight_transport: str = "auto", child_env: Mapping[str, str] | None = None,
                  **engine_kwargs) -> None:
         factory = _factory_name(factory)
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport={weight_transport!r}: choose one of {list(WEIGHT_TRANSPORTS)}")
+        self.weight_transport = weight_transport
         self.segment_prefix = new_segment_prefix()
         self._segment_counter = [0]
         self._shm: shared_memory.SharedMemory | None = None
@@ -292,7 +325,16 @@ class RemoteEngine:
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child_conn, factory, engine_kwargs, self.segment_prefix),
                                  daemon=True)
-        self._proc.start()
+        saved = {k: os.environ.get(k) for k in (child_env or {})}
+        os.environ.update(child_env or {})  # spawn copies the environment at start: the child's only
+        try:
+            self._proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         child_conn.close()  # ours closed, the child's exit is an EOF here: a dead child is seen at once
         try:
             self._recv(start_timeout_s, what="engine start-up")
@@ -395,12 +437,36 @@ class RemoteEngine:
                     FlattenedTensorBucket([p for b in buckets for p in b.named_tensors()])
         except (ValueError, TypeError) as e:
             return False, f"update_weights_from_tensor failed: {e}"
+        ipc = self.weight_transport == "cuda_ipc" or (self.weight_transport == "auto"
+                                                      and bucket.device.type == "cuda")
+        if ipc:
+            return self._update_by_ipc(bucket, flush_cache, weight_version)
+        if bucket.device.type != "cpu":
+            return False, (f"update_weights_from_tensor failed: weight_transport='shm' carries host tensors; these "
+                           f"are on {bucket.device} (use weight_transport='cuda_ipc' or 'auto')")
         self._acquire()  # the one segment is rewritten per call: hold the lock from the copy to the reply
         try:
             descriptor, self._shm = bucket_to_shm(bucket, self._shm, self.segment_prefix, self._segment_counter)
             self._send("update_weights_from_tensor", (), dict(named_tensors=descriptor, load_format="shm_bucket",
                                                               flush_cache=flush_cache, weight_version=weight_version))
             ok, msg = self._recv()
+        finally:
+            self._release()
+        return bool(ok), msg
+
+    def _update_by_ipc(self, bucket: FlattenedTensorBucket, flush_cache: bool,
+                       weight_version: str | None) -> tuple[bool, str]:
+        from weight_sync import cuda_ipc
+
+        try:
+            descriptors = [cuda_ipc.encode_bucket(bucket)]
+        except (ValueError, RuntimeError) as e:
+            return False, f"update_weights_from_tensor failed: {e}"
+        self._acquire()
+        try:
+            self._send("update_weights_from_tensor", (), dict(named_tensors=descriptors, load_format="cuda_ipc",
+                                                              flush_cache=flush_cache, weight_version=weight_version))
+            ok, msg = self._recv()  # the child has loaded and synchronized: `bucket` may go now
         finally:
             self._release()
         return bool(ok), msg

@@ -2,7 +2,10 @@
 
 The sender turns a CUDA tensor (or a flattened bucket of them) into a descriptor of plain JSON types:
 the CUDA IPC handles torch produces for the tensor's allocation (base64 strings), the storage's size
-and offset inside that allocation, and the tensor's dtype / shape / stride / offset. The receiver
+and offset inside that allocation, the tensor's dtype / shape / stride / offset, and the device as its
+UUID, as SGLang sends it: ordinals differ between processes under per-process CUDA_VISIBLE_DEVICES (Ray
+sets one per actor), the UUID does not. The receiver maps the UUID to its own ordinal (an int ordinal
+is still accepted, for senders that know both processes see the same devices). The receiver
 checks every field against a fixed schema before it touches CUDA, then maps the memory with torch's
 own `rebuild_cuda_tensor` (`torch.UntypedStorage._new_shared_cuda`, with torch's per-process cache of
 opened handles). Nothing is unpickled: a hostile or corrupt descriptor can fail an update, never run
@@ -11,6 +14,11 @@ flattened bucket reaches `update_weights_from_tensor` without a host round trip.
 
 Lifetime: the sender must keep the tensor alive until the receiver has loaded it (torch's IPC
 reference counter stops the sender's allocator from reusing the block while a receiver holds it).
+
+The two torch calls (share: `reduce_tensor`; map: `rebuild_cuda_tensor`) and the device UUIDs sit
+behind `TorchCudaIpc`; a test on a machine without CUDA swaps in a named stand-in with
+`use_ipc_backend` to run everything around them. `encode_request` / `decode_request` are the JSON
+payload of `/update_weights_from_tensor` with `load_format="cuda_ipc"` (a list of bucket descriptors).
 
 What this module does not do: open pipes or processes (`cross_process.RemoteEngine` moves the JSON),
 or copy anything through host memory. On a machine without CUDA only the schema and its refusals
@@ -21,8 +29,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
+import re
 from collections.abc import Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +43,8 @@ from weight_sync.bucket import FlattenedTensorBucket, dtype_to_str, str_to_dtype
 SCHEMA = "rollout.cuda_ipc.v1"
 MAX_HANDLE_BYTES = 1024  # a cudaIpcMemHandle is 64 bytes; torch adds a little framing
 MAX_DIMS = 8
+MAX_BUCKETS = 4096  # per request: far more than a model's weights need at any sane bucket size
+_UUID = re.compile(r"(gpu-)?[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _TENSOR_KEYS = frozenset({
     "schema", "device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle",
     "ref_counter_offset", "event_handle", "event_sync_required", "dtype", "shape", "stride", "offset",
@@ -79,6 +92,82 @@ def _int_list(d: Mapping, key: str) -> list[int]:
     return value
 
 
+def _device_field(value: Any) -> int | str:
+    """A device UUID string (what encode_tensor sends) or a non-negative ordinal."""
+    if isinstance(value, str):
+        if not _UUID.fullmatch(value.lower()):
+            raise IpcDescriptorError(f"field 'device' {value[:60]!r} is neither a CUDA device UUID nor an ordinal")
+        return value.lower().removeprefix("gpu-")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise IpcDescriptorError(f"field 'device' must be a device UUID string or an int >= 0, got {value!r}")
+    return value
+
+
+def resolve_device(device: int | str, visible_uuids: list[str]) -> int:
+    """This process's ordinal of a descriptor's device (UUID or ordinal), given the UUIDs it sees in
+    ordinal order; IpcDescriptorError when it does not see that device."""
+    if isinstance(device, int):
+        if device >= len(visible_uuids):
+            raise IpcDescriptorError(f"descriptor names cuda:{device}; this process sees {len(visible_uuids)} devices")
+        return device
+    uuids = [u.lower().removeprefix("gpu-") for u in visible_uuids]
+    if device not in uuids:
+        raise IpcDescriptorError(f"descriptor names device UUID {device}, which this process does not see "
+                                 f"(visible: {uuids}); CUDA IPC needs sender and receiver on the same GPU")
+    return uuids.index(device)
+
+
+class TorchCudaIpc:
+    """torch's CUDA IPC: share a tensor's allocation, map one shared by another process."""
+
+    name = "torch"
+
+    def check(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cuda":
+            raise ValueError(f"CUDA IPC shares CUDA tensors; this one is on {tensor.device} "
+                             f"(use the shared-memory transport for host tensors)")
+        _require_cuda("encode_tensor")
+
+    def device_uuids(self, what: str = "CUDA IPC") -> list[str]:
+        _require_cuda(what)
+        return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+    def share(self, tensor: torch.Tensor) -> tuple:
+        """reduce_tensor's rebuild arguments (it registers the storage in torch's sender-side IPC cache)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return reduce_tensor(tensor)[1]
+
+    def open(self, f: dict, ordinal: int) -> torch.Tensor:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(f["shape"]), tuple(f["stride"]), f["offset"], torch.UntypedStorage, f["dtype"],
+            ordinal, f["handle"], f["storage_size_bytes"], f["storage_offset_bytes"], False,
+            f["ref_counter_handle"], f["ref_counter_offset"], f["event_handle"], f["event_sync_required"],
+        )
+
+
+_backend = TorchCudaIpc()
+
+
+def set_ipc_backend(backend):
+    """Use another share/open/device_uuids implementation (tests: a named stand-in); returns the old one."""
+    global _backend
+    old, _backend = _backend, backend
+    return old
+
+
+@contextmanager
+def use_ipc_backend(backend):
+    """`set_ipc_backend` for the duration of a with-block."""
+    old = set_ipc_backend(backend)
+    try:
+        yield backend
+    finally:
+        set_ipc_backend(old)
+
+
 def validate_tensor_descriptor(d: Any) -> dict:
     """Check a tensor descriptor field by field; returns the decoded fields (bytes, dtype, ints).
 
@@ -100,7 +189,7 @@ def validate_tensor_descriptor(d: Any) -> dict:
     if not isinstance(d["event_sync_required"], bool):
         raise IpcDescriptorError("field 'event_sync_required' must be a bool")
     out = {
-        "device": _int(d, "device"),
+        "device": _device_field(d["device"]),
         "handle": _unb64(d, "handle", allow_empty=False),
         "storage_size_bytes": _int(d, "storage_size_bytes"),
         "storage_offset_bytes": _int(d, "storage_offset_bytes"),
@@ -137,18 +226,12 @@ def encode_tensor(tensor: torch.Tensor) -> dict:
     """Descriptor of a CUDA tensor's memory (JSON-able). Keep `tensor` alive until the receiver is done."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cuda":
-        raise ValueError(f"CUDA IPC shares CUDA tensors; this one is on {tensor.device} "
-                         f"(use the shared-memory transport for host tensors)")
-    _require_cuda("encode_tensor")
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    # reduce_tensor registers the storage in torch's sender-side IPC cache and gives the handles.
-    _, args = reduce_tensor(tensor.detach())
+    _backend.check(tensor)
     (_cls, size, stride, offset, _storage_cls, dtype, device, handle, storage_size_bytes, storage_offset_bytes,
-     _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = args
+     _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = \
+        _backend.share(tensor.detach())
     return {
-        "schema": SCHEMA, "device": int(device), "handle": _b64(handle),
+        "schema": SCHEMA, "device": _backend.device_uuids()[int(device)], "handle": _b64(handle),
         "storage_size_bytes": int(storage_size_bytes), "storage_offset_bytes": int(storage_offset_bytes),
         "ref_counter_handle": _b64(ref_counter_handle), "ref_counter_offset": int(ref_counter_offset),
         "event_handle": _b64(event_handle or b""), "event_sync_required": bool(event_sync_required),
@@ -157,24 +240,16 @@ def encode_tensor(tensor: torch.Tensor) -> dict:
 
 
 def decode_tensor(descriptor: Any, device: int | None = None) -> torch.Tensor:
-    """Validate `descriptor`, then map the sender's memory: a CUDA tensor aliasing it (no copy).
+    """Validate `descriptor`, then map the sender's memory: a tensor aliasing it (no copy).
 
-    `device` (optional) is the CUDA ordinal the receiver expects; a descriptor naming another is refused.
+    The descriptor's device (a UUID, or an ordinal) is mapped to this process's ordinal; `device`
+    (optional) is the ordinal the receiver expects, and a descriptor naming another GPU is refused.
     """
     f = validate_tensor_descriptor(descriptor)
-    if device is not None and f["device"] != device:
-        raise IpcDescriptorError(f"descriptor names cuda:{f['device']}, this receiver expects cuda:{device}")
-    _require_cuda("decode_tensor")
-    if f["device"] >= torch.cuda.device_count():
-        raise IpcDescriptorError(f"descriptor names cuda:{f['device']}; this process sees "
-                                 f"{torch.cuda.device_count()} devices")
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size(f["shape"]), tuple(f["stride"]), f["offset"], torch.UntypedStorage, f["dtype"],
-        f["device"], f["handle"], f["storage_size_bytes"], f["storage_offset_bytes"], False,
-        f["ref_counter_handle"], f["ref_counter_offset"], f["event_handle"], f["event_sync_required"],
-    )
+    ordinal = resolve_device(f["device"], _backend.device_uuids("decode_tensor"))
+    if device is not None and ordinal != device:
+        raise IpcDescriptorError(f"descriptor names cuda:{ordinal} (here), this receiver expects cuda:{device}")
+    return _backend.open(f, ordinal)
 
 
 def encode_bucket(bucket: FlattenedTensorBucket) -> dict:
@@ -201,3 +276,44 @@ def decode_bucket(d: Any, device: int | None = None) -> FlattenedTensorBucket:
     validate_bucket_descriptor(d)
     flat = decode_tensor(d["flattened_tensor"], device)
     return FlattenedTensorBucket.from_dict({"flattened_tensor": flat, "metadata": d["metadata"]})
+
+
+def validate_request(d: Any) -> list:
+    """The `cuda_ipc` payload of /update_weights_from_tensor and RemoteEngine: a non-empty list of bucket
+    descriptors, every one checked (no CUDA call) before any memory is mapped."""
+    if not isinstance(d, list) or not d:
+        raise IpcDescriptorError(f"a cuda_ipc payload is a non-empty list of bucket descriptors, got "
+                                 f"{type(d).__name__ if not isinstance(d, list) else 'an empty list'}")
+    if len(d) > MAX_BUCKETS:
+        raise IpcDescriptorError(f"a cuda_ipc payload holds at most {MAX_BUCKETS} buckets, got {len(d)}")
+    for i, b in enumerate(d):
+        try:
+            validate_bucket_descriptor(b)
+        except IpcDescriptorError as e:
+            raise IpcDescriptorError(f"bucket {i}: {e}") from None
+    return d
+
+
+def encode_request(buckets: list[FlattenedTensorBucket]) -> str:
+    """JSON text of the buckets' descriptors (serialized_named_tensors[i] with load_format="cuda_ipc")."""
+    return json.dumps([encode_bucket(b) for b in buckets])
+
+
+def decode_request(payload: Any, device: int | None = None) -> list[FlattenedTensorBucket]:
+    """JSON text (or the parsed list) -> mapped buckets. Every descriptor is validated first; a bad one
+    maps nothing. The buckets alias the sender's memory: load them, then drop them."""
+    if isinstance(payload, str | bytes):
+        if len(payload) > MAX_BUCKETS * 8192:
+            raise IpcDescriptorError(f"cuda_ipc payload of {len(payload)} characters is too large")
+        try:
+            payload = json.loads(payload)
+        except (ValueError, RecursionError) as e:
+            raise IpcDescriptorError(f"cuda_ipc payload is not JSON: {type(e).__name__}") from None
+    buckets = validate_request(payload)
+    uuids = _backend.device_uuids("decode_request")
+    for i, b in enumerate(buckets):  # every device resolved before the first mapping
+        try:
+            resolve_device(validate_tensor_descriptor(b["flattened_tensor"])["device"], uuids)
+        except IpcDescriptorError as e:
+            raise IpcDescriptorError(f"bucket {i}: {e}") from None
+    return [decode_bucket(b, device) for b in buckets]

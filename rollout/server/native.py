@@ -31,7 +31,12 @@ from pydantic import BaseModel, ConfigDict
 
 from rollout.server import limits, security
 from rollout.server.common import JSONResponse, dumpb, engine_error, error_response, run_blocking, truncate
-from rollout.server.tensor_codec import decode_buckets, decode_named_tensors
+from rollout.server.tensor_codec import (
+    decode_buckets,
+    decode_ipc_buckets,
+    decode_named_tensors,
+    update_and_release,
+)
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -410,7 +415,7 @@ async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: R
 
 class UpdateWeightsFromTensorReqInput(Body):
     serialized_named_tensors: list[str]
-    load_format: Literal["flattened_bucket"] | None = None
+    load_format: Literal["flattened_bucket", "cuda_ipc"] | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
@@ -424,16 +429,20 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
     if len(obj.serialized_named_tensors) not in (1, tp):
         return error_response(f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries; "
                               f"expected 1 or tp_size={tp}", 400, param="serialized_named_tensors")
+    load_format = obj.load_format
     try:
-        if obj.load_format == "flattened_bucket":
+        if load_format == "flattened_bucket":
             payload = await run_blocking(request, decode_buckets, obj.serialized_named_tensors[0])
+        elif load_format == "cuda_ipc":  # a sender on the same GPU: buckets as CUDA IPC handles (cuda_ipc.py)
+            payload = await run_blocking(request, decode_ipc_buckets, obj.serialized_named_tensors[0])
+            load_format = "flattened_bucket"
         else:
             payload = await run_blocking(request, decode_named_tensors, obj.serialized_named_tensors[0])
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         return error_response(str(e), 400, param="serialized_named_tensors")
     await _abort_all_first(request, obj.abort_all_requests)
-    res = await run_blocking(request, engine.update_weights_from_tensor, payload, load_format=obj.load_format,
-                             flush_cache=obj.flush_cache, weight_version=obj.weight_version)
+    res = await run_blocking(request, update_and_release, engine, payload, load_format, obj.flush_cache,
+                             obj.weight_version)
     return _result(res)
 
 

@@ -12,8 +12,11 @@ tensors:
   "end"}` entries of `weight_sync.bucket.FlattenedTensorBucket.to_dict()`. A list of buckets is a JSON
   list of such strings (one string per bucket, all for the same rank).
 
-CUDA IPC handles (zero-copy between processes on one GPU) are not carried here; they come with the GPU
-path. Decoding validates structure (base64, safetensors header, bucket metadata) and raises ValueError
+- `load_format="cuda_ipc"`: the string is the JSON list of CUDA IPC bucket descriptors of
+  `weight_sync.cuda_ipc.encode_request` (a sender on the same GPU; no bytes cross, the server maps the
+  sender's memory), loaded as flattened buckets; the reply waits until nothing reads that memory.
+
+Decoding validates structure (base64, safetensors header, bucket metadata) and raises ValueError
 naming what is wrong; shape and dtype checks against the model are the engine's.
 """
 
@@ -106,3 +109,22 @@ def decode_buckets(s: str, what: str = "serialized_named_tensors[0]") -> list[di
         FlattenedTensorBucket.from_dict({"flattened_tensor": tensors[FLAT_KEY], "metadata": metadata})
         out.append({"flattened_tensor": tensors[FLAT_KEY], "metadata": metadata})
     return out
+
+
+def decode_ipc_buckets(s: str) -> list[dict]:
+    """`load_format="cuda_ipc"`: JSON bucket descriptors (weight_sync.cuda_ipc), every one validated
+    before any is mapped; the buckets alias the sender's GPU memory (no host copy)."""
+    from weight_sync.cuda_ipc import decode_request
+
+    return [b.to_dict() for b in decode_request(s)]
+
+
+def update_and_release(engine, payload, load_format, flush_cache, weight_version):
+    """The update, then (CUDA IPC) a synchronize, so nothing still reads a sender's memory once we reply."""
+    try:
+        return engine.update_weights_from_tensor(payload, load_format=load_format, flush_cache=flush_cache,
+                                                 weight_version=weight_version)
+    finally:
+        flats = [b["flattened_tensor"] for b in payload if isinstance(b, dict)] if isinstance(payload, list) else []
+        if any(t.is_cuda for t in flats if isinstance(t, torch.Tensor)):
+            torch.cuda.synchronize()

@@ -15,7 +15,8 @@ per layer, viewed as `[num_slots, 1, num_kv_heads, head_dim]` ("NHD"); nothing i
   every replay; the launch geometry depends only on the batch size, so that is valid.
 
 The index tensors come from `flashinfer_metadata` (pure functions, tested on the CPU). This module
-imports flashinfer only when a backend is built, never at import time. It does not handle sliding
+imports flashinfer only when a backend is built, never at import time. Under tensor
+parallelism it plans with the rank's head counts (`rank_head_counts`). It does not handle sliding
 windows, logit soft-capping, fp8 KV or pages larger than one token.
 """
 
@@ -37,6 +38,12 @@ def decode_uses_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     return num_qo_heads // num_kv_heads not in TENSOR_CORE_FREE_GROUPS
 
 
+def rank_head_counts(num_attention_heads: int, num_key_value_heads: int, tp_size: int) -> tuple[int, int]:
+    """(q heads, KV heads) one tensor-parallel rank holds: q heads split evenly, a KV head replicated
+    when there are fewer KV heads than ranks (as runner/models/llama.py builds the attention)."""
+    return num_attention_heads // tp_size, max(1, num_key_value_heads // tp_size)
+
+
 class FlashInferAttnBackend:
     def __init__(self, runner, flashinfer_module=None) -> None:
         # `flashinfer_module` lets a test hand in a named stand-in; the engine never passes it.
@@ -46,8 +53,15 @@ class FlashInferAttnBackend:
         self.context_len = runner.context_len
         self.req_to_token = runner.req_to_token_pool.req_to_token  # [max_reqs, max_context]
         self.max_slot = runner.token_to_kv_pool.size  # slots 0..size (0 is the padding slot)
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = (mc.num_attention_heads, mc.num_key_value_heads,
-                                                               mc.head_dim)
+        # Under tensor parallelism each rank plans and reshapes with its own heads, not the model's.
+        tp_size = getattr(getattr(runner, "tp", None), "size", 1)
+        self.num_qo_heads, self.num_kv_heads = rank_head_counts(mc.num_attention_heads, mc.num_key_value_heads,
+                                                                tp_size)
+        self.head_dim = mc.head_dim
+        pool_kv_heads = runner.token_to_kv_pool.k_buffer.shape[2]
+        if pool_kv_heads != self.num_kv_heads:
+            raise ValueError(f"flashinfer: the KV pool holds {pool_kv_heads} KV heads per layer, this rank "
+                             f"(tp_size={tp_size}) expects {self.num_kv_heads}")
         self.sm_scale = mc.head_dim**-0.5  # the same scaling PagedAttention carries
         self.q_dtype = runner.dtype
         self.kv_dtype = runner.kv_cache_dtype

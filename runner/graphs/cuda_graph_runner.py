@@ -1,13 +1,15 @@
 """CUDA-graph decode: one graph per padded batch size, replayed behind `ModelRunner.forward`.
 
 `CudaGraphRunner` keeps the graph-runner contract of runner/graphs/graph_runner.py. At init it captures the
-decode step for the padded batch sizes `capture_batch_sizes(cuda_graph_max_bs)` (1, 2, 4, 8, then
-steps of 8), largest first, all into one shared graph memory pool, inside the memory saver's
+decode step for the padded batch sizes `cuda_graph_bs` when given, else
+`capture_batch_sizes(cuda_graph_max_bs)` (1, 2, 4, 8, then steps of 8), largest first, all into one shared graph memory pool, inside the memory saver's
 `cuda_graph` region (`memory_saver.graph_capture`; pauseable with torch_memory_saver in preload mode).
 Each size gets two eager warm-ups on the capture stream first (flashinfer JIT, cuBLAS handles and
 the allocator settle there, never inside capture). A replay copies the batch into static [max_bs]
 buffers (padding rows: KV slot 0, request row PAD_REQ_ROW, length 1), re-plans the attention
 backend's static metadata for that size, replays, and returns the first `batch_size` logits rows.
+ModelRunner.forward never replays while the `cuda_graph` memory tag is released (decode runs
+eagerly until it is resumed), and capture refuses then (memory_saver.graph_capture).
 
 Validity: weight updates write parameters in place, so graphs stay valid. torch_memory_saver keeps
 virtual addresses across release/resume, so graphs stay valid there too. The portable memory saver
@@ -42,6 +44,20 @@ DEFAULT_MAX_BS = 256  # CUDA default for cuda_graph_max_bs (capped at max_runnin
 NUM_WARMUPS = 2
 
 
+def graph_sizes(sizes: list[int], max_running_requests: int) -> list[int]:
+    """`cuda_graph_bs` as captured: ascending, unique, none above max_running_requests (a batch never
+    gets that large, so a graph of that size would only cost memory)."""
+    kept = sorted({int(s) for s in sizes if s <= max_running_requests})
+    if not kept:
+        raise ValueError(f"cuda_graph_bs={sorted(sizes)}: every size exceeds max_running_requests="
+                         f"{max_running_requests}; give sizes <= it")
+    dropped = sorted({int(s) for s in sizes} - set(kept))
+    if dropped:
+        logger.info("cuda_graph_bs: sizes %s exceed max_running_requests=%d and are not captured", dropped,
+                    max_running_requests)
+    return kept
+
+
 class CudaGraphApi:
     """The torch.cuda calls of capture and replay, in one place."""
 
@@ -69,6 +85,7 @@ class CudaGraphApi:
 
 
 class CudaGraphRunner:
+    released_with_cuda_graph_tag = True  # ModelRunner.forward runs eagerly while that tag is released
     def __init__(self, runner, max_bs: int | None = None, capture_sizes: list[int] | None = None,
                  api: CudaGraphApi | None = None) -> None:
         self.runner = runner
@@ -76,7 +93,10 @@ class CudaGraphRunner:
         if max_bs is None:
             max_bs = getattr(cfg, "cuda_graph_max_bs", None) or DEFAULT_MAX_BS
         max_bs = min(max_bs, cfg.max_running_requests)
-        self.capture_bs = sorted(capture_sizes) if capture_sizes else capture_batch_sizes(max_bs)
+        if capture_sizes is None:
+            capture_sizes = getattr(cfg, "cuda_graph_bs", None)
+        self.capture_bs = (graph_sizes(capture_sizes, cfg.max_running_requests) if capture_sizes
+                           else capture_batch_sizes(max_bs))
         self.max_bs = self.capture_bs[-1]
         self.api = api or CudaGraphApi(runner.device)
         # Static buffers live outside every memory-saver region: they are read by every graph and

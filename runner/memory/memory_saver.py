@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
 BACKUP_CHUNK_BYTES = 256 << 20  # one copy per chunk: large enough for full PCIe/NVLink-C2C rate
+MIN_CHECKED_BYTES = 64 << 20  # pauses smaller than this are not measured (noise of other allocations)
+RETURNED_FRACTION = 0.5  # a pause that returns less than this share of what it holds is reported
 _saver_ids = itertools.count()
 
 
@@ -314,6 +316,8 @@ class TorchMemorySaver(DisabledMemorySaver):
         self.tms, self.hook_mode = saver, hook_mode or "torch"
         self._uid = next(_saver_ids)
         self._in_library: set[str] = set()  # tags with memory the library manages
+        self.last_freed: dict[str, int] = {}  # tag -> device bytes its last measured pause gave back
+        self._warned: set[str] = set()
 
     def _tag(self, tag: str) -> str:
         return f"{tag}#{self._uid}"
@@ -352,6 +356,9 @@ class TorchMemorySaver(DisabledMemorySaver):
 
     @contextmanager
     def graph_capture(self, graph, pool=None, stream=None):
+        if not self.regions["cuda_graph"].resident:
+            raise RuntimeError("cannot capture a CUDA graph while the cuda_graph memory tag is released; "
+                               "call resume_memory_occupation(['cuda_graph']) first")
         if not self.graphs_pauseable:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 yield
@@ -367,10 +374,33 @@ class TorchMemorySaver(DisabledMemorySaver):
             return
         self._save_backup(region)
         self._synchronize()  # nothing may still read the memory we unmap
+        held = self.bytes_held(tag)
+        free0 = self._free_device_bytes()
         if tag in self._in_library:
             self.tms.pause(self._tag(tag))
         region.resident = False
         torch.cuda.empty_cache()
+        self._check_returned(tag, held, free0)
+
+    def _free_device_bytes(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def _check_returned(self, tag: str, held: int, free0: int | None) -> None:
+        """Measure what a pause gave back (mem_get_info): the hook may be absent or inactive (the
+        preload library loaded too late, another allocator in front) and then pause frees nothing.
+        Say so once per tag instead of letting a caller believe the device is free."""
+        if free0 is None or held < MIN_CHECKED_BYTES:
+            return
+        freed = self._free_device_bytes() - free0
+        self.last_freed[tag] = freed
+        if freed < RETURNED_FRACTION * held and tag not in self._warned:
+            self._warned.add(tag)
+            logger.warning("memory saver: releasing %r returned %.1f MiB of the %.1f MiB it holds "
+                           "(torch_memory_saver hook mode %r): the release is (nearly) a no-op; start the "
+                           "process with torch_memory_saver's preload library in LD_PRELOAD", tag,
+                           freed / 2**20, held / 2**20, self.hook_mode)
 
     def resume(self, tag: str) -> None:
         _check_tag(tag)
@@ -389,6 +419,32 @@ class TorchMemorySaver(DisabledMemorySaver):
             if not self.regions[tag].resident and tag in self._in_library:
                 self.tms.resume(self._tag(tag))
                 self.regions[tag].resident = True
+
+    def free(self) -> None:
+        """Forget the tracked tensors, then drop the library's memory pools of this saver's tags.
+
+        torch_memory_saver keeps one torch MemPool per (tag, flags, device) for the life of the process,
+        and a MemPool keeps the blocks freed into it cached (torch.cuda.empty_cache does not reach
+        them). Our tags are per saver, so without this every Engine built in a process would leave its
+        KV cache and weights' worth of device memory behind. Dropping the pool object (after every
+        tensor in it was freed) lets torch release its blocks. The pools live in the library's private
+        `_impl._mem_pools` (0.0.10); when that is missing the leak is logged, not hidden.
+        """
+        super().free()
+        pools = getattr(getattr(self.tms, "_impl", None), "_mem_pools", None)
+        if pools is None:
+            if self._in_library:
+                logger.warning("torch_memory_saver has no _impl._mem_pools (version change?): the memory "
+                               "pools of tags %s stay allocated until the process exits",
+                               sorted(self._tag(t) for t in self._in_library))
+            return
+        ours = {self._tag(t) for t in ALL_TAGS}
+        for key in [k for k in list(pools) if (k[0] if isinstance(k, tuple) else k) in ours]:
+            del pools[key]
+        self._in_library.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
 
 def choose_memory_saver_backend(device: torch.device, backend: str | None = None) -> str:

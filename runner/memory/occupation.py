@@ -55,6 +55,8 @@ def release(runner, tags: list[str] | None = None) -> None:
             runner.token_to_kv_pool.clear()
         if tag == "weights" and getattr(runner, "lora_manager", None) is not None:
             runner.lora_manager.on_weights_released(saver.has_cpu_backup("weights"))
+        if tag == "cuda_graph" and getattr(runner, "piecewise_runner", None) is not None:
+            runner.piecewise_runner.reset()  # ordinary torch memory: dropped now, captured again after resume
         if tag == "weights" and not saver.has_cpu_backup("weights"):
             runner.weights_valid = False
             runner.invalid_weights = set(runner.name_map.hf_names())
@@ -93,13 +95,17 @@ def free_all(runner) -> None:
     tensors = [*runner.model.parameters(), *runner.model.buffers()]
     if getattr(runner, "lora_manager", None) is not None:  # adapter slots are not model parameters
         tensors += [t for m in runner.lora_manager.modules.values() for t in m.tensors()]
+    pw = getattr(runner, "piecewise_runner", None)
+    if pw is not None:
+        pw.reset()
+        tensors += [v for v in (*vars(pw.inputs).values(), *vars(pw).values()) if isinstance(v, torch.Tensor)]
     for holder in (runner.token_to_kv_pool, runner.req_to_token_pool, runner.graph_runner, runner.attn_backend):
         tensors += [v for v in vars(holder).values() if isinstance(v, torch.Tensor)] if holder else []
     for t in tensors:
         t.untyped_storage().resize_(0)
     runner.memory_saver.free()
     # Graphs (and their private pools), compiled steps and backends hold more: drop them too.
-    runner.graph_runner = runner.attn_backend = None
+    runner.graph_runner = runner.attn_backend = runner.piecewise_runner = None
     gc.collect()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -279,3 +279,81 @@ def test_graph_hooks_plan_padded_static_buffers(tiny_qwen2):
     torch.testing.assert_close(padded[:3], eager, atol=1e-4, rtol=1e-4)
     with pytest.raises(KeyError, match="no CUDA-graph decode wrapper for batch size 8"):
         be.init_forward_metadata_replay_cuda_graph(8, static_rows, static_lens, seq_lens)
+
+
+# ---- backend choice: import, dtype; heads under tensor parallelism ------------------------------------
+@pytest.fixture
+def broken_flashinfer(tmp_path, monkeypatch):
+    """A `flashinfer` package that find_spec finds but whose import fails (a broken CUDA install)."""
+    import runner.attention as attention
+
+    pkg = tmp_path / "flashinfer"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('libcudart.so.13: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(attention, "_import_error", {})
+    yield
+    import sys
+
+    sys.modules.pop("flashinfer", None)
+
+
+def test_flashinfer_chosen_only_when_it_imports(broken_flashinfer, caplog):
+    """find_spec finds the package but `import flashinfer` fails: the default is torch_native with one log
+    line giving the reason; asking for flashinfer by name is a clear error carrying it."""
+    import importlib.util
+    import logging
+
+    assert importlib.util.find_spec("flashinfer") is not None
+    with caplog.at_level(logging.INFO, logger="runner.attention"):
+        assert choose_attention_backend(None, "cuda", torch.bfloat16) == "torch_native"
+    why = [r.getMessage() for r in caplog.records if "import flashinfer" in r.getMessage()]
+    assert len(why) == 1 and "libcudart.so.13" in why[0]
+    with pytest.raises(ValueError, match="`import flashinfer` failed .*libcudart"):
+        choose_attention_backend("flashinfer", "cuda", torch.bfloat16)
+
+
+def test_float32_on_cuda_never_gets_flashinfer(monkeypatch):
+    """flashinfer has no fp32 kernels: float32 on CUDA defaults to torch_native even when flashinfer imports,
+    and an explicit flashinfer + float32 is refused at construction, naming the dtype."""
+    import runner.attention as attention
+
+    monkeypatch.setattr(attention, "_import_error", {"flashinfer": None})  # as if it imported
+    assert choose_attention_backend(None, "cuda", torch.bfloat16) == "flashinfer"
+    assert choose_attention_backend(None, "cuda", torch.float32) == "torch_native"
+    with pytest.raises(ValueError, match="no kernels for dtype torch.float32"):
+        choose_attention_backend("flashinfer", "cuda", torch.float32)
+
+
+@pytest.mark.parametrize("hq,hkv,tp", [(4, 2, 2), (8, 2, 4), (4, 1, 2)])
+def test_flashinfer_under_tp_plans_the_rank_heads(hq, hkv, tp):
+    """A tensor-parallel rank plans and reshapes with its own heads (q split, KV split or replicated), and
+    its decode attention equals the naive reference on that rank's KV pool."""
+    from runner.attention.flashinfer import rank_head_counts
+
+    lq, lkv = rank_head_counts(hq, hkv, tp)
+    assert (lq, lkv) == (hq // tp, max(1, hkv // tp))
+    req = _table(rows=2, ctx=12, slots=30)
+    kv = TokenToKVPool(40, torch.float32, 1, lkv, D, "cpu")
+    kv.k_buffer.normal_()
+    kv.v_buffer.normal_()
+    mc = SimpleNamespace(num_attention_heads=hq, num_key_value_heads=hkv, head_dim=D)
+    rank = SimpleNamespace(model_config=mc, device=torch.device("cpu"), context_len=12, req_to_token_pool=req,
+                           token_to_kv_pool=kv, dtype=torch.float32, kv_cache_dtype=torch.float32,
+                           tp=SimpleNamespace(size=tp, rank=0))
+    lib = StandInFlashInfer(lq, lkv, D)  # asserts plan() gets exactly these head counts
+    be = FlashInferAttnBackend(rank, flashinfer_module=lib)
+    fb = _fb(ForwardMode.DECODE, [0, 1], [5, 9])
+    be.init_forward_metadata(fb)
+    q = torch.randn(2, lq * D)  # what a rank's q projection gives: [bs, local heads * d]
+    with forward_context(ForwardContext(be, kv, req)):
+        out = be.forward_decode(q, SimpleNamespace(layer_id=0), fb)
+    indptr, _, total = md.decode_metadata([5, 9])
+    indices = md.kv_indices(req.req_to_token, fb.req_pool_indices, fb.seq_lens, total, max_slot=40)
+    want = paged_reference_attention(q.view(2, lq, D), kv.k_buffer[0], kv.v_buffer[0], torch.arange(3), indptr,
+                                     indices, D**-0.5)
+    torch.testing.assert_close(out, want)
+    wrong = SimpleNamespace(**{**vars(rank), "tp": None})  # the model's full counts vs the rank's pool
+    if (hq, hkv) != (lq, lkv) and hkv != lkv:
+        with pytest.raises(ValueError, match=f"KV pool holds {lkv} KV heads"):
+            FlashInferAttnBackend(wrong, flashinfer_module=lib)

@@ -139,3 +139,24 @@ def test_model_must_be_a_checkpoint_dir(tmp_path):
     """--model pointing at a directory without config.json is refused by name."""
     with pytest.raises(ValueError, match="--model"):
         RLConfig(model=str(tmp_path))
+
+
+def test_grpo_with_the_engine_in_its_own_process(ckpt_factory, tmp_path):
+    """--engine-process: the engine lives in a child process; two GRPO steps release, train, resume and sync
+    through it (shared memory on the CPU) and it serves the trained weights."""
+    import os
+
+    from weight_sync.cross_process import RemoteEngine
+
+    cfg = RLConfig(model=str(ckpt_factory("llama")), steps=2, prompts_per_step=4, group_size=4, no_wandb=True,
+                   output_dir=str(tmp_path), eval_every=0, lr=1e-2, engine_process=True)
+    trainer = GRPOTrainer(cfg)
+    try:
+        assert isinstance(trainer.engine, RemoteEngine) and trainer.engine.pid != os.getpid()
+        trainer.task = Task("length", make_toy_prompts, length_reward)
+        before = trainer.policy.state_dict()[PROBE].detach().clone()
+        assert_trained(trainer, trainer.train(), before, steps=2)
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match="--engine-process runs one engine"):
+        RLConfig(model=cfg.model, engine_process=True, num_engines=2)

@@ -107,5 +107,39 @@ def test_host_tensors_and_missing_cuda_are_clear_errors():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="decode_tensor needs CUDA"):
             decode_tensor(_descriptor())
-    with pytest.raises(IpcDescriptorError, match="this receiver expects cuda:1"):
-        decode_tensor(_descriptor(), device=1)
+
+
+UUIDS = ["1f3c2a4b-0000-4000-8000-00000000000a", "GPU-2b4d6f80-1111-4111-8111-00000000000b"]
+
+
+class _NoMapIpc:
+    """A stand-in IPC backend (named as such) that sees UUIDS and refuses to map anything."""
+
+    name = "stand-in"
+
+    def device_uuids(self, what="CUDA IPC"):
+        return list(UUIDS)
+
+    def open(self, f, ordinal):
+        raise AssertionError("must not map memory")
+
+
+def test_device_uuid_maps_to_the_local_ordinal():
+    """A UUID names the same GPU whatever ordinal each process gives it (per-process CUDA_VISIBLE_DEVICES): it
+    resolves to this process's ordinal, with or without the GPU- prefix, any case; an unseen UUID, a
+    malformed one and an ordinal past the visible devices are refused by name."""
+    from weight_sync.cuda_ipc import resolve_device, use_ipc_backend
+
+    b = UUIDS[1].removeprefix("GPU-")
+    assert validate_tensor_descriptor(_descriptor(device=UUIDS[1].upper()))["device"] == b
+    assert resolve_device(b, UUIDS) == 1 and resolve_device(b, [UUIDS[1], UUIDS[0]]) == 0
+    assert resolve_device(1, UUIDS) == 1
+    with pytest.raises(IpcDescriptorError, match="does not see"):
+        resolve_device(b, [UUIDS[0]])
+    with pytest.raises(IpcDescriptorError, match="sees 2 devices"):
+        resolve_device(2, UUIDS)
+    with pytest.raises(IpcDescriptorError, match="neither a CUDA device UUID"):
+        validate_tensor_descriptor(_descriptor(device="cuda:0"))
+    with use_ipc_backend(_NoMapIpc()):
+        with pytest.raises(IpcDescriptorError, match="names cuda:1 \\(here\\), this receiver expects cuda:0"):
+            decode_tensor(_descriptor(device=UUIDS[1]), device=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from runner.graphs.cuda_graph_runner import CudaGraphRunner
@@ -122,3 +123,80 @@ def test_portable_resume_recaptures_before_replay(tiny_llama):
     assert runner.graph_runner.num_captures == 2 and len(api.log) == 8
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_graph_bs_is_honoured(tiny_llama):
+    """With cuda_graph_bs given, exactly those sizes (deduplicated, none above max_running_requests) are
+    captured, largest first, and a batch of 3 replays in the size-5 graph with eager's logits."""
+    runner = make_runner(tiny_llama, disable_cuda_graph=True, cuda_graph_bs=[5, 1, 5, 64], max_running_requests=16)
+    api = StandInCudaGraphApi()
+    gr = CudaGraphRunner(runner, api=api)  # no sizes passed: read from the config, as ModelRunner builds it
+    assert gr.capture_bs == [1, 5] and gr.capture_order == [5, 1] and [e[1] for e in api.log] == [5, 1]
+    runner.graph_runner = gr
+    replayed = []
+    real = gr.replay
+    gr.replay = lambda fb: replayed.append(fb.batch_size) or real(fb)
+    ref = make_runner(tiny_llama, disable_cuda_graph=True)
+    for got, want in zip(_decode_logits(runner, BATCHES[:1]), _decode_logits(ref, BATCHES[:1])):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert replayed == [3, 3]
+    with pytest.raises(ValueError, match="every size exceeds max_running_requests=16"):
+        CudaGraphRunner(runner, capture_sizes=[32], api=api)
+
+
+def test_no_replay_while_cuda_graph_tag_is_released(tiny_llama):
+    """Released cuda_graph memory is never replayed: decode runs eagerly (same logits) until the tag is
+    resumed, then graphs replay again; capturing while it is released is refused."""
+    runner, api = _graph_runner(tiny_llama, enable_memory_saver=True, enable_weights_cpu_backup=True)
+    gr = runner.graph_runner
+    replayed = []
+    real = gr.replay
+    gr.replay = lambda fb: replayed.append(fb.batch_size) or real(fb)
+    ref = make_runner(tiny_llama, disable_cuda_graph=True)
+    want = _decode_logits(ref, BATCHES[:1])
+    runner.release_memory_occupation(["cuda_graph"])
+    for g, w in zip(_decode_logits(runner, BATCHES[:1]), want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert replayed == []
+    runner.resume_memory_occupation(["cuda_graph"])
+    _decode_logits(runner, BATCHES[:1])
+    assert replayed == [3, 3]
+
+    from runner.memory.memory_saver import TorchMemorySaver
+
+    saver = TorchMemorySaver(torch.device("cpu"), saver=SimpleNamespace(), hook_mode="preload")
+    saver.regions["cuda_graph"].resident = False
+    with pytest.raises(RuntimeError, match="cuda_graph memory tag is released"):
+        with saver.graph_capture(object()):
+            pass
+
+
+def test_cpu_compiled_step_keeps_running_while_cuda_graph_is_released(tiny_llama):
+    """A graph runner holding no releasable graph memory (the compiled CPU step) keeps replaying while the
+    cuda_graph tag is released, so a rollout's numerics never switch paths."""
+
+    class Recorder:  # stands in for CpuGraphRunner: no released_with_cuda_graph_tag
+        def __init__(self):
+            self.calls = 0
+
+        def can_run(self, fb):
+            return True
+
+        def replay(self, fb):
+            self.calls += 1
+            return eager_forward(fb)
+
+    runner = make_runner(tiny_llama, disable_cuda_graph=True, enable_memory_saver=True, enable_weights_cpu_backup=True)
+    rec = Recorder()
+
+    def eager_forward(fb):
+        runner.graph_runner = None
+        try:
+            return runner.forward(fb)
+        finally:
+            runner.graph_runner = rec
+
+    runner.graph_runner = rec
+    runner.release_memory_occupation(["cuda_graph"])
+    _decode_logits(runner, BATCHES[:1])
+    assert rec.calls == 2

@@ -10,6 +10,7 @@ paused memory, as a resume hands back fresh pages), so only our own backup can b
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -141,3 +142,69 @@ def test_tms_backend_call_order_and_our_backup():
     saver.close()
     assert tms.log[-1] == ("resume", kv_tag) and not tms.paused and saver.is_resident("kv_cache")
     assert _tms_saver(tms)._tag("weights") != w_tag
+
+
+# ---- shutdown frees the library's memory pools -------------------------------------------------------
+class StandInPoolingTMS(StandInTMS):
+    """StandInTMS plus torch_memory_saver 0.0.10's pool table (`_impl._mem_pools`, one pool per (tag,
+    cpu backup, disk backup, backup backend, device)). A stand-in pool keeps the bytes allocated in it
+    until the pool object is dropped, as a torch MemPool caches its freed blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self._impl = SimpleNamespace(_mem_pools={})
+
+    @contextmanager
+    def region(self, tag):
+        self._impl._mem_pools.setdefault((tag, False, False, "", 0), {"bytes": 0})
+        with super().region(tag):
+            yield
+
+    def note(self, tag, tensors):
+        super().note(tag, tensors)
+        self._impl._mem_pools[(tag, False, False, "", 0)]["bytes"] += sum(t.untyped_storage().nbytes()
+                                                                          for t in tensors)
+
+    def held(self) -> int:
+        return sum(p["bytes"] for p in self._impl._mem_pools.values())
+
+
+def test_engines_built_and_shut_down_hold_no_more_pool_memory_than_one(tiny_qwen2, monkeypatch):
+    """N runners with the torch_memory_saver backend, each built, released/resumed and shut down in turn,
+    leave the library holding no pool memory; while one lives it holds exactly its own KV + weights."""
+    import runner.model_runner as mr
+    from tests.runner.driver import make_runner
+
+    tms = StandInPoolingTMS()
+    monkeypatch.setattr(mr, "create_memory_saver", lambda enable, device: _tms_saver(tms))
+    alive = []
+    for _ in range(3):
+        runner = make_runner(tiny_qwen2, enable_memory_saver=True, enable_weights_cpu_backup=True)
+        saver = runner.memory_saver
+        one = saver.bytes_held("weights") + saver.bytes_held("kv_cache")
+        assert one > 0 and tms.held() == one  # this runner's pools only: the earlier ones are gone
+        runner.release_memory_occupation()
+        runner.resume_memory_occupation()
+        runner.shutdown()
+        alive.append(tms.held())
+    assert alive == [0, 0, 0] and tms._impl._mem_pools == {}
+
+
+def test_pause_that_returns_nothing_is_reported(caplog):
+    """A pause whose mem_get_info shows (nearly) nothing returned logs once that the release is a no-op."""
+    import logging
+
+    import runner.memory.memory_saver as ms
+
+    saver = TorchMemorySaver(torch.device("cpu"), saver=StandInTMS(), hook_mode="torch")
+    free = iter([10 << 30, (10 << 30) + (1 << 20), 10 << 30, 10 << 30])  # 1 MiB back of 128 MiB
+    saver._free_device_bytes = lambda: next(free)
+    with saver.region("kv_cache"):
+        saver.track("kv_cache", [torch.empty(128 << 20, dtype=torch.uint8)])
+    with caplog.at_level(logging.WARNING, logger=ms.__name__):
+        saver.pause("kv_cache")
+        saver.resume("kv_cache")
+        saver.pause("kv_cache")
+    warnings = [r.getMessage() for r in caplog.records if "no-op" in r.getMessage()]
+    assert len(warnings) == 1 and "'kv_cache'" in warnings[0] and "LD_PRELOAD" in warnings[0]
+    assert saver.last_freed["kv_cache"] == 0

@@ -220,3 +220,34 @@ def test_unsupported_rope_type(tiny_llama, tmp_path, layout):
                                                                         if k != "rope_type"}})
     (path / "config.json").write_text(json.dumps(cfg))
     _expect_error(path, "yarn", "rope")
+
+
+def test_nccl_duplicate_gpu_is_explained(tiny_qwen2):
+    """NCCL refusing two ranks on one GPU (at join or at the first receive) becomes a WeightUpdateError that
+    names the group and the same-GPU paths; other errors pass through unchanged; the runner keeps working."""
+    from runner.weights.loader import WeightUpdateError
+    from tests.runner.driver import make_runner
+
+    runner = make_runner(tiny_qwen2)
+    nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN for "
+                        "details), NCCL version 2.21.5\nncclInvalidUsage: Duplicate GPU detected : rank 1 and rank 0 "
+                        "both on CUDA device 1a000")
+
+    def refuse(*a, **k):
+        raise nccl
+
+    runner.update_groups.join = refuse
+    runner.update_groups.receive = refuse
+    with pytest.raises(WeightUpdateError, match="'g1': NCCL refuses two ranks on the same GPU.*cuda_ipc") as info:
+        runner.init_weights_update_group("127.0.0.1", 1, 1, 2, "g1", backend="nccl")
+    assert info.value.__cause__ is nccl
+    with pytest.raises(WeightUpdateError, match="'g2': NCCL refuses.*load_format='cuda_ipc'"):
+        runner.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]], "g2")
+
+    def other(*a, **k):
+        raise TimeoutError("no trainer at 127.0.0.1:1")
+
+    runner.update_groups.join = other
+    with pytest.raises(TimeoutError, match="no trainer"):
+        runner.init_weights_update_group("127.0.0.1", 1, 1, 2, "g3", backend="gloo")
+    assert runner.get_weights_by_name("model.norm.weight")
