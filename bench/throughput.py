@@ -13,8 +13,11 @@ neighbours' load, so the table also shows tokens per CPU-second and the load ave
 The decode step as users see it: for the engine (and vLLM), each timed call is paired with a call of
 the same prompts for 1 new token, and (t(output_len) - t(1)) / (output_len - 1) is the decode ms/step
 through `Engine.generate` (scheduler, batch building, sampling and output handling included; the
-prefill cancels out). Beside it, timed right after each pair, the prepacked-linear floor of
-bench/decode_floor.py for that many sequences: `decode/floor` is the median of the per-pair ratios.
+prefill cancels out). Beside it, timed just before and after each 1-token run, the prepacked-linear
+floor of bench/decode_floor.py for that many sequences: `/floor` is the median of the per-pair ratios.
+`CPU /floor` is the same ratio in CPU seconds of this process (all threads): a neighbour's load
+delays a step without adding to its CPU time, so at `--threads 1` it is the steadier figure on a
+shared machine (with more threads, OpenMP's spin-waits count as CPU time).
 
 It does not check that the backends produce the same tokens (tests do that) and does not measure
 time to first token or latency percentiles (bench/serve.py does).
@@ -153,6 +156,7 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, ou
     stat_keys = ("num_prefill_steps", "num_decode_steps", "num_prefill_tokens", "num_cached_tokens",
                  "num_retractions")
     steps, floors, ratios, loads = [], [], [], []
+    cpu_steps, cpu_floors, cpu_ratios = [], [], []  # CPU ms (all threads): less swayed by neighbours
     with Engine(str(model_dir), **kwargs) as engine:
         if warmup:
             engine.generate(input_ids=warmup, sampling_params={**sp, "max_new_tokens": min(8, output_len)},
@@ -177,32 +181,41 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, ou
             assert run["tokens"] == num_seqs * output_len, f"engine generated {run['tokens']} tokens"
             runs.append(run)
             if output_len > 1:
+                before = floor_samples(floor) if floor is not None else None
                 one = timed_generate({**sp, "max_new_tokens": 1})
                 steps.append((run["seconds"] - one["seconds"]) / (output_len - 1) * 1e3)
+                cpu_steps.append((run["cpu_seconds"] - one["cpu_seconds"]) / (output_len - 1) * 1e3)
                 loads.append(os.getloadavg()[0])
-                if floor is not None:
-                    floors.append(floor_ms(floor))
+                if floor is not None:  # timed before and after the 1-token run: the pair's neighbourhood
+                    after = floor_samples(floor)
+                    floors.append(statistics.median(before[0] + after[0]))
+                    cpu_floors.append(statistics.median(before[1] + after[1]))
                     ratios.append(steps[-1] / floors[-1])
+                    cpu_ratios.append(cpu_steps[-1] / cpu_floors[-1])
     best = min(runs, key=lambda r: r["seconds"])
     if steps:
         best["decode_ms"] = statistics.median(steps)
         best["decode_ms_all"] = [round(x, 3) for x in steps]
+        best["decode_cpu_ms"] = statistics.median(cpu_steps)
         best["load_avg_1m_pairs"] = loads
     if floors:
         best["floor_ms"] = statistics.median(floors)
         best["decode_over_floor"] = statistics.median(ratios)
+        best["floor_cpu_ms"] = statistics.median(cpu_floors)
+        best["decode_over_floor_cpu"] = statistics.median(cpu_ratios)
     return best
 
 
-def floor_ms(floor, iters: int = 7) -> float:
-    """Median ms of `iters` floor steps after one untimed step."""
+def floor_samples(floor, iters: int = 5) -> tuple[list[float], list[float]]:
+    """(wall ms, CPU ms of this process) of `iters` floor steps, after one untimed step."""
     floor()
-    times = []
+    wall, cpu = [], []
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         floor()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return wall, cpu
 
 
 def run_engine_group(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int,
@@ -288,6 +301,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "this many ranks (gloo on the CPU) and report its tok/s as a ratio to one engine, same run")
     p.add_argument("--num-engines", type=int, default=1, help="also run N engines on a local Ray cluster "
                    "(rollout.ray) on the same workload, reported as a ratio to one engine in this run")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's); "
+                   "vLLM gets as many")
     p.add_argument("--no-floor", action="store_true", help="do not time the prepacked-linear floor")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
@@ -299,6 +314,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench_throughput_"))
     try:
         if args.model is not None:
@@ -397,7 +414,7 @@ def print_table(workload: dict, rows: dict) -> None:
           f"-> {w['output_len']} new tokens, temperature {w['temperature']}, {w['torch_threads']} threads, "
           f"best of {w['repeat']}")
     print(f"{'backend':<10}{'seconds':>10}{'out tok/s':>12}{'vs HF':>8}{'tok/CPU-s':>12}{'load':>6}"
-          f"{'decode ms':>11}{'floor ms':>10}{'/floor':>8}")
+          f"{'decode ms':>11}{'floor ms':>10}{'/floor':>8}{'CPU /floor':>12}")
     for name, row in rows.items():
         if "seconds" not in row:
             print(f"{name:<10}{'failed':>10}  {row.get('error', '(see the log above)').splitlines()[0][:90]}")
@@ -407,8 +424,9 @@ def print_table(workload: dict, rows: dict) -> None:
         step = f"{row['decode_ms']:.2f}" if "decode_ms" in row else "-"
         fl = f"{row['floor_ms']:.2f}" if "floor_ms" in row else "-"
         over = f"{row['decode_over_floor']:.2f}x" if "decode_over_floor" in row else "-"
+        cpu_over = f"{row['decode_over_floor_cpu']:.2f}x" if "decode_over_floor_cpu" in row else "-"
         print(f"{name:<10}{row['seconds']:>10.2f}{row['tokens_per_s']:>12.1f}{ratio:>8}"
-              f"{per_cpu:>12}{row['load_avg_1m']:>6.1f}{step:>11}{fl:>10}{over:>8}")
+              f"{per_cpu:>12}{row['load_avg_1m']:>6.1f}{step:>11}{fl:>10}{over:>8}{cpu_over:>12}")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
