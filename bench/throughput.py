@@ -141,7 +141,7 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, ou
                floor=None) -> dict:
     """The workload through Engine.generate: the fastest of `repeat` runs, plus (output_len > 1) the
     decode ms/step from paired 1-token runs and, given `floor` (a callable, one floor step), the
-    floor ms timed after each pair and the median per-pair decode/floor ratio."""
+    floor ms timed around each 1-token run and the median per-pair decode/floor ratio (wall and CPU)."""
     from rollout import Engine
 
     num_seqs = len(prompts) * n
@@ -159,8 +159,9 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, ou
     cpu_steps, cpu_floors, cpu_ratios = [], [], []  # CPU ms (all threads): less swayed by neighbours
     with Engine(str(model_dir), **kwargs) as engine:
         if warmup:
-            engine.generate(input_ids=warmup, sampling_params={**sp, "max_new_tokens": min(8, output_len)},
-                            show_progress=False)
+            for new_tokens in (min(8, output_len), 1):  # the 1-token call of each pair below, warmed too
+                engine.generate(input_ids=warmup, sampling_params={**sp, "max_new_tokens": new_tokens},
+                                show_progress=False)
 
         def timed_generate(params: dict) -> dict:
             engine.flush_cache()  # each run prefills its prompts afresh
@@ -181,15 +182,15 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, ou
             assert run["tokens"] == num_seqs * output_len, f"engine generated {run['tokens']} tokens"
             runs.append(run)
             if output_len > 1:
-                before = floor_samples(floor) if floor is not None else None
+                floor_before = floor_samples(floor) if floor is not None else None
                 one = timed_generate({**sp, "max_new_tokens": 1})
                 steps.append((run["seconds"] - one["seconds"]) / (output_len - 1) * 1e3)
                 cpu_steps.append((run["cpu_seconds"] - one["cpu_seconds"]) / (output_len - 1) * 1e3)
                 loads.append(os.getloadavg()[0])
                 if floor is not None:  # timed before and after the 1-token run: the pair's neighbourhood
-                    after = floor_samples(floor)
-                    floors.append(statistics.median(before[0] + after[0]))
-                    cpu_floors.append(statistics.median(before[1] + after[1]))
+                    floor_after = floor_samples(floor)
+                    floors.append(statistics.median(floor_before[0] + floor_after[0]))
+                    cpu_floors.append(statistics.median(floor_before[1] + floor_after[1]))
                     ratios.append(steps[-1] / floors[-1])
                     cpu_ratios.append(cpu_steps[-1] / cpu_floors[-1])
     best = min(runs, key=lambda r: r["seconds"])
