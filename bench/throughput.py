@@ -5,17 +5,28 @@ each, exactly `output_len` new tokens (`ignore_eos`; HF gets `min_new_tokens = m
 greedy or temperature-1.0 sampling with top-k/top-p off. Each backend is loaded, warmed up once on a
 small batch, then timed with the wall clock around the one generate call (loading is not timed);
 with `--repeat k` the fastest of k calls counts. Backends run one after another and free their model
-before the next starts, so they never compete for cores or memory. vLLM runs in a subprocess,
-usually from its own venv (`--vllm-python`). On a shared machine wall time swings with the
-neighbours' load, so the table also shows tokens per CPU-second and the load average at each start.
+before the next starts, so they never compete for cores or memory. vLLM runs in a child process from
+its own venv (bench/vllm_peer.py; `--vllm-python`), at this process's thread count; when it is not
+installed its row says so and the rest still runs. On a shared machine wall time swings with the
+neighbours' load, so the table also shows tokens per CPU-second and the load average of each figure.
+
+The decode step as users see it: for the engine (and vLLM), each timed call is paired with a call of
+the same prompts for 1 new token, and (t(output_len) - t(1)) / (output_len - 1) is the decode ms/step
+through `Engine.generate` (scheduler, batch building, sampling and output handling included; the
+prefill cancels out). Beside it, timed just before and after each 1-token run, the prepacked-linear
+floor of bench/decode_floor.py for that many sequences: `/floor` is the median of the per-pair ratios.
+`CPU /floor` is the same ratio in CPU seconds of this process (all threads): a neighbour's load
+delays a step without adding to its CPU time, so at `--threads 1` it is the steadier figure on a
+shared machine (with more threads, OpenMP's spin-waits count as CPU time).
 
 It does not check that the backends produce the same tokens (tests do that) and does not measure
-time to first token or latency percentiles: only output tokens per second of a whole batch.
+time to first token or latency percentiles (bench/serve.py does).
 
     python -m bench.throughput --preset tiny --batch 16 --prompt-len 32 --output-len 64
+    python -m bench.throughput --preset qwen2-40m --temperature 0 --skip-hf --repeat 3   # decode vs floor
     python -m bench.throughput --preset tiny --batch 16 --skip-hf --deterministic   # the mode's cost
-    python -m bench.throughput --preset qwen2.5-0.5b --dtype bfloat16 --batch 64 --n 8 \
-        --vllm --vllm-python /tmp/vllm-venv/bin/python --json out.json
+    python -m bench.throughput --preset qwen2.5-0.5b --dtype bfloat16 --batch 16 --skip-hf \
+        --vllm --vllm-python ~/.cache/peers-venvs/vllm/bin/python --json out.json
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +44,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from bench import vllm_peer  # noqa: E402
 
 PRESETS = {
     # Qwen2-like, small enough that per-step overhead, not matmuls, dominates. head_dim 32: vLLM's CPU
@@ -122,7 +137,11 @@ def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output
 
 
 def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int, temperature: float,
-               warmup: list[list[int]], repeat: int = 1, engine_kwargs: dict | None = None) -> dict:
+               warmup: list[list[int]], repeat: int = 1, engine_kwargs: dict | None = None,
+               floor=None) -> dict:
+    """The workload through Engine.generate: the fastest of `repeat` runs, plus (output_len > 1) the
+    decode ms/step from paired 1-token runs and, given `floor` (a callable, one floor step), the
+    floor ms timed around each 1-token run and the median per-pair decode/floor ratio (wall and CPU)."""
     from rollout import Engine
 
     num_seqs = len(prompts) * n
@@ -136,26 +155,68 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, ou
     sp = dict(max_new_tokens=output_len, temperature=temperature, ignore_eos=True, n=n)
     stat_keys = ("num_prefill_steps", "num_decode_steps", "num_prefill_tokens", "num_cached_tokens",
                  "num_retractions")
+    steps, floors, ratios, loads = [], [], [], []
+    cpu_steps, cpu_floors, cpu_ratios = [], [], []  # CPU ms (all threads): less swayed by neighbours
     with Engine(str(model_dir), **kwargs) as engine:
         if warmup:
-            engine.generate(input_ids=warmup, sampling_params={**sp, "max_new_tokens": min(8, output_len)},
-                            show_progress=False)
-        runs = []
-        for _ in range(repeat):
+            for new_tokens in (min(8, output_len), 1):  # the 1-token call of each pair below, warmed too
+                engine.generate(input_ids=warmup, sampling_params={**sp, "max_new_tokens": new_tokens},
+                                show_progress=False)
+
+        def timed_generate(params: dict) -> dict:
             engine.flush_cache()  # each run prefills its prompts afresh
             before = engine.get_server_info()
 
             def call() -> int:
-                outs = engine.generate(input_ids=prompts, sampling_params=sp, show_progress=False)
+                outs = engine.generate(input_ids=prompts, sampling_params=params, show_progress=False)
                 return sum(o["meta_info"]["completion_tokens"] for o in outs)
 
             run = _timed(call)
             after = engine.get_server_info()
             run["stats"] = {k: after[k] - before[k] for k in stat_keys if k in after}
+            return run
+
+        runs = []
+        for _ in range(repeat):
+            run = timed_generate(sp)
             assert run["tokens"] == num_seqs * output_len, f"engine generated {run['tokens']} tokens"
             runs.append(run)
-    return min(runs, key=lambda r: r["seconds"])
+            if output_len > 1:
+                floor_before = floor_samples(floor) if floor is not None else None
+                one = timed_generate({**sp, "max_new_tokens": 1})
+                steps.append((run["seconds"] - one["seconds"]) / (output_len - 1) * 1e3)
+                cpu_steps.append((run["cpu_seconds"] - one["cpu_seconds"]) / (output_len - 1) * 1e3)
+                loads.append(os.getloadavg()[0])
+                if floor is not None:  # timed before and after the 1-token run: the pair's neighbourhood
+                    floor_after = floor_samples(floor)
+                    floors.append(statistics.median(floor_before[0] + floor_after[0]))
+                    cpu_floors.append(statistics.median(floor_before[1] + floor_after[1]))
+                    ratios.append(steps[-1] / floors[-1])
+                    cpu_ratios.append(cpu_steps[-1] / cpu_floors[-1])
+    best = min(runs, key=lambda r: r["seconds"])
+    if steps:
+        best["decode_ms"] = statistics.median(steps)
+        best["decode_ms_all"] = [round(x, 3) for x in steps]
+        best["decode_cpu_ms"] = statistics.median(cpu_steps)
+        best["load_avg_1m_pairs"] = loads
+    if floors:
+        best["floor_ms"] = statistics.median(floors)
+        best["decode_over_floor"] = statistics.median(ratios)
+        best["floor_cpu_ms"] = statistics.median(cpu_floors)
+        best["decode_over_floor_cpu"] = statistics.median(cpu_ratios)
+    return best
 
+
+def floor_samples(floor, iters: int = 5) -> tuple[list[float], list[float]]:
+    """(wall ms, CPU ms of this process) of `iters` floor steps, after one untimed step."""
+    floor()
+    wall, cpu = [], []
+    for _ in range(iters):
+        t0, c0 = time.perf_counter(), time.process_time()
+        floor()
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return wall, cpu
 
 
 def run_engine_group(model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int,
@@ -206,74 +267,6 @@ def run_engine_group(model_dir: Path, dtype: str, prompts: list[list[int]], n: i
             ray.shutdown()
     return min(runs, key=lambda r: r["seconds"])
 
-# vLLM runs in a child process (its own venv, its own torch); it reads a job file and writes a result file.
-_VLLM_WORKER = r"""
-import json, sys, time
-
-
-def cpu_seconds():
-    import psutil  # a vLLM dependency
-    me = psutil.Process()
-    return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
-
-
-def main(job_file, result_file):
-    job = json.load(open(job_file))
-    import vllm
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, seed=0,
-              max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"])
-
-    def generate(ids, new_tokens):
-        sp = SamplingParams(n=job["n"], temperature=job["temperature"], top_k=-1 if job["temperature"] else 0,
-                            top_p=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
-                            detokenize=False)
-        prompts = [{"prompt_token_ids": p} for p in ids]
-        t0, c0 = time.perf_counter(), cpu_seconds()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
-        return dict(seconds=dt, cpu_seconds=dc, tokens=sum(len(c.token_ids) for o in outs for c in o.outputs))
-
-    if job["warmup"]:
-        generate(job["warmup"], min(8, job["output_len"]))
-    runs = [generate(job["prompts"], job["output_len"]) for _ in range(job["repeat"])]
-    json.dump({**min(runs, key=lambda r: r["seconds"]), "version": vllm.__version__}, open(result_file, "w"))
-
-
-if __name__ == "__main__":  # vLLM spawns its engine-core process, which re-imports this file
-    main(sys.argv[1], sys.argv[2])
-"""
-
-
-def run_vllm(python: str, model_dir: Path, dtype: str, prompts: list[list[int]], n: int, output_len: int,
-             temperature: float, warmup: list[list[int]], repeat: int, tmp: Path, timeout: float) -> dict:
-    num_seqs = len(prompts) * n
-    seq_len = len(prompts[0]) + output_len
-    job = dict(model=str(model_dir), dtype=dtype, prompts=prompts, warmup=warmup, n=n, output_len=output_len,
-               temperature=temperature, max_model_len=seq_len + 16, max_num_seqs=max(num_seqs, 16),
-               repeat=repeat)
-    job_file, result_file = tmp / "vllm_job.json", tmp / "vllm_result.json"
-    job_file.write_text(json.dumps(job))
-    (tmp / "vllm_worker.py").write_text(_VLLM_WORKER)
-    kv_gib = max(1, int(2.5 * num_seqs * seq_len * _kv_bytes_per_token(model_dir, dtype) / 2**30) + 1)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))}
-    proc = subprocess.run([python, str(tmp / "vllm_worker.py"), str(job_file), str(result_file)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not result_file.is_file():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-        raise RuntimeError(f"vLLM worker exited with {proc.returncode}:\n{tail}")
-    res = json.loads(result_file.read_text())
-    assert res["tokens"] == num_seqs * output_len, f"vLLM generated {res['tokens']} tokens"
-    return res
-
-
-def _kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
-    c = json.loads((model_dir / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * _DTYPES[dtype].itemsize
-
-
 # ---- CLI -----------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -302,12 +295,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "enable_deterministic_inference=True (row 'engine-det') and report its throughput as a "
                    "ratio of the default engine's, same workload, same run")
     p.add_argument("--vllm", action="store_true", help="also run vLLM (its CPU build) on the same workload")
-    p.add_argument("--vllm-python", default=sys.executable, help="python of a venv with vLLM installed")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build (default: "
+                   "~/.cache/peers-venvs/vllm/bin/python if present, else this python)")
     p.add_argument("--vllm-timeout", type=float, default=1800.0)
     p.add_argument("--tp-size", type=int, default=1, help="also run the engine with tensor parallelism over "
                    "this many ranks (gloo on the CPU) and report its tok/s as a ratio to one engine, same run")
     p.add_argument("--num-engines", type=int, default=1, help="also run N engines on a local Ray cluster "
                    "(rollout.ray) on the same workload, reported as a ratio to one engine in this run")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's); "
+                   "vLLM gets as many")
+    p.add_argument("--no-floor", action="store_true", help="do not time the prepacked-linear floor")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     for name in ("batch", "prompt_len", "output_len", "n", "repeat", "num_engines"):
@@ -318,6 +315,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench_throughput_"))
     try:
         if args.model is not None:
@@ -333,11 +332,17 @@ def main(argv=None) -> dict:
         print("workload:", json.dumps(workload), flush=True)
         rows: dict[str, dict] = {}
         common = (model_dir, args.dtype, prompts, args.n, args.output_len, args.temperature, warmup)
+        floor = None
+        if not args.no_floor and not args.skip_engine and args.output_len > 1:
+            from bench.decode_floor import floor_step  # imports this module: imported late
+
+            floor = floor_step(json.loads((model_dir / "config.json").read_text()), args.batch * args.n,
+                               _DTYPES[args.dtype])
         backends = []
         if not args.skip_hf:
             backends.append(("hf", lambda: run_hf(*common, args.repeat)))
         if not args.skip_engine:
-            backends.append(("engine", lambda: run_engine(*common, args.repeat, args.engine_kwargs)))
+            backends.append(("engine", lambda: run_engine(*common, args.repeat, args.engine_kwargs, floor)))
         if args.tp_size > 1:
             tp_kwargs = {**args.engine_kwargs, "tp_size": args.tp_size}
             backends.append((f"engine-tp{args.tp_size}", lambda: run_engine(*common, args.repeat, tp_kwargs)))
@@ -348,8 +353,14 @@ def main(argv=None) -> dict:
             det_kwargs = {**args.engine_kwargs, "enable_deterministic_inference": True}
             backends.append(("engine-det", lambda: run_engine(*common, args.repeat, det_kwargs)))
         if args.vllm:
-            backends.append(("vllm", lambda: run_vllm(args.vllm_python, *common, args.repeat, tmp,
-                                                      args.vllm_timeout)))
+            vllm_python = args.vllm_python or vllm_peer.default_python()
+            missing = vllm_peer.vllm_available(vllm_python)
+            if missing:
+                print(f"vllm: skipped: {missing}", flush=True)
+                rows["vllm"] = dict(error=missing, load_avg_1m=os.getloadavg()[0])
+            else:
+                backends.append(("vllm", lambda: vllm_peer.run_vllm(vllm_python, *common, args.repeat, tmp,
+                                                                    args.vllm_timeout)))
         for name, run in backends:
             load = os.getloadavg()[0]
             try:
@@ -363,11 +374,17 @@ def main(argv=None) -> dict:
             rows[name] = row
             print(f"{name}: {json.dumps(row)}", flush=True)
         hf = rows.get("hf")
+        engine_row = rows.get("engine", {})
         for row in rows.values():
             if "seconds" in row:
                 row["tokens_per_s"] = row["tokens"] / row["seconds"]
                 row["tokens_per_cpu_s"] = row["tokens"] / row["cpu_seconds"] if row["cpu_seconds"] else None
                 row["ratio_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"] if hf else None
+        if "seconds" in engine_row and "seconds" in rows.get("vllm", {}):
+            v = rows["vllm"]
+            v["engine_over_vllm"] = engine_row["tokens_per_s"] / v["tokens_per_s"]
+            print(f"engine / vLLM-CPU {v.get('version', '')} throughput: {v['engine_over_vllm']:.3f}x "
+                  f"(load {engine_row['load_avg_1m']:.1f} / {v['load_avg_1m']:.1f})", flush=True)
         if "seconds" in rows.get("engine", {}) and "seconds" in rows.get("engine-det", {}):
             # The cost of batch invariance: deterministic over default throughput, measured in this run.
             rows["engine-det"]["ratio_vs_engine"] = rows["engine-det"]["tokens_per_s"] / rows["engine"]["tokens_per_s"]
@@ -397,15 +414,21 @@ def print_table(workload: dict, rows: dict) -> None:
     print(f"\n{w['model']} {w['dtype']}  {w['batch']} prompts x n={w['n']} x {w['prompt_len']} prompt "
           f"-> {w['output_len']} new tokens, temperature {w['temperature']}, {w['torch_threads']} threads, "
           f"best of {w['repeat']}")
-    print(f"{'backend':<10}{'seconds':>10}{'out tok/s':>12}{'vs HF':>8}{'tok/CPU-s':>12}{'load':>6}")
+    print(f"{'backend':<10}{'seconds':>10}{'out tok/s':>12}{'vs HF':>8}{'tok/CPU-s':>12}{'load':>6}"
+          f"{'decode ms':>11}{'floor ms':>10}{'/floor':>8}{'CPU /floor':>12}")
     for name, row in rows.items():
         if "seconds" not in row:
-            print(f"{name:<10}{'failed':>10}  (see the log above)")
+            print(f"{name:<10}{'failed':>10}  {row.get('error', '(see the log above)').splitlines()[0][:90]}")
             continue
         ratio = f"{row['ratio_vs_hf']:.2f}x" if row.get("ratio_vs_hf") else "-"
         per_cpu = f"{row['tokens_per_cpu_s']:.1f}" if row.get("tokens_per_cpu_s") else "-"
+        step = f"{row['decode_ms']:.2f}" if "decode_ms" in row else "-"
+        fl = f"{row['floor_ms']:.2f}" if "floor_ms" in row else "-"
+        over = f"{row['decode_over_floor']:.2f}x" if "decode_over_floor" in row else "-"
+        cpu_over = f"{row['decode_over_floor_cpu']:.2f}x" if "decode_over_floor_cpu" in row else "-"
         print(f"{name:<10}{row['seconds']:>10.2f}{row['tokens_per_s']:>12.1f}{ratio:>8}"
-              f"{per_cpu:>12}{row['load_avg_1m']:>6.1f}")
+              f"{per_cpu:>12}{row['load_avg_1m']:>6.1f}{step:>11}{fl:>10}{over:>8}{cpu_over:>12}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

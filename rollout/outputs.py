@@ -1,7 +1,8 @@
 """Turn a Req into the SGLang-shaped output dict, and carry it to a waiting caller.
 
 Sinks decouple the engine thread from callers: a thread-safe queue for blocking calls, an asyncio
-queue fed through `call_soon_threadsafe` for coroutines. A sink whose consumer is gone (its event loop
+queue fed through `call_soon_threadsafe` for coroutines (one call per batch of items for all the sinks
+of one event loop, so a step streaming to many requests wakes the loop once). A sink whose consumer is gone (its event loop
 closed, its stream closed or dropped unread) raises SinkClosedError on `put`; the engine then drops
 that consumer's requests. Streams are iterators over one call's sink: chunks of every request of the
 call in arrival order (each dict carries "index", its position in the call), ending when every request
@@ -13,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import queue
+import threading
+import weakref
 from collections.abc import Callable, Container
 
 from rollout.request import Req
@@ -107,11 +110,54 @@ class SyncSink:
                                        "this request will get no output") from None
 
 
+class _LoopFeeder:
+    """Hands items from the scheduler thread to the asyncio queues of one event loop, with one
+    `call_soon_threadsafe` (one self-pipe write, one loop wake-up) per batch, not per item: a decode
+    step streaming to 64 requests wakes their loop once, not 64 times. FIFO over all its sinks, so
+    each sink sees its items in put order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, object]] = []
+
+    def put(self, q: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._pending.append((q, item))
+            if len(self._pending) > 1:
+                return  # a drain is already scheduled and has not run yet
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop closed meanwhile: nobody will read what is pending
+            with self._lock:
+                self._pending.clear()
+            raise
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for q, item in batch:
+            q.put_nowait(item)
+
+
+_feeders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its _LoopFeeder
+_feeders_lock = threading.Lock()
+
+
+def _feeder(loop: asyncio.AbstractEventLoop) -> _LoopFeeder:
+    with _feeders_lock:
+        feeder = _feeders.get(loop)
+        if feeder is None:
+            feeder = _feeders[loop] = _LoopFeeder(loop)
+        return feeder
+
+
 class AsyncSink:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
+        self._feeder = _feeder(loop)
 
     def put(self, item) -> None:
         if self.closed:
@@ -119,7 +165,7 @@ class AsyncSink:
         if self.loop.is_closed():
             raise SinkClosedError("the caller's event loop is closed")
         # Raises RuntimeError if the loop closes between the check and the call; the engine catches it.
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self._feeder.put(self.queue, item)
 
     async def get(self):
         return await self.queue.get()

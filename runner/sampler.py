@@ -205,7 +205,7 @@ def truncated_logprobs(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.T
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
-    return torch.log_softmax(scaled, dim=-1)
+    return scaled
 
 
 def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -258,6 +258,43 @@ def logsumexp_at_argmax(x: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
     return torch.where(top.isinf(), top, lse)
 
 
+# Chunk width of inverse_cdf: the chunk sums are one vectorised reduction, and only one chunk per
+# row is summed sequentially.
+_CDF_CHUNK = 128
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row the first index whose running sum of `probs` exceeds u * the row's total: an
+    inverse-CDF draw from the (possibly unnormalised) probs [bs, vocab] with uniforms u [bs] in [0, 1).
+
+    In two levels instead of a cumsum over the vocabulary (a sequential pass that cost more than the
+    softmax on CPU at [16, 32768] and [16, 151936]): 128-wide chunk sums and their running sum pick
+    the chunk, then the running sum inside that one chunk picks the token. The same draw up to the
+    rounding of the partial sums; every row takes the same ops whatever the batch, so a row's token
+    still depends only on its logits and its uniform. A zero-probability token can be returned only
+    at the top of a row whose sums rounded short; callers check (Sampler falls back to argmax)."""
+    bs, vocab = probs.shape
+    c = _CDF_CHUNK
+    n = -(-vocab // c)
+    main = (vocab // c) * c
+    if main == vocab:
+        sums = probs.view(bs, n, c).sum(dim=-1)  # [bs, n]
+    else:
+        parts = [probs[:, main:].sum(dim=-1, keepdim=True)]
+        if main:
+            parts.insert(0, probs[:, :main].reshape(bs, n - 1, c).sum(dim=-1))
+        sums = torch.cat(parts, dim=1)
+    chunk_cdf = sums.cumsum_(dim=-1)  # [bs, n]
+    target = (u * chunk_cdf[:, -1]).unsqueeze(1)  # [bs, 1]
+    chunk = torch.searchsorted(chunk_cdf, target, right=True).clamp_(max=n - 1)  # [bs, 1]
+    before = chunk_cdf.gather(1, (chunk - 1).clamp(min=0)).masked_fill_(chunk == 0, 0.0)  # mass of earlier chunks
+    cols = chunk * c + torch.arange(c, device=probs.device)  # [bs, c]
+    local = probs.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0)
+    local_cdf = local.cumsum_(dim=-1).add_(before)  # [bs, c]
+    pos = torch.searchsorted(local_cdf, target, right=True).clamp_(max=c - 1)
+    return (chunk * c + pos).squeeze(1).clamp_(max=vocab - 1)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         # logits: [bs, vocab] fp32. Full-vocab passes are the cost here, so greedy rows and the raw
@@ -287,13 +324,10 @@ class Sampler:
                 if info.processed_rows is not None:
                     logprobs_all = torch.where(info.processed_rows.unsqueeze(1), sample_lp, logprobs_all)
             del scaled
-            cdf = sample_lp.exp().cumsum_(dim=-1)  # [bs, vocab]
             if info.seed_mix is None:
                 info.seed_mix = splitmix64(info.seeds)
-            u = uniform_from_seed_mix(info.seed_mix, info.steps).to(cdf.dtype)
-            target = (u * cdf[:, -1]).unsqueeze(1)
-            ids = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
-            del cdf
+            u = uniform_from_seed_mix(info.seed_mix, info.steps).to(sample_lp.dtype)
+            ids = inverse_cdf(sample_lp.exp(), u)  # [bs], the draw from the distribution sampled from
             # Rounding at the very top of the CDF could land on a masked tail token: take argmax then.
             chosen_ok = sample_lp.gather(1, ids.unsqueeze(1)).squeeze(1) > float("-inf")
             del sample_lp

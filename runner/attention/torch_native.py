@@ -128,6 +128,10 @@ class TorchNativeAttnBackend:
         # gather, ~4x faster on the CPU at decode shapes (16 x 64 slots: 11 us vs 48 us).
         flat = md.kv_indices.reshape(-1)  # a view for eager plans; one copy per layer for graph slices
         kv_shape = (bs, md.kv_indices.shape[1], layer.num_kv_heads, d)
+        # CPU SDPA in bf16/fp16 ran ~5x slower than in fp32 at decode shapes here: compute in fp32.
+        dt = torch.float32 if q.device.type == "cpu" else q.dtype
+        if md.q_index is None and md.max_q_len == 1:
+            return self._decode_grouped(q, layer, flat, kv_shape, dt, md.mask, pool)
         k = pool.k_buffer[layer.layer_id].index_select(0, flat).view(kv_shape)  # [bs, max_kv, kv_heads, d]
         v = pool.v_buffer[layer.layer_id].index_select(0, flat).view(kv_shape)
         if md.q_index is None:
@@ -136,14 +140,29 @@ class TorchNativeAttnBackend:
             qp = q.new_zeros(bs * md.max_q_len, hq, d)
             qp[md.q_index] = q
             qp = qp.view(bs, md.max_q_len, hq, d)
-        # CPU SDPA in bf16/fp16 ran ~5x slower than in fp32 at decode shapes here: compute in fp32.
-        dt = torch.float32 if q.device.type == "cpu" else q.dtype
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2).to(dt), k.transpose(1, 2).to(dt), v.transpose(1, 2).to(dt),
             attn_mask=md.mask, scale=layer.scaling, enable_gqa=hq != layer.num_kv_heads,
         )  # [bs, hq, max_q, d]
         out = out.transpose(1, 2).reshape(bs * md.max_q_len, hq, d).to(q.dtype)
         return out if md.q_index is None else out[md.q_index]  # [num_tokens, hq, d]
+
+    @staticmethod
+    def _decode_grouped(q: torch.Tensor, layer, flat: torch.Tensor, kv_shape: tuple, dt: torch.dtype,
+                        mask: torch.Tensor, pool) -> torch.Tensor:
+        """One new token per request, the query heads that share a KV head taken as that head's query
+        rows: SDPA of [bs, kv_heads, group, d] against [bs, kv_heads, max_kv, d]. The same sums as the
+        GQA call per (request, head), but each gathered K/V block is read once per KV head instead of
+        once per query head, in a quarter of the kernel's work items (1.5x faster at the 40M and 0.5B
+        decode shapes on one thread here). Casts the gathered K/V while contiguous (one pass each)."""
+        bs, _, hkv, d = kv_shape
+        group = layer.num_heads // hkv
+        k = pool.k_buffer[layer.layer_id].index_select(0, flat).to(dt).view(kv_shape)  # [bs, max_kv, hkv, d]
+        v = pool.v_buffer[layer.layer_id].index_select(0, flat).to(dt).view(kv_shape)
+        qg = q.to(dt).view(bs, hkv, group, d)  # head h reads KV head h // group, as enable_gqa
+        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             scale=layer.scaling)  # [bs, hkv, group, d]; mask [bs, 1, 1, max_kv]
+        return out.reshape(bs, layer.num_heads, d).to(q.dtype)  # [bs, hq, d]
 
     def forward_extend(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
         return self._attend(q, layer, fb)

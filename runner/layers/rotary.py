@@ -1,7 +1,9 @@
 """Rotary position embedding (neox / rotate-half layout) with `default` and `llama3` frequencies.
 
 The cos/sin table is a non-persistent buffer, not a parameter: it survives a weight release and
-is never part of a weight update.
+is never part of a weight update. `cos_sin` hands out sin with the sign of rotate-half folded in
+(-sin on the first half), so a rotation is `x * cos + x.roll(half) * sin_signed`: two fewer ops per
+call than chunk/neg/cat and bitwise the same values (negating a factor commutes with rounding).
 """
 
 from __future__ import annotations
@@ -44,21 +46,26 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        half = head_dim // 2
+        signed = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1)  # rotate_half's sign, folded
+        self.register_buffer("sin_signed_cached", signed, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Looked up once per forward and shared by every layer: [num_tokens, 1, head_dim] each."""
+        """(cos, sign-folded sin), looked up once per forward and shared by every layer: [num_tokens, 1,
+        head_dim] each. Only `apply` / `apply_one` take them (the sin is not plain sin)."""
         return (self.cos_cached[positions].to(dtype).unsqueeze(1),
-                self.sin_cached[positions].to(dtype).unsqueeze(1))
+                self.sin_signed_cached[positions].to(dtype).unsqueeze(1))
 
     @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return RotaryEmbedding.apply_one(q, cos, sin_signed), RotaryEmbedding.apply_one(k, cos, sin_signed)
 
     @staticmethod
-    def apply_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`apply` on one tensor of heads, e.g. q and k heads side by side: [num_tokens, heads, head_dim]."""
-        return x * cos + rotate_half(x) * sin
+    def apply_one(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """`apply` on one tensor of heads, e.g. q and k heads side by side: [num_tokens, heads, head_dim].
+        roll(half) is cat(x2, x1); with the sign in `sin_signed` it is rotate_half(x) * sin exactly."""
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
