@@ -205,7 +205,7 @@ def truncated_logprobs(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.T
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
-    return scaled
+    return torch.log_softmax(scaled, dim=-1)
 
 
 def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
