@@ -34,6 +34,7 @@ from runner.models import get_model_class
 from runner.sampler import SampleOutput, Sampler
 from runner.weights import routes
 from runner.weights.checkpoint import CheckpointIndex
+from runner.weights.delta import WeightHashes
 from runner.weights.loader import WeightNameMap, WeightWriter
 from runner.weights.update_groups import UpdateGroupRegistry
 
@@ -62,6 +63,7 @@ class ModelRunner:
         self.invalid_weights: set[str] = set()
         self.invalid_reason = ""
         self.update_groups = UpdateGroupRegistry()  # broadcast groups joined for distributed updates
+        self.weight_hashes = WeightHashes()  # per-tensor checksums a delta's base is checked against
         self.custom_loaders = routes.import_custom_loaders(config.custom_weight_loader)
         self.is_shut_down = False
         self.initialize()
@@ -274,6 +276,7 @@ class ModelRunner:
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Release `tags` (None: all). Each must be resident (checked before anything is released)."""
+        self.weight_hashes.invalidate()  # released weights may come back with other bits
         occupation.release(self, tags)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:

@@ -29,7 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from rollout.server.common import JSONResponse, dumpb, engine_error, error_response, run_blocking
-from rollout.server.tensor_codec import decode_buckets, decode_named_tensors
+from rollout.server.tensor_codec import decode_buckets, decode_delta, decode_named_tensors
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -374,7 +374,7 @@ async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: R
 
 class UpdateWeightsFromTensorReqInput(Body):
     serialized_named_tensors: list[str]
-    load_format: Literal["flattened_bucket"] | None = None
+    load_format: Literal["flattened_bucket", "delta"] | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
@@ -391,6 +391,8 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
     try:
         if obj.load_format == "flattened_bucket":
             payload = await run_blocking(request, decode_buckets, obj.serialized_named_tensors[0])
+        elif obj.load_format == "delta":
+            payload = await run_blocking(request, decode_delta, obj.serialized_named_tensors[0])
         else:
             payload = await run_blocking(request, decode_named_tensors, obj.serialized_named_tensors[0])
     except ValueError as e:

@@ -12,6 +12,9 @@ tensors:
   "end"}` entries of `weight_sync.bucket.FlattenedTensorBucket.to_dict()`. A list of buckets is a JSON
   list of such strings (one string per bucket, all for the same rank).
 
+- `load_format="delta"`: the string is the base64 of a sparse delta blob (itself a safetensors file,
+  format owned by weight_sync/delta_codec.py, which both the sender and this decoder use).
+
 CUDA IPC handles (zero-copy between processes on one GPU) are not carried here; they come with the GPU
 path. Decoding validates structure (base64, safetensors header, bucket metadata) and raises ValueError
 naming what is wrong; shape and dtype checks against the model are the engine's.
@@ -69,6 +72,16 @@ def decode_named_tensors(s: str, what: str = "serialized_named_tensors[0]") -> l
     if not tensors:
         raise ValueError(f"{what} holds no tensors")
     return list(tensors.items())
+
+
+def decode_delta(s: str, what: str = "serialized_named_tensors[0]"):
+    """-> a structurally validated weight_sync.delta_codec.DeltaUpdate (ValueError naming the problem)."""
+    from weight_sync.delta_codec import DeltaFormatError, DeltaUpdate
+
+    try:
+        return DeltaUpdate.from_blob(_blob(s, what))
+    except DeltaFormatError as e:
+        raise ValueError(f"{what}: {e}") from None
 
 
 def decode_buckets(s: str, what: str = "serialized_named_tensors[0]") -> list[dict]:

@@ -1,0 +1,60 @@
+"""Shared pieces of the delta-sync tests: a trainer taking Adam steps, and the full-update oracle.
+
+The oracle for "the engine holds exactly the trainer's cast" is independent of the delta code: a
+reference engine given a plain full `update_weights_from_tensor` of the same cast, compared by
+`get_weights_checksum` (SHA-256 of every parameter's bytes) and by greedy outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.checkpoints import load_hf_model
+from tests.rollout.oracle import random_prompts
+
+ENGINE_KW = dict(show_progress=False, max_total_tokens=512, max_running_requests=8, disable_radix_cache=True,
+                 dtype="bfloat16")
+PROMPTS = random_prompts([5, 9, 3], seed=11)
+
+
+class Trainer:
+    """The checkpoint's HF model (fp32 master weights) and Adam at `lr`, stepping on random tokens."""
+
+    def __init__(self, ckpt, lr: float, seed: int = 0) -> None:
+        self.model = load_hf_model(ckpt).train()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.g = torch.Generator().manual_seed(seed)
+        self.vocab = self.model.config.vocab_size
+
+    def step(self) -> None:
+        ids = torch.randint(0, self.vocab, (2, 12), generator=self.g)
+        self.opt.zero_grad()
+        self.model(ids, labels=ids).loss.backward()
+        self.opt.step()
+
+    def cast(self, dtype=torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach().to(dtype)) for n, p in self.model.named_parameters()]
+
+
+def greedy(engine) -> list[list[int]]:
+    outs = engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0.0, "max_new_tokens": 6})
+    return [o["output_ids"] for o in outs]
+
+
+def checksum(engine) -> str:
+    return engine.get_weights_checksum()["checksum"]
+
+
+def assert_equals_full_update(engine, reference, trainer: Trainer, outputs: bool = False) -> None:
+    """`engine` holds what `reference` holds after a full update of the trainer's cast."""
+    ok, msg = reference.update_weights_from_tensor(trainer.cast())
+    assert ok, msg
+    assert checksum(engine) == checksum(reference)
+    if outputs:
+        assert greedy(engine) == greedy(reference)
+
+
+def changed_fraction(model: nn.Module, before: dict[str, torch.Tensor]) -> float:
+    num = sum(int((p.detach().to(torch.bfloat16) != before[n]).sum()) for n, p in model.named_parameters())
+    return num / sum(p.numel() for p in model.parameters())
