@@ -240,12 +240,9 @@ def partial_hashes(runner, blob) -> dict:
     return {"base": base, "result": result, "error": ""}
 
 
-def apply_delta(runner, blob) -> int:
-    """The load_format="delta" route: check everything, then write the changed elements all or nothing.
-    Returns how many tensors changed."""
-    from runner.weights import routes
-
-    routes.require_weights_resident(runner)
+def apply_delta(runner, blob, write) -> int:
+    """The load_format="delta" route: check everything, then write the changed elements all or nothing
+    through `write` (routes.write, passed in: routes imports this module). Returns how many tensors changed."""
     update = parse(blob)
     tp = _is_tp_rank(runner)  # under tensor parallelism rank 0 checked the summed partials first
     planned = plan_delta(runner, update, check_base=not tp)
@@ -259,7 +256,7 @@ def apply_delta(runner, blob) -> int:
             for p in to_write:
                 _write(writer, p)
 
-    routes.write(runner, fill)
+    write(runner, fill)
     for p in planned:
         if not p.alias:
             runner.weight_hashes.set(p.target.hf_name, p.result_partial)

@@ -79,7 +79,7 @@ def update_from_tensor(runner, named_tensors, load_format: str | None = None) ->
     if load_format in runner.custom_loaders:
         return custom_load(runner, load_format, named_tensors)
     if load_format == "delta":  # a sparse delta (weight_sync/delta_codec.py): runner/weights/delta.py
-        return delta.apply_delta(runner, named_tensors)
+        return delta.apply_delta(runner, named_tensors, write)
     if load_format == "direct":
         plan = plan_direct_load(runner.name_map, _pairs(named_tensors))
     else:
