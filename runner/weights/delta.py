@@ -19,7 +19,8 @@ after a full update.
 Tensor parallelism: each rank decodes the same delta and applies only its own slice (positions are
 mapped from the whole HF tensor to the slice); the checksum is additive, so each rank reports the
 partial sums of its slice (`partial_hashes`) and rank 0 (runner/tp/runner.py) compares their sum with
-the delta's base and result before any rank writes. Replicated tensors count once (rank 0's).
+the delta's base and result before any rank writes. A slice held by several ranks (a replicated tensor
+or KV head) counts once.
 Not here: the format itself, or deciding what to send.
 """
 
@@ -83,11 +84,6 @@ def _slice(target: LoadTarget) -> tuple[torch.Tensor, tuple | None]:
     return view, spec
 
 
-def _counts_here(runner, spec) -> bool:
-    """Whether this rank's slice enters the checksum (a replicated tensor counts on rank 0 only)."""
-    return spec is not None or not _is_tp_rank(runner) or runner.tp.rank == 0
-
-
 def _global_of_local(spec, local_shape) -> callable:
     """local flat index -> flat index in the whole HF tensor, for slice `spec` (dim, start, size, full)."""
     dim, start, size, full = spec
@@ -110,8 +106,6 @@ def _local_of_global(spec, hf_shape, positions: torch.Tensor) -> tuple[torch.Ten
 
 def _local_hash(runner, target: LoadTarget) -> int:
     view, spec = _slice(target)
-    if not _counts_here(runner, spec):
-        return 0
     if spec is None:
         return tensor_hash(view)
     index_of = _global_of_local(spec, tuple(view.shape))
@@ -185,10 +179,7 @@ def plan_delta(runner, update: DeltaUpdate, check_base: bool) -> list[_Planned]:
                                     f"{float(new_vals[bad])} (NaN or inf)")
         if global_pos is None:  # 'all' without tensor parallelism
             global_pos = torch.arange(dec.numel)
-        if _counts_here(runner, spec):
-            result = combine(base, hash_terms(global_pos, new_bits, width), hash_terms(global_pos, old_bits, width))
-        else:
-            result = base
+        result = combine(base, hash_terms(global_pos, new_bits, width), hash_terms(global_pos, old_bits, width))
         out.append(_Planned(target, entry, name in name_map.aliases, local_pos, new_bits, base, result))
     _check_aliases(runner, out)
     return out
@@ -229,15 +220,21 @@ def parse(blob) -> DeltaUpdate:
 
 
 def partial_hashes(runner, blob) -> dict:
-    """This rank's partial checksums of its slices: {"base": [...], "result": [...] or None, "error": str}
-    (one per applicable entry; "error" when the delta does not decode here, then no results)."""
+    """This rank's partial checksums of its slices: {"span": [[start, size], ...], "base": [...], "result":
+    [...] or None, "error": str}, one per applicable entry ("error" when the delta does not decode here,
+    then no results). Ranks holding the same span (a replicated tensor or KV head) count it once."""
     update = parse(blob)
-    base = [runner.weight_hashes.get(runner, t) for _, t in _entries(runner, update)]
+    entries = _entries(runner, update)
+    base = [runner.weight_hashes.get(runner, t) for _, t in entries]
+    spans = []
+    for _, t in entries:
+        spec = tp_slice(t.param, t.shard_id)
+        spans.append([0, -1] if spec is None else [spec[1], spec[2]])
     try:
         result = [p.result_partial for p in plan_delta(runner, update, check_base=False)]
     except WeightUpdateError as e:
-        return {"base": base, "result": None, "error": str(e)}
-    return {"base": base, "result": result, "error": ""}
+        return {"span": spans, "base": base, "result": None, "error": str(e)}
+    return {"span": spans, "base": base, "result": result, "error": ""}
 
 
 def apply_delta(runner, blob, write) -> int:
