@@ -8,8 +8,6 @@ reference engine given a plain full `update_weights_from_tensor` of the same cas
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from tests.checkpoints import load_hf_model
 from tests.rollout.oracle import random_prompts
 
@@ -26,6 +24,10 @@ class Trainer:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.g = torch.Generator().manual_seed(seed)
         self.vocab = self.model.config.vocab_size
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
 
     def step(self) -> None:
         ids = torch.randint(0, self.vocab, (2, 12), generator=self.g)
@@ -55,6 +57,32 @@ def assert_equals_full_update(engine, reference, trainer: Trainer, outputs: bool
         assert greedy(engine) == greedy(reference)
 
 
-def changed_fraction(model: nn.Module, before: dict[str, torch.Tensor]) -> float:
-    num = sum(int((p.detach().to(torch.bfloat16) != before[n]).sum()) for n, p in model.named_parameters())
-    return num / sum(p.numel() for p in model.parameters())
+def run_steps(ds, trainer: Trainer, target_checksum, reference, lrs=(1e-6, 1e-6, 1e-3)) -> None:
+    """A full first sync, then one Adam step per lr, each followed by a delta sync; after each the target's
+    checksum equals `reference` given the same cast in full."""
+    ok, msg = ds.sync(trainer.model)
+    assert ok and ds.last["mode"] == "full", msg
+    for lr in lrs:
+        trainer.set_lr(lr)
+        trainer.step()
+        ok, msg = ds.sync(trainer.model)
+        assert ok and ds.last["mode"] == "delta" and ds.last["elements_changed"] > 0, msg
+        ok, msg = reference.update_weights_from_tensor(trainer.cast())
+        assert ok, msg
+        assert target_checksum() == checksum(reference)
+
+
+def stale_then_fallback(ds, trainer: Trainer, other: Trainer, write_other, target_checksum, reference) -> None:
+    """Another writer in between: the delta is refused with nothing changed; fallback=True syncs in full."""
+    other.step()
+    ok, msg = write_other(other)
+    assert ok, msg
+    before = target_checksum()
+    trainer.step()
+    ok, msg = ds.sync(trainer.model, fallback=False)
+    assert not ok and "stale base" in msg, msg
+    assert target_checksum() == before
+    ok, msg = ds.sync(trainer.model, fallback=True)  # the refusal dropped the baseline: a full sync now
+    assert ok and ds.last["mode"] == "full", msg
+    assert reference.update_weights_from_tensor(trainer.cast())[0]
+    assert target_checksum() == checksum(reference)
