@@ -8,6 +8,7 @@ reference engine given a plain full `update_weights_from_tensor` of the same cas
 from __future__ import annotations
 
 import torch
+
 from tests.checkpoints import load_hf_model
 from tests.rollout.oracle import random_prompts
 

@@ -39,7 +39,7 @@ def test_tp2_deltas_equal_a_full_update(ckpt, lr):
     with Engine(str(ckpt), tp_size=2, **ENGINE_KW) as tp, Engine(str(ckpt), **ENGINE_KW) as ref:
         ds = DeltaSync(tp)
         assert ds.sync(trainer.model)[0]
-        for step in range(2):
+        for _ in range(2):
             trainer.step()
             ok, msg = ds.sync(trainer.model)
             assert ok and ds.last["mode"] == "delta" and ds.last["elements_changed"] > 0, msg

@@ -15,7 +15,14 @@ import pytest
 from rollout import Engine
 from rollout.launch_server import free_port
 from tests.server.conftest import start_server
-from tests.weight_sync.delta_helpers import ENGINE_KW, Trainer, checksum, greedy, run_steps, stale_then_fallback
+from tests.weight_sync.delta_helpers import (
+    ENGINE_KW,
+    Trainer,
+    checksum,
+    greedy,
+    run_steps,
+    stale_then_fallback,
+)
 from weight_sync import DeltaSync, DiskTarget, sync_weights
 from weight_sync import delta_codec as dc
 from weight_sync.cross_process import RemoteEngine
