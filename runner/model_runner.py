@@ -276,7 +276,8 @@ class ModelRunner:
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Release `tags` (None: all). Each must be resident (checked before anything is released)."""
-        self.weight_hashes.invalidate()  # released weights may come back with other bits
+        if not self.config.enable_weights_cpu_backup:  # released weights may come back with other bits
+            self.weight_hashes.invalidate()
         occupation.release(self, tags)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:

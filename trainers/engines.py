@@ -23,6 +23,8 @@ def make_engine(cfg):
         kw["dtype"] = cfg.dtype
     if cfg.tp_size != 1:
         kw["tp_size"] = cfg.tp_size
+    if getattr(cfg, "delta_sync", False):  # a delta applies to the weights the engine held: keep them
+        kw["enable_weights_cpu_backup"] = True  # across release/resume (a host copy), or every sync is full
     if getattr(cfg, "routing_replay", False):  # the trainer replays the experts each rollout token used
         kw["enable_return_routed_experts"] = True
     if cfg.num_engines == 1:
