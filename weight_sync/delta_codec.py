@@ -109,8 +109,18 @@ _R64 = [r.to(torch.float64) for r in _R]
 _RCUM = [torch.cat([r.new_zeros(1, 2), torch.cumsum(r, 0)]) for r in _R]  # [B + 1, 2] prefix sums
 
 
+_S: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 2  # per-block multipliers, grown on demand
+
+
 def _block_mult(h: int, blk: torch.Tensor) -> torch.Tensor:
-    return _mix(blk * 2 + h + (1 << 40)) % (_P - 1) + 1
+    """S_h(block) for int64 block indices (a table lookup; the table grows to the largest block seen)."""
+    if blk.numel() == 0:
+        return blk
+    need = int(blk.max()) + 1
+    if need > _S[h].numel():
+        n = max(need, 2 * _S[h].numel(), 1 << 12)
+        _S[h] = _mix(torch.arange(n, dtype=torch.int64) * 2 + h + (1 << 40)) % (_P - 1) + 1
+    return _S[h][blk]
 
 
 def _words(bits: torch.Tensor, width: int) -> torch.Tensor:
@@ -132,6 +142,20 @@ def hash_terms(idx: torch.Tensor, bits: torch.Tensor, width: int) -> tuple[int, 
     for h in (0, 1):
         inner = (u * _R[h][j, :nw]).sum(1) % _P  # < 2^37
         out.append(int(((inner * _block_mult(h, blk)) % _P).sum()) % _P)  # k terms < 2^31 each
+    return out[0], out[1]
+
+
+def hash_change(idx: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor, width: int) -> tuple[int, int]:
+    """hash_terms(idx, new) - hash_terms(idx, old), mod P, sharing the index work (one pass)."""
+    if idx.numel() == 0:
+        return 0, 0
+    du = _words(new_bits, width) - _words(old_bits, width)  # [k, nw], in (-2^16, 2^16)
+    nw = du.shape[1]
+    j, blk = idx % _B, idx // _B
+    out = []
+    for h in (0, 1):
+        inner = (du * _R[h][j, :nw]).sum(1) % _P  # torch's % is non-negative for a positive divisor
+        out.append(int(((inner * _block_mult(h, blk)) % _P).sum()) % _P)
     return out[0], out[1]
 
 
@@ -232,21 +256,21 @@ def unzigzag(z: torch.Tensor) -> torch.Tensor:
 
 
 # ---- bitmasks ---------------------------------------------------------------------------------------
-_BIT_WEIGHTS = torch.tensor([1 << j for j in range(8)], dtype=torch.int64)
-
-
 def mask_encode(mask: torch.Tensor) -> torch.Tensor:
     """[N] bool -> [ceil(N/8)] uint8, bit j of byte i is element 8i + j."""
     pad = (-mask.numel()) % 8
-    m = torch.cat([mask.to(torch.int64), mask.new_zeros(pad, dtype=torch.int64)]).view(-1, 8)
-    return (m * _BIT_WEIGHTS).sum(1).to(torch.uint8)
+    m = torch.cat([mask.reshape(-1).to(torch.uint8), torch.zeros(pad, dtype=torch.uint8)]).view(-1, 8)
+    out = m[:, 0].clone()
+    for j in range(1, 8):  # uint8 throughout: one byte of temporaries per element
+        out |= m[:, j] << j
+    return out
 
 
 def mask_decode(buf: torch.Tensor, numel: int, count: int, what: str) -> torch.Tensor:
     """-> the set positions (sorted int64); refuses set padding bits and a wrong count."""
     if buf.numel() != (numel + 7) // 8:
         raise DeltaFormatError(f"{what}: a mask of {numel} elements takes {(numel + 7) // 8} bytes, got {buf.numel()}")
-    bits = ((buf.to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)
+    bits = ((buf[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)
     if bool(bits[numel:].any()):
         raise DeltaFormatError(f"{what}: mask sets a position past the tensor's {numel} elements")
     pos = torch.nonzero(bits[:numel]).reshape(-1)
@@ -270,19 +294,20 @@ def encode_tensor(name: str, base: torch.Tensor, new: torch.Tensor, base_hash: i
     if base.dtype != new.dtype or base.shape != new.shape:
         raise DeltaFormatError(f"tensor {name!r}: base {base.dtype} {tuple(base.shape)} and new {new.dtype} "
                                f"{tuple(new.shape)} differ; send a full sync")
-    _, width = BIT_DTYPES[new.dtype]
+    int_dtype, width = BIT_DTYPES[new.dtype]
     esize = width // 8
-    ob, nb = to_bits(base), to_bits(new)
-    numel = nb.numel()
-    pos = torch.nonzero(ob != nb).reshape(-1)
+    bflat, nflat = base.reshape(-1), new.reshape(-1)
+    changed = bflat.view(int_dtype) != nflat.view(int_dtype)  # [N] bool: compared in the native width
+    numel = nflat.numel()
+    pos = torch.nonzero(changed).reshape(-1)
     k = pos.numel()
     entry = {"name": name, "dtype": DTYPE_NAMES[new.dtype], "shape": list(new.shape), "base": base_hash}
     empty = torch.empty(0, dtype=torch.uint8)
     if k == 0:
         return EncodedTensor({**entry, "pos": "none", "val": "raw", "count": 0, "result": base_hash}, empty, empty, 0)
-    result = combine(base_hash, hash_terms(pos, nb[pos], width), hash_terms(pos, ob[pos], width))
-    entry["result"] = result
-    zz = zigzag(nb[pos] - ob[pos])
+    ob, nb = to_bits(bflat[pos]), to_bits(nflat[pos])  # only the changed elements in int64: [k]
+    entry["result"] = combine(base_hash, hash_change(pos, ob, nb, width))
+    zz = zigzag(nb - ob)
     gaps = torch.diff(pos, prepend=pos.new_full((1,), -1))
     diff_changed = int(varint_lengths(zz).sum())
     costs = {("gaps", "raw"): int(varint_lengths(gaps).sum()) + k * esize,
@@ -292,24 +317,16 @@ def encode_tensor(name: str, base: torch.Tensor, new: torch.Tensor, base_hash: i
     costs[("mask", "diff")] = costs[("mask", "raw")] - k * esize + diff_changed
     costs[("all", "diff")] = diff_changed + (numel - k)  # unchanged elements: a one-byte zero each
     pos_kind, val_kind = min(costs, key=lambda kv: (costs[kv], kv[0] == "all"))
-    if pos_kind == "gaps":
-        pos_bytes = varint_encode(gaps)
-    elif pos_kind == "mask":
-        m = torch.zeros(numel, dtype=torch.bool)
-        m[pos] = True
-        pos_bytes = mask_encode(m)
+    pos_bytes = varint_encode(gaps) if pos_kind == "gaps" else mask_encode(changed) if pos_kind == "mask" else empty
+    count = numel if pos_kind == "all" else k
+    if pos_kind == "all" and val_kind == "raw":
+        val_bytes = nflat.contiguous().view(torch.uint8).clone()
+    elif pos_kind == "all":
+        val_bytes = varint_encode(zigzag(to_bits(nflat) - to_bits(bflat)))
+    elif val_kind == "raw":
+        val_bytes = nflat[pos].contiguous().view(torch.uint8)
     else:
-        pos_bytes = empty
-    if pos_kind == "all":
-        vals = nb if val_kind == "raw" else zigzag(nb - ob)
-        count = numel
-    else:
-        vals = nb[pos] if val_kind == "raw" else zz
-        count = k
-    if val_kind == "raw":
-        val_bytes = from_bits(vals, new.dtype).contiguous().view(torch.uint8)
-    else:
-        val_bytes = varint_encode(vals)
+        val_bytes = varint_encode(zz)
     return EncodedTensor({**entry, "pos": pos_kind, "val": val_kind, "count": count}, pos_bytes, val_bytes, k)
 
 

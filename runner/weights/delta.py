@@ -42,7 +42,7 @@ from weight_sync.delta_codec import (
     combine,
     decode_entry,
     from_bits,
-    hash_terms,
+    hash_change,
     tensor_hash,
     to_bits,
 )
@@ -179,7 +179,7 @@ def plan_delta(runner, update: DeltaUpdate, check_base: bool) -> list[_Planned]:
                                     f"{float(new_vals[bad])} (NaN or inf)")
         if global_pos is None:  # 'all' without tensor parallelism
             global_pos = torch.arange(dec.numel)
-        result = combine(base, hash_terms(global_pos, new_bits, width), hash_terms(global_pos, old_bits, width))
+        result = combine(base, hash_change(global_pos, old_bits, new_bits, width))
         out.append(_Planned(target, entry, name in name_map.aliases, local_pos, new_bits, base, result))
     _check_aliases(runner, out)
     return out
