@@ -72,7 +72,7 @@ def qwen_trainer(lr: float, out_dir: Path, layers: int | None):
     if layers:
         shape["num_hidden_layers"] = layers
     cfg = Qwen2Config(**shape, bos_token_id=0, eos_token_id=1, pad_token_id=1, use_sliding_window=False,
-                      hidden_act="silu")
+                      hidden_act="silu", architectures=["Qwen2ForCausalLM"])
     cfg.save_pretrained(out_dir)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg)  # fp32 master weights, HF's init

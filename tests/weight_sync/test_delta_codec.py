@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from weight_sync import delta_bits as db
 from weight_sync import delta_codec as dc
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -33,14 +34,14 @@ def naive_hash(t: torch.Tensor) -> int:
     """The checksum's definition, one element at a time in Python integers."""
     _, width = dc.BIT_DTYPES[t.dtype]
     bits = dc.to_bits(t).tolist()
-    P = dc._P
+    P = db._P
     sums = [0, 0]
     for i, v in enumerate(bits):
         words = [v & 0xFFFF] if width == 16 else [v & 0xFFFF, v >> 16]
         us = [(w - 65536 if w >= 32768 else w) + 32769 for w in words]
         for h in (0, 1):
-            inner = sum(u * int(dc._R[h][i % dc._B, k]) for k, u in enumerate(us))
-            s = int(dc._mix(torch.tensor([(i // dc._B) * 2 + h + (1 << 40)]))[0]) % (P - 1) + 1
+            inner = sum(u * int(db._R[h][i % db._B, k]) for k, u in enumerate(us))
+            s = int(db._mix(torch.tensor([(i // db._B) * 2 + h + (1 << 40)]))[0]) % (P - 1) + 1
             sums[h] = (sums[h] + (inner % P) * s) % P
     return (sums[0] << 31) | sums[1]
 
@@ -133,7 +134,7 @@ def test_checksum_slices_add_up():
         part = t[rows.start: rows.stop]
         off = rows.start * 300
         h = dc.combine(h, (dc.tensor_hash(part, lambda s, e, off=off: torch.arange(s, e) + off) >> 31,
-                           dc.tensor_hash(part, lambda s, e, off=off: torch.arange(s, e) + off) & dc._M31))
+                           dc.tensor_hash(part, lambda s, e, off=off: torch.arange(s, e) + off) & db._M31))
     assert h == whole
     changed = t.clone()
     changed[5, 7] = 1.5
