@@ -38,25 +38,21 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
 
 
 def to_bits(t: torch.Tensor) -> torch.Tensor:
-    """A float tensor's bit patterns as unsigned values in int64, flattened. [N] int64"""
-    int_dtype, width = BIT_DTYPES[t.dtype]
-    b = t.reshape(-1).view(int_dtype).to(torch.int64)
-    return b & ((1 << width) - 1)
+    """A float tensor's bit patterns read as signed integers of its width, in int64, flattened. [N] int64"""
+    return t.reshape(-1).view(BIT_DTYPES[t.dtype][0]).to(torch.int64)
 
 
 def from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Unsigned bit patterns (int64) -> float tensor of `dtype` with exactly those bits."""
-    int_dtype, width = BIT_DTYPES[dtype]
-    signed = torch.where(bits >= 1 << (width - 1), bits - (1 << width), bits)
-    return signed.to(int_dtype).view(dtype)
+    """Signed bit patterns (int64, in the width's range) -> float tensor of `dtype` with exactly those bits."""
+    return bits.to(BIT_DTYPES[dtype][0]).view(dtype)
 
 
 # ---- the additive checksum --------------------------------------------------------------------------
 # A pattern is split into 16-bit words w (one for 16-bit dtypes, lo and hi for 32-bit), each read as a
 # signed int16 and mapped to u = w + 32769 in [1, 65536]. term_h(i) = (sum over words u * R[h][word][i % B])
-# * S_h(i // B) mod P. R values are < 2^20, so a block's inner sum (B = 4096 elements, 2 words, each
-# < 2^36) is exact in float64: a whole tensor hashes as one float64 matrix-vector product per hash,
-# then one multiply by S per block.
+# * S_h(i // B) mod P. R values are < 2^14, so a block's inner sum (B = 4096 elements, 2 words, each
+# < 2^31) is exact in float64: a whole tensor hashes as one float64 matrix-vector product per hash,
+# then one multiply by S per block; and a change (du * R * S, |du| < 2^16) fits int64 unreduced.
 _B = 4096
 _CHUNK_BLOCKS = 1024  # blocks per step of a full hash: bounds the float64 temporaries (~32-64 MB)
 _OFF = 32769
@@ -71,7 +67,7 @@ def _mix(idx: torch.Tensor) -> torch.Tensor:
 
 
 # _R[h]: [B, 2] multipliers (word lo, word hi) of hash h
-_R = [torch.stack([_mix(torch.arange(_B, dtype=torch.int64) + (4 * h + w + 1) * 0x10000) % ((1 << 20) - 1) + 1
+_R = [torch.stack([_mix(torch.arange(_B, dtype=torch.int64) + (4 * h + w + 1) * 0x10000) % ((1 << 14) - 1) + 1
                    for w in (0, 1)], 1) for h in (0, 1)]
 _R64 = [r.to(torch.float64) for r in _R]
 _RCUM = [torch.cat([r.new_zeros(1, 2), torch.cumsum(r, 0)]) for r in _R]  # [B + 1, 2] prefix sums
@@ -92,14 +88,16 @@ def _block_mult(h: int, blk: torch.Tensor) -> torch.Tensor:
 
 
 def _words(bits: torch.Tensor, width: int) -> torch.Tensor:
-    """Unsigned patterns -> [k, width // 16] int64 words mapped to [1, 65536]."""
+    """Signed patterns -> [k, width // 16] int64 words (each read as a signed int16) mapped to [1, 65536]."""
+    if width == 16:
+        return bits[:, None] + _OFF
     lo = bits & 0xFFFF
-    w = lo[:, None] if width == 16 else torch.stack([lo, bits >> 16], 1)
-    return torch.where(w >= 1 << 15, w - (1 << 16), w) + _OFF
+    lo = torch.where(lo >= 1 << 15, lo - (1 << 16), lo)
+    return torch.stack([lo, bits >> 16], 1) + _OFF  # an arithmetic shift: the high word, signed
 
 
 def hash_terms(idx: torch.Tensor, bits: torch.Tensor, width: int) -> tuple[int, int]:
-    """(sum term_0, sum term_1) mod P over elements with global indices `idx`, unsigned `width`-bit
+    """(sum term_0, sum term_1) mod P over elements with global indices `idx`, signed `width`-bit
     patterns `bits`."""
     if idx.numel() == 0:
         return 0, 0
@@ -117,13 +115,17 @@ def hash_change(idx: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tenso
     """hash_terms(idx, new) - hash_terms(idx, old), mod P, sharing the index work (one pass)."""
     if idx.numel() == 0:
         return 0, 0
-    du = _words(new_bits, width) - _words(old_bits, width)  # [k, nw], in (-2^16, 2^16)
-    nw = du.shape[1]
     j, blk = idx % _B, idx // _B
     out = []
+    if width == 16:  # one word: du is the pattern difference itself, |du| < 2^16
+        du = new_bits - old_bits
+        for h in (0, 1):  # |du * R * S| < 2^16 * 2^14 * 2^31: no overflow before the reduction
+            out.append(int((du * _R[h][j, 0] * _block_mult(h, blk) % _P).sum()) % _P)
+        return out[0], out[1]
+    du = _words(new_bits, width) - _words(old_bits, width)  # [k, 2], in (-2^16, 2^16)
     for h in (0, 1):
-        inner = (du * _R[h][j, :nw]).sum(1) % _P  # torch's % is non-negative for a positive divisor
-        out.append(int(((inner * _block_mult(h, blk)) % _P).sum()) % _P)
+        inner = (du * _R[h][j]).sum(1)  # |inner| < 2^31
+        out.append(int((inner * _block_mult(h, blk) % _P).sum()) % _P)  # torch's % is >= 0 here
     return out[0], out[1]
 
 

@@ -1,14 +1,14 @@
 """The sparse weight-delta format: per-tensor encodings, the base checksum, and the one-blob wire form.
 
 A delta moves a set of tensors from a *base* (bit patterns the receiver must hold) to a *result*. Per
-tensor the sender compares bit patterns (the tensor viewed as an unsigned integer) and picks whichever
+tensor the sender compares bit patterns (the tensor viewed as an integer of its width) and picks whichever
 of these costs the fewest bytes:
 
 - positions (`pos`): `none` (nothing changed), `all` (every element, in order), `mask` (one bit per
   element, little-endian within a byte), `gaps` (LEB128 varints of p[i] - p[i-1], with p[-1] = -1, so
   a valid gap is >= 1: a zero gap is a duplicate and is refused, as is a position past the end);
 - values (`val`): `raw` (the new elements' bytes, little-endian) or `diff` (LEB128 varints of the
-  zigzag of new - old bit patterns, as integers: after one small optimizer step most changed bf16
+  zigzag of new - old bit patterns, read as signed integers of the dtype's width: after one small optimizer step most changed bf16
   elements move by one or two units in the last place, so most diffs take one byte).
 
 At ~2% of bf16 elements changed a gap plus a diff is ~2 bytes per changed element, so the payload
@@ -86,21 +86,25 @@ def varint_decode(buf: torch.Tensor, count: int, what: str) -> torch.Tensor:
         if count:
             raise DeltaFormatError(f"{what}: {count} varints announced, no bytes given (truncated)")
         return torch.empty(0, dtype=torch.int64)
-    b = buf.to(torch.int64)
-    last = (b & 0x80) == 0
+    last = buf < 0x80  # uint8 compare: a byte without the continuation bit ends a varint
     if not bool(last[-1]):
         raise DeltaFormatError(f"{what}: the last varint is cut off (truncated payload)")
     ends = torch.nonzero(last).reshape(-1)
     if ends.numel() != count:
         raise DeltaFormatError(f"{what}: holds {ends.numel()} varints, {count} announced")
+    if ends.numel() == buf.numel():  # every varint one byte (the common case after a small step)
+        return buf.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1] + 1])
     lens = ends - starts + 1
-    if int(lens.max()) > MAX_VARINT_BYTES:
+    longest = int(lens.max())
+    if longest > MAX_VARINT_BYTES:
         raise DeltaFormatError(f"{what}: a varint longer than {MAX_VARINT_BYTES} bytes")
-    last64 = last.to(torch.int64)
-    elem = torch.cumsum(last64, 0) - last64  # the varint each byte belongs to
-    shift = 7 * (torch.arange(b.numel(), dtype=torch.int64) - starts[elem])
-    return torch.zeros(count, dtype=torch.int64).index_add_(0, elem, (b & 0x7F) << shift)
+    low = (buf & 0x7F).to(torch.int64)
+    out = low[starts]
+    for t in range(1, longest):  # only the (few) longer varints take these passes
+        sel = torch.nonzero(lens > t).reshape(-1)
+        out[sel] += low[starts[sel] + t] << (7 * t)
+    return out
 
 
 def zigzag(d: torch.Tensor) -> torch.Tensor:
@@ -193,20 +197,20 @@ class DecodedTensor:
     dtype: torch.dtype
     numel: int
     positions: torch.Tensor | None  # [count] int64, strictly increasing, < numel
-    values: torch.Tensor  # [count] int64: unsigned patterns (val "raw") or signed diffs (val "diff")
+    values: torch.Tensor  # [count] int64: signed patterns (val "raw") or their diffs (val "diff")
 
     @property
     def name(self) -> str:
         return self.entry["name"]
 
     def new_bits(self, old_bits: torch.Tensor) -> torch.Tensor:
-        """The new unsigned patterns at `positions` given the old ones there; refuses a diff that leaves
+        """The new (signed) patterns at `positions` given the old ones there; refuses a diff that leaves
         the dtype's range."""
         if self.entry["val"] == "raw":
             return self.values
         _, width = BIT_DTYPES[self.dtype]
         new = old_bits + self.values
-        if new.numel() and (int(new.min()) < 0 or int(new.max()) >= 1 << width):
+        if new.numel() and (int(new.min()) < -(1 << (width - 1)) or int(new.max()) >= 1 << (width - 1)):
             raise DeltaFormatError(f"tensor {self.name!r}: a value diff leaves the {width}-bit range")
         return new
 

@@ -118,7 +118,7 @@ class _Planned:
     entry: dict
     alias: bool
     local_pos: torch.Tensor | None  # into this rank's slice, flat; None: all of it
-    new_bits: torch.Tensor  # [len(local_pos) or numel] int64 unsigned patterns
+    new_bits: torch.Tensor  # [len(local_pos) or numel] int64 signed patterns
     base_partial: int
     result_partial: int
 

@@ -65,7 +65,7 @@ def apply_naive(base: torch.Tensor, entry: dict, payload: torch.Tensor) -> torch
             positions.append(p)
     if entry["val"] == "raw":
         step = width // 8
-        values = [int.from_bytes(vb[k * step:(k + 1) * step], "little") for k in range(len(positions))]
+        values = [int.from_bytes(vb[k * step:(k + 1) * step], "little", signed=True) for k in range(len(positions))]
     else:
         values = [bits[p] + ((z >> 1) ^ -(z & 1)) for p, z in zip(positions, naive_varints(vb))]
     for p, v in zip(positions, values):
