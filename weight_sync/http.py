@@ -3,10 +3,9 @@
 `sync_weights(model, "http://host:port")` and `DeltaSync("http://host:port")` wrap the URL in this
 handle. It speaks SGLang's `/update_weights_from_tensor` body (`serialized_named_tensors`, one entry;
 `load_format`, `flush_cache`, `weight_version`) in the server's pickle-free codec: plain pairs and
-flattened buckets are encoded by rollout/server/tensor_codec.py (imported when first needed, so this
-package never imports `rollout` at import time); a delta (`load_format="delta"`) is the base64 of
-weight_sync.delta_codec's blob, which the server decodes with the same module. httpx is imported
-lazily too. Not here: generation, streaming, retries.
+flattened buckets are encoded by weight_sync/wire.py (which the server's tensor_codec re-exports);
+a delta (`load_format="delta"`) is the base64 of weight_sync.delta_codec's blob, which the server
+decodes with the same module. httpx is imported lazily. Not here: generation, streaming, retries.
 """
 
 from __future__ import annotations
@@ -48,8 +47,8 @@ class HttpEngine:
 
             payload = base64.b64encode(DeltaUpdate.from_blob(named_tensors).to_bytes()).decode("ascii")
         elif load_format == "flattened_bucket":
-            from rollout.server.tensor_codec import encode_bucket
             from weight_sync.bucket import FlattenedTensorBucket
+            from weight_sync.wire import encode_bucket
 
             parts = named_tensors if isinstance(named_tensors, list) else [named_tensors]
             buckets = [b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b)
@@ -58,7 +57,7 @@ class HttpEngine:
                 buckets = [FlattenedTensorBucket([p for b in buckets for p in b.named_tensors()])]
             payload = encode_bucket(buckets[0])
         elif load_format in (None, "auto"):
-            from rollout.server.tensor_codec import encode_named_tensors
+            from weight_sync.wire import encode_named_tensors
 
             payload = encode_named_tensors(named_tensors)
         else:

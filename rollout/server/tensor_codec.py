@@ -29,26 +29,11 @@ import json
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from weight_sync.bucket import FlattenedTensorBucket
 
-FLAT_KEY = "flattened_tensor"
-META_KEY = "bucket_metadata"
-
-
-def encode_named_tensors(named_tensors) -> str:
-    """[(name, tensor), ...] or {name: tensor} -> base64 safetensors string."""
-    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in items}
-    return base64.b64encode(st_save(tensors)).decode("ascii")
-
-
-def encode_bucket(bucket: FlattenedTensorBucket) -> str:
-    d = bucket.to_dict()
-    blob = st_save({FLAT_KEY: d["flattened_tensor"].detach().to("cpu").contiguous()},
-                   metadata={META_KEY: json.dumps(d["metadata"])})
-    return base64.b64encode(blob).decode("ascii")
+# The encoders live in weight_sync (a trainer encodes without importing rollout); re-exported here.
+from weight_sync.wire import FLAT_KEY, META_KEY, encode_bucket, encode_named_tensors  # noqa: F401
 
 
 def _blob(s, what: str) -> bytes:
