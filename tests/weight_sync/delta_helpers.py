@@ -58,9 +58,10 @@ def assert_equals_full_update(engine, reference, trainer: Trainer, outputs: bool
         assert greedy(engine) == greedy(reference)
 
 
-def run_steps(ds, trainer: Trainer, target_checksum, reference, lrs=(1e-6, 1e-6, 1e-3)) -> None:
+def run_steps(ds, trainer: Trainer, target_checksum, reference, lrs=(1e-6, 1e-6, 1e-3), serving=None) -> None:
     """A full first sync, then one Adam step per lr, each followed by a delta sync; after each the target's
-    checksum equals `reference` given the same cast in full."""
+    checksum equals `reference` given the same cast in full; at the end `serving` (something with
+    generate) gives the reference's greedy outputs."""
     ok, msg = ds.sync(trainer.model)
     assert ok and ds.last["mode"] == "full", msg
     for lr in lrs:
@@ -71,6 +72,8 @@ def run_steps(ds, trainer: Trainer, target_checksum, reference, lrs=(1e-6, 1e-6,
         ok, msg = reference.update_weights_from_tensor(trainer.cast())
         assert ok, msg
         assert target_checksum() == checksum(reference)
+    if serving is not None:
+        assert greedy(serving) == greedy(reference)
 
 
 def stale_then_fallback(ds, trainer: Trainer, other: Trainer, write_other, target_checksum, reference) -> None:

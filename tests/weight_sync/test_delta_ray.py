@@ -35,7 +35,8 @@ def test_group_all_or_none(group, ckpt):
     with Engine(str(ckpt), **ENGINE_KW) as reference:
         ds = DeltaSync(group, bucket_bytes=2 << 10)
         trainer = Trainer(ckpt, 1e-6, seed=1)
-        run_steps(ds, trainer, lambda: group.get_weights_checksum()["checksum"], reference, lrs=(1e-6, 1e-3))
+        run_steps(ds, trainer, lambda: group.get_weights_checksum()["checksum"], reference, lrs=(1e-6, 1e-3),
+                  serving=group)
         held = group.get_weights_checksum()["checksum"]
         other = Trainer(ckpt, 1e-2, seed=2)
         other.step()

@@ -1,8 +1,8 @@
 """DeltaSync over every transport but Ray (tests/weight_sync/test_delta_ray.py) and TP (test_delta_tp.py).
 
 Each transport: a full first sync, then Adam steps at lr 1e-6 and 1e-3, each followed by a delta; after
-each the engine's `get_weights_checksum` equals a reference engine given a plain full update of the same
-bf16 cast (tests/weight_sync/delta_helpers.py). Then another writer updates the engine in between and
+each the engine's `get_weights_checksum` (and at the end its greedy outputs) equal a reference engine
+given a plain full update of the same bf16 cast (tests/weight_sync/delta_helpers.py). Then another writer updates the engine in between and
 the next delta is refused (stale base) with nothing changed, and fallback=True syncs in full.
 """
 
@@ -62,7 +62,7 @@ def test_remote_engine_through_shared_memory(remote, ckpt, reference):
     """A RemoteEngine child takes deltas (several parts each) through shared memory, exactly."""
     ds = DeltaSync(remote, bucket_bytes=SMALL)
     trainer = Trainer(ckpt, 1e-6, seed=1)
-    run_steps(ds, trainer, lambda: remote.get_weights_checksum()["checksum"], reference)
+    run_steps(ds, trainer, lambda: remote.get_weights_checksum()["checksum"], reference, serving=remote)
     assert ds.last["num_updates"] > 1
     stale_then_fallback(ds, trainer, Trainer(ckpt, 1e-2, seed=2), lambda o: sync_weights(o.model, remote),
                         lambda: remote.get_weights_checksum()["checksum"], reference)
@@ -75,7 +75,7 @@ def test_http_server_url(ckpt, reference):
         handle = HttpEngine(served.url)
         ds = DeltaSync(served.url)
         trainer = Trainer(ckpt, 1e-6, seed=3)
-        run_steps(ds, trainer, lambda: handle.get_weights_checksum()["checksum"], reference)
+        run_steps(ds, trainer, lambda: handle.get_weights_checksum()["checksum"], reference, serving=served.engine)
         before = handle.get_weights_checksum()["checksum"]
         name = "model.norm.weight"
         w = served.engine.runner.name_map.resolve(name).view().detach().clone()
@@ -102,7 +102,7 @@ def test_disk_delta_files_beside_the_checkpoint(ckpt, reference, tmp_path):
         target = DiskTarget(engine, out_dir, ckpt / "config.json")
         ds = DeltaSync(target)
         trainer = Trainer(ckpt, 1e-6, seed=5)
-        run_steps(ds, trainer, lambda: checksum(engine), reference)
+        run_steps(ds, trainer, lambda: checksum(engine), reference, serving=engine)
         names = sorted(p.name for p in out_dir.parent.iterdir())
         assert names == ["policy"] + [f"policy.delta-{i:06d}.safetensors" for i in (1, 2, 3)], names
         stale_then_fallback(ds, trainer, Trainer(ckpt, 1e-2, seed=6),
@@ -125,7 +125,7 @@ def test_distributed_checked_buckets(remote, ckpt, reference, groups):
     target = DistributedTarget(remote, group, name)
     ds = DeltaSync(target, bucket_bytes=SMALL)
     trainer = Trainer(ckpt, 1e-6, seed=7)
-    run_steps(ds, trainer, lambda: remote.get_weights_checksum()["checksum"], reference)
+    run_steps(ds, trainer, lambda: remote.get_weights_checksum()["checksum"], reference, serving=remote)
     stale_then_fallback(ds, trainer, Trainer(ckpt, 1e-2, seed=8), lambda o: sync_weights(o.model, remote),
                         lambda: remote.get_weights_checksum()["checksum"], reference)
 
@@ -135,7 +135,7 @@ def test_list_of_engines(ckpt, reference):
     with Engine(str(ckpt), **ENGINE_KW) as a, Engine(str(ckpt), **ENGINE_KW) as b:
         ds = DeltaSync([a, b])
         trainer = Trainer(ckpt, 1e-6, seed=9)
-        run_steps(ds, trainer, lambda: checksum(a), reference, lrs=(1e-6, 1e-3))
+        run_steps(ds, trainer, lambda: checksum(a), reference, lrs=(1e-6, 1e-3), serving=b)
         assert checksum(b) == checksum(a)
 
 
