@@ -7,7 +7,7 @@ eager); `sample()` turns logits into token ids and logprobs.
 
 Everything else is a thin call into the folder of its concern, kept here as methods because users,
 the Engine and the tensor-parallel runner call them on the runner:
-- weights (runner/weights/): every update route (tensor, bucket, direct, custom, disk) ends in the one
+- weights (runner/weights/): every update route (tensor, bucket, direct, custom, disk, delta) ends in the one
   all-or-nothing writer (routes.py, loader.py); distributed updates are received through the
   update-group registry (update_groups.py). A write that fails half-way is undone; if undoing fails,
   the weights are marked invalid and forward() refuses.

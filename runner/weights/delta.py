@@ -27,6 +27,7 @@ Not here: the format itself, or deciding what to send.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +85,7 @@ def _slice(target: LoadTarget) -> tuple[torch.Tensor, tuple | None]:
     return view, spec
 
 
-def _global_of_local(spec, local_shape) -> callable:
+def _global_of_local(spec, local_shape) -> Callable[[torch.Tensor], torch.Tensor]:
     """local flat index -> flat index in the whole HF tensor, for slice `spec` (dim, start, size, full)."""
     dim, start, size, full = spec
     inner = math.prod(local_shape[dim + 1:])
