@@ -646,6 +646,7 @@ class Engine(WeightsAPI, LoRAAPI):
             s.update(weight_version=self.weight_version, num_in_flight=self.scheduler.num_in_flight(),
                      max_total_num_tokens=self.runner.max_total_num_tokens, context_length=self.runner.context_len,
                      paused=self._paused, memory_bytes=memory,
+                     weights_dtype=str(self.runner.dtype).removeprefix("torch."),  # what a delta must carry
                      memory_usage={"weight": memory["weights"] / 2**30, "kvcache": memory["kv_cache"] / 2**30,
                                    "graph": memory["cuda_graph"] / 2**30,
                                    "token_capacity": self.runner.max_total_num_tokens})

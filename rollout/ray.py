@@ -369,6 +369,28 @@ class EngineGroup:
         return ok, (f"synced {num_tensors} tensors in {num_buckets} bucket(s) into {len(self.handles)} engines"
                     if ok else msg)
 
+    def sync_delta(self, updates, weight_version: str | None = None) -> tuple[bool, str, int]:
+        """Sparse deltas (weight_sync/delta.py DeltaSync): every part to every engine inside one
+        transaction, so all engines take the whole delta or none does. -> (ok, message, parts applied)."""
+        from weight_sync.delta_codec import DeltaUpdate
+
+        blobs = [DeltaUpdate.from_blob(u).to_tensor() for u in updates]
+        names = sorted({n for u in updates for n in DeltaUpdate.from_blob(u).names()})
+        try:
+            old_version = self._begin("sync_delta", names)
+        except EngineGroupError as e:
+            return False, f"sync_delta refused: {e}", 0
+        failed: list[tuple[int, str]] = []
+        for k, blob in enumerate(blobs):
+            failed = self._apply_everywhere("update_weights_from_tensor", (blob,), dict(
+                load_format="delta", flush_cache=True, weight_version=weight_version))
+            if failed:
+                failed = [(i, f"delta part {k}: {msg}") for i, msg in failed]
+                break
+        ok, msg = self._end("sync_delta", failed, old_version)
+        return ok, (f"{len(blobs)} delta part(s) into {len(self.handles)} engines" if ok else msg), \
+            (len(blobs) if ok else 0)
+
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
                                    weight_version: str | None = None) -> tuple[bool, str]:
         names = _update_names(named_tensors, load_format)
@@ -511,6 +533,10 @@ def _last_line(e: BaseException) -> str:
 
 def _update_names(named_tensors, load_format: str | None) -> list[str] | None:
     """The HF names an update touches, read from the argument without unpacking any tensor."""
+    if load_format == "delta":
+        from weight_sync.delta_codec import delta_names
+
+        return delta_names(named_tensors)
     if load_format == "flattened_bucket":
         buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
         names = []

@@ -18,6 +18,8 @@ resuming a resident one raises RuntimeError, as SGLang does.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 
 from runner.weights.loader import WeightUpdateError
 
@@ -98,9 +100,17 @@ class WeightsAPI:
         """Load the HF checkpoint at `model_path`. -> (success, message, num_paused_requests), SGLang's
         shape: the last is how many paused requests were retracted around the update (they go on
         under the new weights after continue_generation)."""
+        if load_format == "delta":  # a delta file (weight_sync/disk.py DiskTarget.sync_delta)
+            try:  # read before taking the engine lock: a slow file system stalls only this call
+                blob = _read_delta_file(model_path)
+            except WeightUpdateError as e:
+                return False, f"update_weights_from_disk failed: {e}", 0
+            return self._update("update_weights_from_disk",
+                                lambda: self.runner.update_weights_from_tensor(blob, "delta"),
+                                flush_cache, weight_version)
         if load_format not in (None, "auto", "safetensors"):
             return (False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported; "
-                           f"choose None, 'auto' or 'safetensors'", 0)
+                           f"choose None, 'auto', 'safetensors' or 'delta'", 0)
         source = model_path
         # On the class: the TP runner forwards unknown attributes to its rank-0 runner, but its workers
         # open their own copy of the checkpoint, so it takes the path.
@@ -139,14 +149,21 @@ class WeightsAPI:
         only the load takes it, like any other update."""
         what = "update_weights_from_distributed"
         result: list[tuple[bool, str]] = []
+        # load_format="delta": one uint8 tensor, a delta blob (weight_sync/delta_codec.py), sent as a
+        # checked bucket (header, CRC per tensor) and applied as a delta.
+        delta = load_format == "delta"
+        if delta and (list(names) != ["delta_blob"] or list(dtypes) != ["uint8"] or len(shapes) != 1):
+            return False, f"{what} failed: load_format='delta' takes names=['delta_blob'], dtypes=['uint8'], one shape"
 
         def load(named) -> int:
-            result.append(self._update(what, lambda: self.runner.update_weights_from_tensor(named), flush_cache,
-                                       weight_version)[:2])
+            fn = (lambda: self.runner.update_weights_from_tensor(named[0][1], "delta")) if delta else \
+                (lambda: self.runner.update_weights_from_tensor(named))
+            result.append(self._update(what, fn, flush_cache, weight_version)[:2])
             return 0
 
         try:
-            self.runner.update_weights_from_distributed(names, dtypes, shapes, group_name, load_format, load=load)
+            self.runner.update_weights_from_distributed(names, dtypes, shapes, group_name,
+                                                        "checked_bucket" if delta else load_format, load=load)
         except WeightUpdateError as e:  # refused before receiving (no such group)
             return False, f"{what} failed: {e}"
         except Exception as e:  # nothing was written: a failed receive never reaches the loader
@@ -164,3 +181,16 @@ class WeightsAPI:
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         with self._cv:
             return self.runner.get_weights_by_name(name, truncate_size)
+
+
+def _read_delta_file(path) -> bytes:
+    """A delta file's bytes (validated by the runner's delta route); a missing file is a WeightUpdateError."""
+    try:
+        # O_NONBLOCK and S_ISREG: a FIFO or device is refused, never opened for a blocking read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise WeightUpdateError(f"delta file {str(path)!r}: not a regular file")
+            return f.read()
+    except OSError as e:
+        raise WeightUpdateError(f"delta file {str(path)!r}: {e.strerror or e}") from None

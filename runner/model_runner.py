@@ -7,7 +7,7 @@ eager); `sample()` turns logits into token ids and logprobs.
 
 Everything else is a thin call into the folder of its concern, kept here as methods because users,
 the Engine and the tensor-parallel runner call them on the runner:
-- weights (runner/weights/): every update route (tensor, bucket, direct, custom, disk) ends in the one
+- weights (runner/weights/): every update route (tensor, bucket, direct, custom, disk, delta) ends in the one
   all-or-nothing writer (routes.py, loader.py); distributed updates are received through the
   update-group registry (update_groups.py). A write that fails half-way is undone; if undoing fails,
   the weights are marked invalid and forward() refuses.
@@ -35,6 +35,7 @@ from runner.models import get_model_class
 from runner.sampler import SampleOutput, Sampler
 from runner.weights import routes
 from runner.weights.checkpoint import CheckpointIndex
+from runner.weights.delta import WeightHashes
 from runner.weights.loader import WeightNameMap, WeightWriter
 from runner.weights.same_gpu import explain_nccl_error
 from runner.weights.update_groups import UpdateGroupRegistry
@@ -72,6 +73,7 @@ class ModelRunner:
         self.invalid_weights: set[str] = set()
         self.invalid_reason = ""
         self.update_groups = UpdateGroupRegistry()  # broadcast groups joined for distributed updates
+        self.weight_hashes = WeightHashes()  # per-tensor checksums a delta's base is checked against
         self.custom_loaders = routes.import_custom_loaders(config.custom_weight_loader)
         self.is_shut_down = False
         self.piecewise_runner = None  # prefill graphs (CUDA, enable_piecewise_cuda_graph); set by init_device_graphs
@@ -378,6 +380,8 @@ class ModelRunner:
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Release `tags` (None: all). Each must be resident (checked before anything is released)."""
+        if not self.config.enable_weights_cpu_backup:  # released weights may come back with other bits
+            self.weight_hashes.invalidate()
         occupation.release(self, tags)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:

@@ -32,6 +32,11 @@ class RLConfig:
                                                           "(a local Ray cluster is started if none is)"})
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel size of each engine"})
     bucket_mb: int = field(default=512, metadata={"help": "weight-sync bucket size in MB"})
+    delta_sync: bool = field(default=False, metadata={"help": "after the first full sync, send only the elements "
+                                                              "whose bits changed (exact; pays with --dtype "
+                                                              "bfloat16, where most elements do not change)"})
+    full_sync_every: int = field(default=0, metadata={"help": "with --delta-sync, a full sync every K syncs "
+                                                              "(0 = only the first and after a refusal)"})
     offload_trainer: bool = field(default=False, metadata={"help": "offload optimizer state and trainer params "
                                                                    "to host while the engine generates"})
     seed: int = field(default=0, metadata={"help": "random seed (prompts, sampling, init)"})
@@ -88,6 +93,10 @@ class RLConfig:
             (not (self.engine_process and self.deterministic),
              "--deterministic reads the engine's model in the trainer's process; it cannot be combined with "
              "--engine-process"),
+            (self.full_sync_every >= 0, f"--full-sync-every must be >= 0 (0 = never forced), got {self.full_sync_every}"),
+            (self.delta_sync or not self.full_sync_every, "--full-sync-every only applies with --delta-sync"),
+            (not (self.delta_sync and self.lora_rank),
+             "--delta-sync with --lora-rank: only the adapter is synced already (it is small); drop one of the two"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -28,6 +28,8 @@ def make_engine(cfg):
         # The base weights never change: keep them on the host across releases, sync only the adapter.
         kw.update(enable_lora=True, max_lora_rank=cfg.lora_rank, lora_target_modules=["all"],
                   enable_weights_cpu_backup=True)
+    if getattr(cfg, "delta_sync", False):  # a delta applies to the weights the engine held: keep them
+        kw["enable_weights_cpu_backup"] = True  # across release/resume (a host copy), or every sync is full
     if getattr(cfg, "routing_replay", False):  # the trainer replays the experts each rollout token used
         kw["enable_return_routed_experts"] = True
     if getattr(cfg, "engine_process", False):

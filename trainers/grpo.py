@@ -35,7 +35,7 @@ from trainers.policy import TrainerMemory, checkpoint_named_tensors, load_policy
 from trainers.rollouts import collect_experience, eval_prompts, greedy_accuracy
 from trainers.routing_replay import find_routers, num_decoder_layers
 from trainers.tasks import get_task
-from weight_sync import sync_weights
+from weight_sync import DeltaSync, sync_weights
 
 ENGINE_RESUME_AFTER_SYNC = ["kv_cache", "cuda_graph"]
 
@@ -54,6 +54,9 @@ class GRPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
         self.engine = make_engine(cfg)
+        # --delta-sync: a full sync first, then exact sparse deltas against the last synced cast
+        self.delta = DeltaSync(self.engine, bucket_bytes=cfg.bucket_mb << 20, full_sync_every=cfg.full_sync_every) \
+            if cfg.delta_sync else None
         self.runner_views: dict[int, RunnerPolicy] = {}  # --deterministic: id(HF model) -> its runner view
         self.policy = self.build_policy()
         self.lora = LoRAVersions(self.engine) if cfg.lora_rank else None
@@ -151,12 +154,21 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         if self.lora is not None:  # only the adapter, as a new version; the previous one unloads when unused
             m["sync_bytes"] = self.lora.publish(self.policy, f"policy-step-{step}")
+            m["sync_bytes_full"] = sum(p.numel() * p.element_size() for p in self.policy.parameters())
+            ok, msg = True, ""
+        elif self.delta is not None:  # a refused delta (stale base) falls back to a full sync, said in msg
+            ok, msg = self.delta.sync(self.sync_source(), fallback=True, weight_version=f"step-{step}")
+            last = self.delta.last
+            m["sync_bytes"], m["sync_bytes_full"] = last["bytes_sent"], last["bytes_full"]
+            m["sync_full"] = int(last["mode"] == "full")
+            m["sync_changed_fraction"] = last["elements_changed"] / max(1, last["elements_total"])
         else:
-            ok, msg = sync_weights(self.sync_source(), self.engine, bucket_bytes=cfg.bucket_mb << 20,
+            source = list(self.sync_source())
+            ok, msg = sync_weights(source, self.engine, bucket_bytes=cfg.bucket_mb << 20,
                                    weight_version=f"step-{step}")
-            if not ok:
-                raise RuntimeError(f"weight sync failed at step {step}: {msg}")
-            m["sync_bytes"] = sum(p.numel() * p.element_size() for p in self.policy.parameters())
+            m["sync_bytes"] = m["sync_bytes_full"] = sum(t.numel() * t.element_size() for _, t in source)
+        if not ok:
+            raise RuntimeError(f"weight sync failed at step {step}: {msg}")
         m["time_sync"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.engine.resume_memory_occupation(ENGINE_RESUME_AFTER_SYNC)

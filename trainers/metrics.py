@@ -69,7 +69,8 @@ class MetricsLogger:
         parts += [
                   f"rollout {m['time_rollout']:.2f}s", f"train {m['time_train']:.2f}s",
                   f"release {m['time_release'] * 1e3:.0f}ms", f"resume {m['time_resume'] * 1e3:.0f}ms",
-                  f"sync {m['time_sync'] * 1e3:.0f}ms",
+                  f"sync {m['time_sync'] * 1e3:.0f}ms"
+                  + (f" {m['sync_bytes'] / 2**20:.2f}/{m['sync_bytes_full'] / 2**20:.2f}MB" if "sync_bytes" in m else ""),
                   f"mem engine {m['mem_engine_rollout'] / 2**20:.0f}->{m['mem_engine_train'] / 2**20:.0f}MB",
                   f"trainer {m['mem_trainer_rollout'] / 2**20:.0f}/{m['mem_trainer_train'] / 2**20:.0f}MB"]
         return " | ".join(parts)

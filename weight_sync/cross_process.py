@@ -54,10 +54,11 @@ ALLOWED_METHODS = frozenset({
     "generate", "update_weights_from_tensor", "update_weights_from_disk", "release_memory_occupation",
     "resume_memory_occupation", "flush_cache", "get_server_info", "pause_generation", "continue_generation",
     "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
-    "get_weights_by_name",
+    "get_weights_by_name", "get_weights_checksum",
 })
 DEFAULT_START_TIMEOUT_S = 600.0
 WEIGHT_TRANSPORTS = ("auto", "shm", "cuda_ipc")
+DELTA_BLOB = "delta_blob"  # the one tensor of a shared-memory bucket that carries a delta
 _POLL_S = 0.2  # how often a waiting parent checks that the child still lives
 
 
@@ -225,7 +226,7 @@ def _serve(conn, factory: str, kwargs: dict, segment_prefix: str) -> None:
                     raise ValueError(f"method {method!r} is not allowed")
                 if method == "generate" and args.get("stream"):
                     raise ValueError("generate(stream=True) is not supported across processes; use stream=False")
-                if method == "update_weights_from_tensor" and args.get("load_format") == "shm_bucket":
+                if method == "update_weights_from_tensor" and args.get("load_format") in ("shm_bucket", "shm_delta"):
                     result = _update_from_shm(engine, args, segment_prefix)
                 elif method == "update_weights_from_tensor" and args.get("load_format") == "cuda_ipc":
                     result = _update_from_ipc(engine, args)
@@ -245,8 +246,14 @@ def _update_from_shm(engine, args: dict, segment_prefix: str):
         bucket, seg = bucket_from_shm(args.pop("named_tensors"), segment_prefix)
     except (ValueError, FileNotFoundError, PermissionError, TypeError) as e:
         return [False, f"update_weights_from_tensor failed: bad bucket: {e}"]
-    args["load_format"] = "flattened_bucket"
+    delta = args["load_format"] == "shm_delta"
+    args["load_format"] = "delta" if delta else "flattened_bucket"
     try:
+        if delta:  # one uint8 tensor: the delta blob (weight_sync/delta_codec.py); a copy, off the segment
+            named = bucket.named_tensors()
+            if len(named) != 1 or named[0][0] != DELTA_BLOB:
+                return [False, f"update_weights_from_tensor failed: a delta bucket holds one tensor {DELTA_BLOB!r}"]
+            return engine.update_weights_from_tensor(named[0][1].clone(), **args)
         return engine.update_weights_from_tensor(bucket, **args)
     finally:
         del bucket
@@ -422,11 +429,19 @@ class RemoteEngine:
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
                                    weight_version: str | None = None) -> tuple[bool, str]:
         """Engine's signature: (name, tensor) pairs or a dict, or with load_format="flattened_bucket" a
-        bucket (ours, its dict, SGLang's) or a list of them; shipped as one bucket, one atomic update."""
-        if load_format not in (None, "auto", "flattened_bucket"):
+        bucket (ours, its dict, SGLang's) or a list of them; shipped as one bucket, one atomic update.
+        load_format="delta": a weight_sync.delta_codec delta (or its blob), shipped as its blob."""
+        if load_format not in (None, "auto", "flattened_bucket", "delta"):
             return False, f"update_weights_from_tensor failed: load_format={load_format!r} is not supported"
+        wire = "shm_bucket"
         try:
-            if load_format != "flattened_bucket":
+            if load_format == "delta":
+                from weight_sync.delta_codec import DeltaUpdate
+
+                blob = named_tensors if isinstance(named_tensors, torch.Tensor) else \
+                    DeltaUpdate.from_blob(named_tensors).to_tensor()
+                bucket, wire = FlattenedTensorBucket([(DELTA_BLOB, blob)]), "shm_delta"
+            elif load_format != "flattened_bucket":
                 pairs = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
                 bucket = FlattenedTensorBucket(pairs)
             else:
@@ -447,7 +462,7 @@ class RemoteEngine:
         self._acquire()  # the one segment is rewritten per call: hold the lock from the copy to the reply
         try:
             descriptor, self._shm = bucket_to_shm(bucket, self._shm, self.segment_prefix, self._segment_counter)
-            self._send("update_weights_from_tensor", (), dict(named_tensors=descriptor, load_format="shm_bucket",
+            self._send("update_weights_from_tensor", (), dict(named_tensors=descriptor, load_format=wire,
                                                               flush_cache=flush_cache, weight_version=weight_version))
             ok, msg = self._recv()
         finally:

@@ -180,6 +180,38 @@ class DiskTarget:
 
     def sync_from(self, source, bucket_bytes: int = 0, name_map=None, weight_version: str | None = None):
         save_hf_checkpoint(source, self.out_dir, config=self.config, name_map=name_map)
+        self._clear_deltas()  # a new full checkpoint starts a new chain
         # (success, message[, num_paused_requests]): an Engine answers SGLang's three, a group two.
         res = self.engine.update_weights_from_disk(model_path=str(self.out_dir), weight_version=weight_version)
         return bool(res[0]), res[1]
+
+    # ---- sparse deltas (weight_sync/delta.py DeltaSync) ---------------------------------------
+    def delta_path(self, seq: int) -> Path:
+        """The seq-th delta after the full checkpoint: `<out_dir>.delta-000001.safetensors`, beside it (not in
+        it, so a checkpoint reader never mistakes it for a shard). Each applies on top of the one before."""
+        return self.out_dir.parent / f"{self.out_dir.name}.delta-{seq:06d}.safetensors"
+
+    def _deltas(self) -> list[Path]:
+        return sorted(self.out_dir.parent.glob(f"{self.out_dir.name}.delta-*.safetensors"))
+
+    def _clear_deltas(self) -> None:
+        for p in self._deltas():
+            p.unlink(missing_ok=True)
+
+    def sync_delta(self, updates, weight_version: str | None = None) -> tuple[bool, str, int]:
+        """Write each delta atomically (temp file, fsync, rename) beside the checkpoint, then
+        `engine.update_weights_from_disk(<file>, load_format="delta")`. -> (ok, message, parts applied)."""
+        seq = len(self._deltas())
+        for k, update in enumerate(updates):
+            seq += 1
+            path = self.delta_path(seq)
+            tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+            tmp.write_bytes(update.to_bytes())
+            _fsync(tmp)
+            os.rename(tmp, path)
+            res = self.engine.update_weights_from_disk(model_path=str(path), load_format="delta",
+                                                       weight_version=weight_version)
+            if not res[0]:
+                path.unlink(missing_ok=True)  # never leave a delta the engine did not take in the chain
+                return False, res[1], k
+        return True, f"{len(updates)} delta file(s), last {self.delta_path(seq).name}", len(updates)

@@ -434,6 +434,27 @@ class DistributedTarget:
         self.load_format = load_format
         self.timeout_s = timeout_s
 
+    def sync_delta(self, updates, weight_version: str | None = None) -> tuple[bool, str, int]:
+        """Sparse deltas (weight_sync/delta.py): each one's blob broadcast as a checked bucket of one uint8
+        tensor, applied by the engine with load_format="delta". -> (ok, message, parts applied)."""
+        for k, update in enumerate(updates):
+            blob = update.to_tensor()
+            self.engine.call_async("update_weights_from_distributed", names=["delta_blob"], dtypes=["uint8"],
+                                   shapes=[[blob.numel()]], group_name=self.group_name,
+                                   weight_version=weight_version, load_format="delta")
+            try:
+                broadcast_named_tensors(self.group, [("delta_blob", blob)], "checked_bucket", self.timeout_s)
+            except RuntimeError as e:
+                try:
+                    ok, msg = self.engine.result()
+                except RuntimeError as err:
+                    msg = str(err)
+                return False, f"delta part {k}: broadcast failed ({e}); engine said: {msg}", k
+            ok, msg = self.engine.result()
+            if not ok:
+                return False, msg, k
+        return True, f"broadcast {len(updates)} delta part(s)", len(updates)
+
     def sync_from(self, source, bucket_bytes: int, name_map=None, weight_version: str | None = None):
         num_buckets = num_tensors = 0
         extra = {"load_format": self.load_format} if self.load_format is not None else {}

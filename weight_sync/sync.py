@@ -4,6 +4,7 @@ The target decides the transport:
 - anything with `update_weights_from_tensor` (an in-process `rollout.Engine`, or a
   `cross_process.RemoteEngine` handle, which ships each bucket through shared memory) gets the
   weights bucket by bucket in the flattened-bucket format;
+- a server's URL (a string) goes through `http.HttpEngine`, the same calls over HTTP;
 - a transport object with `sync_from(...)` (`distributed.DistributedTarget`, `disk.DiskTarget`)
   runs its own protocol.
 
@@ -40,6 +41,10 @@ def sync_weights(source: Source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     engines before it already holding that bucket. For one version on all engines or none, pass a
     `rollout.ray.EngineGroup`, which snapshots and restores around every bucket.
     """
+    if isinstance(target, str):  # a server's URL
+        from weight_sync.http import HttpEngine
+
+        target = HttpEngine(target)
     if is_peft_model(source):
         return sync_lora_adapter(source, target, lora_name or weight_version)
     if isinstance(target, list | tuple):

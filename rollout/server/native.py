@@ -33,6 +33,7 @@ from rollout.server import limits, security
 from rollout.server.common import JSONResponse, dumpb, engine_error, error_response, run_blocking, truncate
 from rollout.server.tensor_codec import (
     decode_buckets,
+    decode_delta,
     decode_ipc_buckets,
     decode_named_tensors,
     update_and_release,
@@ -415,7 +416,7 @@ async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: R
 
 class UpdateWeightsFromTensorReqInput(Body):
     serialized_named_tensors: list[str]
-    load_format: Literal["flattened_bucket", "cuda_ipc"] | None = None
+    load_format: Literal["flattened_bucket", "cuda_ipc", "delta"] | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
@@ -436,6 +437,8 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
         elif load_format == "cuda_ipc":  # a sender on the same GPU: buckets as CUDA IPC handles (cuda_ipc.py)
             payload = await run_blocking(request, decode_ipc_buckets, obj.serialized_named_tensors[0])
             load_format = "flattened_bucket"
+        elif obj.load_format == "delta":
+            payload = await run_blocking(request, decode_delta, obj.serialized_named_tensors[0])
         else:
             payload = await run_blocking(request, decode_named_tensors, obj.serialized_named_tensors[0])
     except (ValueError, RuntimeError) as e:

@@ -16,6 +16,9 @@ tensors:
   `weight_sync.cuda_ipc.encode_request` (a sender on the same GPU; no bytes cross, the server maps the
   sender's memory), loaded as flattened buckets; the reply waits until nothing reads that memory.
 
+- `load_format="delta"`: the string is the base64 of a sparse delta blob (itself a safetensors file,
+  format owned by weight_sync/delta_codec.py, which both the sender and this decoder use).
+
 Decoding validates structure (base64, safetensors header, bucket metadata) and raises ValueError
 naming what is wrong; shape and dtype checks against the model are the engine's.
 """
@@ -29,35 +32,11 @@ import json
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from weight_sync.bucket import FlattenedTensorBucket
 
-FLAT_KEY = "flattened_tensor"
-META_KEY = "bucket_metadata"
-
-
-def encode_named_tensors(named_tensors) -> str:
-    """[(name, tensor), ...] or {name: tensor} -> base64 safetensors string. Every name is encoded,
-    also names whose tensors share storage (a tied model's embedding and lm_head in its state_dict):
-    safetensors refuses shared storage, so each name after the first on one storage gets its own copy."""
-    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-    tensors, storages = {}, set()
-    for name, t in items:
-        t = t.detach().to("cpu").contiguous()
-        key = t.untyped_storage().data_ptr()
-        if key in storages or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()  # shared with another name, or a view of a larger storage
-        storages.add(t.untyped_storage().data_ptr())
-        tensors[name] = t
-    return base64.b64encode(st_save(tensors)).decode("ascii")
-
-
-def encode_bucket(bucket: FlattenedTensorBucket) -> str:
-    d = bucket.to_dict()
-    blob = st_save({FLAT_KEY: d["flattened_tensor"].detach().to("cpu").contiguous()},
-                   metadata={META_KEY: json.dumps(d["metadata"])})
-    return base64.b64encode(blob).decode("ascii")
+# The encoders live in weight_sync (a trainer encodes without importing rollout); re-exported here.
+from weight_sync.wire import FLAT_KEY, META_KEY, encode_bucket, encode_named_tensors  # noqa: F401
 
 
 def _blob(s, what: str) -> bytes:
@@ -81,6 +60,16 @@ def decode_named_tensors(s: str, what: str = "serialized_named_tensors[0]") -> l
     if not tensors:
         raise ValueError(f"{what} holds no tensors")
     return list(tensors.items())
+
+
+def decode_delta(s: str, what: str = "serialized_named_tensors[0]"):
+    """-> a structurally validated weight_sync.delta_codec.DeltaUpdate (ValueError naming the problem)."""
+    from weight_sync.delta_codec import DeltaFormatError, DeltaUpdate
+
+    try:
+        return DeltaUpdate.from_blob(_blob(s, what))
+    except DeltaFormatError as e:
+        raise ValueError(f"{what}: {e}") from None
 
 
 def decode_buckets(s: str, what: str = "serialized_named_tensors[0]") -> list[dict]:

@@ -16,7 +16,7 @@ import torch
 
 from runner.config import MODEL_DTYPES
 
-_DTYPES = {**MODEL_DTYPES, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
+_DTYPES = {**MODEL_DTYPES, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 

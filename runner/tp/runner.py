@@ -5,7 +5,8 @@ call that touches the model goes to the workers first, then runs locally, so the
 model line up; then each worker's reply is collected (bounded by the group timeout, and watching the
 process). Sampling, KV bookkeeping and the weight-update group registry stay on rank 0: a forward
 carries the req_to_token rows it reads, a distributed update is received here and forwarded as
-tensors. A weight update commits on every rank or on none (two-phase vote). A rank that dies makes
+tensors. A weight update commits on every rank or on none (two-phase vote); a sparse delta goes to every
+rank whole, each applies its own slice, after rank 0 checked the summed partial checksums. A rank that dies makes
 every later call fail at once with "tensor-parallel rank N died ..."; the runner then reports its
 weights as unusable so the scheduler fails the batch instead of retrying it.
 
@@ -28,8 +29,10 @@ from runner.tp import channel
 from runner.tp.group import TPGroup
 from runner.tp.rank_runner import TPRankRunner, encode_batch
 from runner.tp.worker import worker_main
+from runner.weights import delta
 from runner.weights.loader import WeightUpdateError
 from runner.weights.routes import unpack_named_tensors
+from weight_sync.delta_codec import combine
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective or a reply that takes longer means a rank is stuck
 
@@ -178,6 +181,8 @@ class TPModelRunner:
 
     # ---- weights ----------------------------------------------------------------------------
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None) -> int:
+        if load_format == "delta":
+            return self._update_delta(named_tensors)
         if load_format == "direct" or load_format in self.local.custom_loaders:
             raise WeightUpdateError(f"load_format={load_format!r} is not supported with tp_size={self.tp_size}: "
                                     f"send Hugging Face names (load_format=None or 'flattened_bucket')")
@@ -190,6 +195,30 @@ class TPModelRunner:
         named = [(n, _plain(t)) for n, t in named]
         return self._update({"cmd": "update_tensor", "names": [n for n, _ in named]}, [t for _, t in named],
                             lambda: self.local.update_weights_from_tensor(named))
+
+    def _update_delta(self, blob) -> int:
+        """A sparse delta: every rank reports its slices' partial checksums (base, and the result its
+        changes give); their sums must be the delta's, else nothing is written anywhere. Then every rank
+        applies its slice in the usual two-phase update."""
+        self.local._require_weights_resident()
+        update = delta.parse(blob)
+        wire = update.to_tensor()
+        self._send({"cmd": "delta_partials"}, [wire])
+        try:
+            mine = delta.partial_hashes(self.local, update)
+        except Exception:
+            for rank in range(1, self.tp_size):
+                self._recv(rank)
+            raise
+        parts = [mine] + [reply["partials"] for _, reply in self._replies("the delta check")]
+        entries = [e for e in update.entries if not self.local.name_map.is_ignored(e["name"])]
+        delta.check_sums(entries, _sum_partials(parts, "base"), None)
+        errors = [f"tensor-parallel rank {r}: {p['error']}" for r, p in enumerate(parts) if p["error"]]
+        if errors:
+            raise WeightUpdateError(errors[0])
+        delta.check_sums(entries, [e["base"] for e in entries], _sum_partials(parts, "result"))
+        return self._update({"cmd": "update_delta"}, [wire],
+                            lambda: self.local.update_weights_from_tensor(update, "delta"))
 
     def update_weights_from_disk(self, model_path) -> int:
         self.local._require_weights_resident()
@@ -297,6 +326,23 @@ def _rank_device(device: str, rank: int) -> str:
     if str(device).startswith("cuda"):
         return f"cuda:{rank}"
     return device
+
+
+def _sum_partials(per_rank: list[dict], key: str) -> list[int]:
+    """Per-entry checksums of whole tensors from each rank's partial sums (runner/weights/delta.py
+    partial_hashes); a span held by several ranks (replicated) is counted once."""
+    out = []
+    for i in range(len(per_rank[0][key])):
+        h, seen = 0, set()
+        for p in per_rank:
+            span = tuple(p["span"][i])
+            if span in seen:
+                continue
+            seen.add(span)
+            v = p[key][i]
+            h = combine(h, (v >> 31, v & ((1 << 31) - 1)))
+        out.append(h)
+    return out
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

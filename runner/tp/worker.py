@@ -21,6 +21,7 @@ from runner.config import RunnerConfig
 from runner.tp import channel
 from runner.tp.group import TPGroup
 from runner.tp.rank_runner import TPRankRunner, apply_batch
+from runner.weights import delta
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ def _serve(runner: TPRankRunner, conn, parent_alive, timeout_s: float) -> None:
                 runner.release_memory_occupation(header["tags"])
             elif cmd == "resume":
                 runner.resume_memory_occupation(header["tags"])
-            elif cmd in ("update_tensor", "update_disk"):
+            elif cmd == "delta_partials":
+                reply["partials"] = delta.partial_hashes(runner, tensors[0])
+            elif cmd in ("update_tensor", "update_disk", "update_delta"):
                 reply["num_written"] = _update(runner, conn, header, tensors, parent_alive, timeout_s)
             elif cmd == "get_shard":
                 shard, spec = runner.weight_shard(header["name"])
@@ -91,6 +94,8 @@ def _update(runner: TPRankRunner, conn, header: dict, tensors, parent_alive, tim
     try:
         if header["cmd"] == "update_tensor":
             return runner.update_weights_from_tensor(list(zip(header["names"], tensors)))
+        if header["cmd"] == "update_delta":  # this rank applies its slice; rank 0 checked the sums
+            return runner.update_weights_from_tensor(tensors[0], "delta")
         return runner.update_weights_from_disk(header["path"])
     except Exception as e:
         if not voted:

@@ -311,6 +311,23 @@ class WeightWriter:
             raise WeightUpdateError(f"weight {target.hf_name!r}: writing it failed ({type(e).__name__}: {e})") from e
 
     @torch.no_grad()
+    def write_elements(self, target: LoadTarget, flat: torch.Tensor, positions: torch.Tensor | None,
+                       values: torch.Tensor) -> None:
+        """flat[positions] = values (positions None: every element), where `flat` is a 1-D view of the
+        storage of `target`'s slice (a sparse delta). Only those elements are snapshotted."""
+        if self.snapshot:
+            old = (flat if positions is None else flat[positions]).to("cpu", copy=True)
+            self._undo.append((target, _Elements(flat, positions, old)))
+        self.written.add(target.hf_name)
+        try:
+            if positions is None:
+                flat.copy_(values)
+            else:
+                flat[positions] = values
+        except Exception as e:
+            raise WeightUpdateError(f"weight {target.hf_name!r}: writing it failed ({type(e).__name__}: {e})") from e
+
+    @torch.no_grad()
     def __exit__(self, exc_type, exc, tb) -> None:
         undo, self._undo = self._undo, []  # dropped on every exit: the snapshot lives only this long
         if exc is None or not self.snapshot:
@@ -328,8 +345,22 @@ class WeightWriter:
             raise WeightUpdateError(f"{exc}; {restored}, the weights are unchanged") from exc
 
 
-def restore(target: LoadTarget, old: torch.Tensor) -> None:
+@dataclass
+class _Elements:
+    """The snapshot of some elements of a flat view (WeightWriter.write_elements)."""
+    flat: torch.Tensor
+    positions: torch.Tensor | None
+    old: torch.Tensor
+
+
+def restore(target: LoadTarget, old) -> None:
     """Put a snapshotted slice back (a module function so a test can make it fail)."""
+    if isinstance(old, _Elements):
+        if old.positions is None:
+            old.flat.copy_(old.old)
+        else:
+            old.flat[old.positions] = old.old.to(old.flat.device)
+        return
     target.view().copy_(old)
 
 

@@ -1,7 +1,8 @@
 """The weight update routes: how tensors from a trainer, a checkpoint or a custom loader reach the model.
 
 Every route ends in `write`: `update_from_tensor` (pairs or flattened buckets, unpacked here; or
-load_format="direct", runner parameter names and whole tensors, checked the same way), `update_from_disk`
+load_format="direct", runner parameter names and whole tensors, checked the same way; or
+load_format="delta", a sparse delta of bit patterns, runner/weights/delta.py), `update_from_disk`
 (one snapshot of the checkpoint directory) and a `custom_weight_loader` (a function fn(model,
 named_tensors) allowed at construction, run with every parameter snapshotted first so a failure or a
 non-finite result is undone). All go through the check-everything-then-write-all-or-nothing loader
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from runner.config import ModelConfig
+from runner.weights import delta
 from runner.weights.checkpoint import CheckpointError, CheckpointIndex
 from runner.weights.loader import (
     WeightPlan,
@@ -55,8 +57,10 @@ def write(runner, fill: Callable[[WeightWriter], None], repack_all: bool = False
         runner.invalid_weights |= names
         runner.invalid_reason = f"a failed update could not be undone ({len(names)} tensors may be mixed)"
         raise
-    finally:  # shadows follow whatever the weights now hold, restored or new
-        runner._repack(None if repack_all else runner.name_map.covering_hf_names(writer.written))
+    finally:  # shadows and cached checksums follow whatever the weights now hold, restored or new
+        touched = None if repack_all else runner.name_map.covering_hf_names(writer.written)
+        runner._repack(touched)
+        runner.weight_hashes.invalidate(touched)
     mark_loaded(runner, runner.name_map.covering_hf_names(writer.written))
     return len(writer.written)
 
@@ -74,6 +78,8 @@ def update_from_tensor(runner, named_tensors, load_format: str | None = None) ->
     require_weights_resident(runner)
     if load_format in runner.custom_loaders:
         return custom_load(runner, load_format, named_tensors)
+    if load_format == "delta":  # a sparse delta (weight_sync/delta_codec.py): runner/weights/delta.py
+        return delta.apply_delta(runner, named_tensors, write)
     if load_format == "direct":
         plan = plan_direct_load(runner.name_map, _pairs(named_tensors))
     else:
@@ -252,5 +258,5 @@ def unpack_named_tensors(named_tensors, load_format: str | None,
             bucket = b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b)
             out.extend(bucket.named_tensors())
         return out
-    raise WeightUpdateError(f"load_format={load_format!r}: choose None, 'direct', 'flattened_bucket' or one of "
+    raise WeightUpdateError(f"load_format={load_format!r}: choose None, 'direct', 'flattened_bucket', 'delta' or one of "
                             f"custom_weight_loader {custom or []} (given when the engine is created)")

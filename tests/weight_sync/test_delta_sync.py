@@ -1,0 +1,138 @@
+"""DeltaSync into an in-process Engine: exact after every step, and every bad delta changes nothing.
+
+Oracle: a second engine given a plain full update of the trainer's bf16 cast (tests/weight_sync/
+delta_helpers.py): equal `get_weights_checksum` (SHA-256 of every parameter) and equal greedy outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import Engine
+from runner.weights import loader
+from tests.weight_sync.delta_helpers import ENGINE_KW, Trainer, assert_equals_full_update, checksum, greedy
+from weight_sync import DeltaSync
+from weight_sync import delta_codec as dc
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    with Engine(str(tiny_llama), **ENGINE_KW) as e, Engine(str(tiny_llama), **ENGINE_KW) as ref:
+        yield e, ref
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-3])
+def test_adam_steps_equal_a_full_update(engines, tiny_llama, lr):
+    """After each Adam step the delta-synced engine holds bit for bit the full update of the same cast."""
+    engine, ref = engines
+    trainer = Trainer(tiny_llama, lr)
+    ds = DeltaSync(engine)
+    ok, msg = ds.sync(trainer.model)
+    assert ok and ds.last["mode"] == "full", msg
+    version = engine.weight_version
+    for step in range(3):
+        trainer.step()
+        ok, msg = ds.sync(trainer.model)
+        assert ok, msg
+        last = ds.last
+        assert last["mode"] == "delta" and last["elements_changed"] > 0
+        assert last["bytes_full"] == sum(p.numel() * 2 for p in trainer.model.parameters())
+        if lr == 1e-6:  # few bf16 elements move at this rate: the delta is a small fraction of a full sync
+            assert last["bytes_sent"] * 5 < last["bytes_full"], last
+        assert engine.weight_version != version
+        version = engine.weight_version
+        assert_equals_full_update(engine, ref, trainer, outputs=step == 2)
+
+
+def test_stale_base_is_refused_then_fallback_sends_full(engines, tiny_llama):
+    """A delta against weights the engine no longer holds is refused untouched; fallback=True syncs in full."""
+    engine, ref = engines
+    trainer, other = Trainer(tiny_llama, 1e-3, seed=1), Trainer(tiny_llama, 1e-2, seed=2)
+    ds = DeltaSync(engine)
+    assert ds.sync(trainer.model)[0]
+    other.step()
+    assert engine.update_weights_from_tensor(other.cast())[0]  # another trainer writes in between
+    before, version = checksum(engine), engine.weight_version
+    trainer.step()
+    ok, msg = ds.sync(trainer.model)
+    assert not ok and dc.STALE_BASE in msg and "full sync" in msg, msg
+    assert checksum(engine) == before and engine.weight_version == version
+    assert greedy(engine)  # still serving
+    ds2 = DeltaSync(engine)
+    assert ds2.sync(trainer.model)[0]
+    assert engine.update_weights_from_tensor(other.cast())[0]
+    trainer.step()
+    ok, msg = ds2.sync(trainer.model, fallback=True)
+    assert ok and "fell back to a full sync" in msg and ds2.last["mode"] == "full" and ds2.last["fallback"], msg
+    assert_equals_full_update(engine, ref, trainer)
+    trainer.step()  # and deltas resume from the new baseline
+    assert ds2.sync(trainer.model)[0] and ds2.last["mode"] == "delta"
+    assert_equals_full_update(engine, ref, trainer, outputs=True)
+
+
+def _current(engine, name: str) -> torch.Tensor:
+    return engine.runner.name_map.resolve(name).view().detach().clone()
+
+
+def _gap_entry(name, base, positions, values_bits, base_hash, result=0, val_kind="raw"):
+    gaps = torch.diff(torch.tensor(positions, dtype=torch.int64), prepend=torch.tensor([-1]))
+    vals = dc.from_bits(torch.tensor(values_bits, dtype=torch.int64), base.dtype).view(torch.uint8) \
+        if val_kind == "raw" else dc.varint_encode(dc.zigzag(torch.tensor(values_bits, dtype=torch.int64)))
+    return dc.EncodedTensor({"name": name, "dtype": dc.DTYPE_NAMES[base.dtype], "shape": list(base.shape),
+                             "pos": "gaps", "val": val_kind, "count": len(positions), "base": base_hash,
+                             "result": result}, dc.varint_encode(gaps), vals, len(positions))
+
+
+def test_bad_deltas_are_refused_and_change_nothing(engines, monkeypatch):
+    """Out-of-range and duplicate positions, NaN, truncated payloads, a wrong result checksum, a cast dtype,
+    a failing write: each refused by name; checksum, version and outputs stay; the engine serves."""
+    engine, _ = engines
+    name, other = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    w, w2 = _current(engine, name), _current(engine, other)
+    h, h2 = dc.tensor_hash(w), dc.tensor_hash(w2)
+    before, version, outs = checksum(engine), engine.weight_version, greedy(engine)
+    numel = w.numel()
+    one = dc.to_bits(torch.ones(1, dtype=w.dtype)).tolist()[0]
+    nan = dc.to_bits(torch.full((1,), float("nan"), dtype=w.dtype)).tolist()[0]
+    good = w.clone()
+    good.view(-1)[[3, 17]] = 0.25
+    good_enc = dc.encode_tensor(name, w, good, h)
+    cases = {
+        "out of range": dc.DeltaUpdate.pack([_gap_entry(name, w, [3, numel], [one, one], h)]),
+        "duplicate": dc.DeltaUpdate.pack([_gap_entry(name, w, [3, 3], [one, one], h)]),
+        "NaN or inf": dc.DeltaUpdate.pack([_gap_entry(name, w, [3], [nan], h)]),
+        "announces": dc.DeltaUpdate.pack([_gap_entry(name, w, [3], [one], h, result=h)]),  # corrupted
+    }
+    short = dc.DeltaUpdate.pack([good_enc])
+    short.entries[0]["val_bytes"][1] -= 1
+    cases["truncated"] = short
+    cases["never cast"] = dc.DeltaUpdate.pack([dc.encode_tensor(name, w.float(), good.float(), dc.tensor_hash(w.float()))])
+    for words, update in cases.items():
+        ok, msg = engine.update_weights_from_tensor(update, load_format="delta")
+        assert not ok and words in msg, (words, msg)
+    blob = dc.DeltaUpdate.pack([good_enc]).to_bytes()
+    for cut in (len(blob) - 1, len(blob) // 2, 4):
+        ok, msg = engine.update_weights_from_tensor(blob[:cut], load_format="delta")
+        assert not ok and ("truncated" in msg or "shorter" in msg), msg
+    # a write that fails on the second tensor: the first one's elements are put back
+    two = dc.DeltaUpdate.pack([good_enc, dc.encode_tensor(other, w2, w2 + 1, h2)])
+    calls = []
+    real = loader.WeightWriter.write_elements
+
+    def flaky(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(loader.WeightWriter, "write_elements", flaky)
+    ok, msg = engine.update_weights_from_tensor(two, load_format="delta")
+    monkeypatch.undo()
+    assert not ok and "restored" in msg and len(calls) == 2, msg
+    assert checksum(engine) == before and engine.weight_version == version
+    assert greedy(engine) == outs
+    # the good delta still applies afterwards (the cached checksums were not disturbed)
+    ok, msg = engine.update_weights_from_tensor(dc.DeltaUpdate.pack([good_enc]), load_format="delta")
+    assert ok, msg
+    assert torch.equal(_current(engine, name), good)

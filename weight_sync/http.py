@@ -1,0 +1,85 @@
+"""HttpEngine: the weight-update calls of an Engine, made on a running server over HTTP.
+
+`sync_weights(model, "http://host:port")` and `DeltaSync("http://host:port")` wrap the URL in this
+handle. It speaks SGLang's `/update_weights_from_tensor` body (`serialized_named_tensors`, one entry;
+`load_format`, `flush_cache`, `weight_version`) in the server's pickle-free codec: plain pairs and
+flattened buckets are encoded by weight_sync/wire.py (which the server's tensor_codec re-exports);
+a delta (`load_format="delta"`) is the base64 of weight_sync.delta_codec's blob, which the server
+decodes with the same module. httpx is imported lazily. Not here: generation, streaming, retries.
+"""
+
+from __future__ import annotations
+
+import base64
+
+
+class HttpEngine:
+    """`update_weights_from_tensor`, `get_server_info`, `get_weights_checksum`, `get_weights_by_name` on a server."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"HttpEngine: url must start with http:// or https://, got {url!r}")
+        self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
+        self._client = None
+
+    def _http(self):
+        if self._client is None:
+            import httpx
+
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.Client(base_url=self.url, timeout=self.timeout_s, headers=headers)
+        return self._client
+
+    def _call(self, path: str, body: dict | None = None) -> dict:
+        r = self._http().post(path, json=body or {})
+        try:
+            out = r.json()
+        except ValueError:
+            raise RuntimeError(f"{self.url}{path}: HTTP {r.status_code}, not JSON: {r.text[:200]!r}") from None
+        if r.status_code >= 500:
+            raise RuntimeError(f"{self.url}{path}: HTTP {r.status_code}: {out}")
+        return out
+
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
+                                   weight_version: str | None = None) -> tuple[bool, str]:
+        if load_format == "delta":
+            from weight_sync.delta_codec import DeltaUpdate
+
+            payload = base64.b64encode(DeltaUpdate.from_blob(named_tensors).to_bytes()).decode("ascii")
+        elif load_format == "flattened_bucket":
+            from weight_sync.bucket import FlattenedTensorBucket
+            from weight_sync.wire import encode_bucket
+
+            parts = named_tensors if isinstance(named_tensors, list) else [named_tensors]
+            buckets = [b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b)
+                       for b in parts]
+            if len(buckets) > 1:
+                buckets = [FlattenedTensorBucket([p for b in buckets for p in b.named_tensors()])]
+            payload = encode_bucket(buckets[0])
+        elif load_format in (None, "auto"):
+            from weight_sync.wire import encode_named_tensors
+
+            payload = encode_named_tensors(named_tensors)
+        else:
+            return False, f"update_weights_from_tensor failed: load_format={load_format!r} is not supported over HTTP"
+        body = {"serialized_named_tensors": [payload], "load_format": load_format, "flush_cache": flush_cache,
+                "weight_version": weight_version}
+        out = self._call("/update_weights_from_tensor", body)
+        if "success" not in out:  # the server's error shape (a 400 for a bad body)
+            err = out.get("error")
+            return False, f"update_weights_from_tensor failed: {err.get('message') if isinstance(err, dict) else out}"
+        return bool(out["success"]), str(out.get("message", ""))
+
+    def get_server_info(self) -> dict:
+        return self._http().get("/get_server_info").json()
+
+    def get_weights_checksum(self) -> dict:
+        return self._call("/get_weights_checksum")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        return self._call("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
