@@ -112,6 +112,10 @@ class ModelRunner:
         from runner.lora.manager import LoRAManager
 
         self.lora_manager = LoRAManager(self)
+        self.load_initial_lora_adapters()
+
+    def load_initial_lora_adapters(self) -> None:
+        """lora_paths (a tensor-parallel engine loads them from rank 0 instead, so every rank agrees on uids)."""
         for src in self.config.lora_paths or ():
             self.lora_manager.load(src["lora_name"], src["lora_path"], pinned=src["pinned"])
 
@@ -290,10 +294,16 @@ class ModelRunner:
 
     def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, tensors=None,
                           config_dict: dict | None = None, load_format: str | None = None,
-                          pinned: bool = False) -> int:
+                          pinned: bool = False, uid: int | None = None) -> int:
         """Load a PEFT adapter from a directory or from (tensors, config_dict); load_format None (a dict or
         pairs of PEFT names) or "flattened_bucket". Everything is checked before a byte is written; returns
-        the adapter's uid."""
+        the adapter's uid (`uid`: the one to register it under, a tensor-parallel rank's from rank 0)."""
+        staged = self.stage_lora_adapter(lora_name, lora_path, tensors, config_dict, load_format, pinned)
+        return self.commit_lora_adapter(staged, uid)
+
+    def stage_lora_adapter(self, lora_name: str, lora_path: str | None = None, tensors=None,
+                           config_dict: dict | None = None, load_format: str | None = None, pinned: bool = False):
+        """Every check of a load and its host buffers (runner/lora/manager.py StagedAdapter); writes nothing."""
         manager = self._require_lora()
         if tensors is not None:
             pairs = routes.unpack_named_tensors(tensors, load_format)
@@ -304,10 +314,23 @@ class ModelRunner:
             tensors = dict(pairs)
         elif lora_path is None:
             raise ValueError("load_lora_adapter needs lora_path or tensors")
-        return manager.load(lora_name, lora_path, tensors, config_dict, pinned).uid
+        return manager.stage(lora_name, lora_path, tensors, config_dict, pinned)
+
+    def commit_lora_adapter(self, staged, uid: int | None = None) -> int:
+        manager = self._require_lora()
+        manager.check_commit(staged)
+        self.before_lora_commit()
+        return manager.commit(staged, uid).uid
 
     def unload_lora_adapter(self, lora_name: str) -> None:
-        self._require_lora().unload(lora_name)
+        manager = self._require_lora()
+        manager.check_unload(lora_name)
+        self.before_lora_commit()
+        manager.unload(lora_name)
+
+    def before_lora_commit(self) -> None:
+        """Called once a LoRA load or unload is checked, before it changes anything (a tensor-parallel rank
+        votes here and raises if another rank refused)."""
 
     def lora_adapters(self) -> dict[str, dict]:
         """name -> {"uid", "path", "pinned", "r"} of every loaded adapter ({} with LoRA off)."""

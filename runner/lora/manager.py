@@ -6,8 +6,9 @@ projection of the model and allocates `max_loaded_loras` slots in each, inside t
 addressed by name; each load gets a fresh `uid`, which is what requests and the prefix cache key on, so
 an adapter replaced under the same name never shares KV with its predecessor.
 
-`load` checks everything first (runner/lora/adapter.py), then writes a free slot that no step reads
-until the adapter is registered, so a refused or failed load changes nothing. `prepare(fb)` turns the
+`stage` checks everything (runner/lora/adapter.py) and writes nothing; `commit` writes a free slot that no
+step reads until the adapter is registered, so a refused or failed load changes nothing (tensor-parallel
+ranks vote between the two, runner/tp/). `prepare(fb)` turns the
 batch's per-request adapter uids into the step's mask and gathers the batch's slots (cached while the
 adapter set stays the same). Deciding which requests may share a batch, and waiting for requests before
 an unload, are the scheduler's and the Engine's.
@@ -31,6 +32,11 @@ TENSOR_PATH = "__tensor__"  # SGLang's lora_path of an adapter loaded from tenso
 _uids = itertools.count(1)
 
 
+def new_uid() -> int:
+    """A load uid never handed out before in this process."""
+    return next(_uids)
+
+
 @dataclass
 class LoadedAdapter:
     name: str
@@ -39,6 +45,18 @@ class LoadedAdapter:
     config: AdapterConfig
     path: str
     pinned: bool
+
+
+@dataclass
+class StagedAdapter:
+    """A checked adapter, not yet written: its host slot buffers per (layer, module) and what made them."""
+
+    name: str
+    config: AdapterConfig
+    path: str
+    pinned: bool
+    tensors: dict  # PEFT name -> tensor, as given (tensor-parallel rank 0 forwards them to the other ranks)
+    slots: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _targets_of(layer) -> list[tuple[str, object, list[tuple[str, object]]]]:
@@ -117,10 +135,10 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
         return adapter.uid
 
-    def load(self, name: str, path: str | None = None, tensors: dict | None = None, config_dict: dict | None = None,
-             pinned: bool = False) -> LoadedAdapter:
-        """Load from a PEFT directory (`path`) or from (`tensors`, `config_dict`). ValueError/RuntimeError,
-        with nothing changed, on any problem."""
+    def stage(self, name: str, path: str | None = None, tensors: dict | None = None,
+              config_dict: dict | None = None, pinned: bool = False) -> StagedAdapter:
+        """Check a load from a PEFT directory (`path`) or from (`tensors`, `config_dict`) and build its host
+        buffers; ValueError/RuntimeError naming the problem. Writes nothing: `commit` does."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
         if name in self.adapters:
@@ -140,26 +158,48 @@ class LoRAManager:
             if not isinstance(tensors, dict):
                 raise ValueError(f"tensors must be a dict (or pairs) of PEFT name -> tensor, got {type(tensors).__name__}")
         staged = stage_adapter(config, tensors, self.modules, self.num_layers, self.max_rank, self.enabled, self.dtype)
+        return StagedAdapter(name, config, path if path is not None else TENSOR_PATH, pinned, tensors, staged)
+
+    def check_commit(self, staged: StagedAdapter) -> None:
+        """`commit` will succeed (re-checked only for a state changed since `stage`)."""
+        if staged.name in self.adapters or not self.free_slots:
+            raise RuntimeError(f"LoRA adapter {staged.name!r}: the loaded adapters changed between check and commit")
+
+    def commit(self, staged: StagedAdapter, uid: int | None = None) -> LoadedAdapter:
+        """Write a staged adapter into a free slot and register it (under `uid`, or a fresh one: tensor-parallel
+        ranks take rank 0's, so a batch's uids mean the same adapter on every rank)."""
+        self.check_commit(staged)
         slot = self.free_slots[0]
         with torch.no_grad():  # a free slot: no step reads it until the adapter is registered below
             for key, module in self.modules.items():
-                if key in staged:
-                    module.write_slot(slot, *staged[key])
+                if key in staged.slots:
+                    module.write_slot(slot, *staged.slots[key])
                 else:
                     module.a_pool[slot].zero_()
                     module.b_pool[slot].zero_()
         self.free_slots.pop(0)
-        adapter = LoadedAdapter(name, next(_uids), slot, config, path if path is not None else TENSOR_PATH, pinned)
-        self.adapters[name] = adapter
+        adapter = LoadedAdapter(staged.name, new_uid() if uid is None else uid, slot, staged.config, staged.path,
+                                staged.pinned)
+        self.adapters[staged.name] = adapter
         self.by_uid[adapter.uid] = adapter
         self.pool_epoch += 1
         return adapter
 
-    def unload(self, name: str) -> LoadedAdapter:
-        """Forget `name` (the caller made sure no request uses it); its slot becomes free."""
-        adapter = self.adapters.pop(name, None)
+    def load(self, name: str, path: str | None = None, tensors: dict | None = None, config_dict: dict | None = None,
+             pinned: bool = False) -> LoadedAdapter:
+        """`stage` then `commit`: nothing changed on any problem."""
+        return self.commit(self.stage(name, path, tensors, config_dict, pinned))
+
+    def check_unload(self, name: str) -> LoadedAdapter:
+        adapter = self.adapters.get(name)
         if adapter is None:
             raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        return adapter
+
+    def unload(self, name: str) -> LoadedAdapter:
+        """Forget `name` (the caller made sure no request uses it); its slot becomes free."""
+        adapter = self.check_unload(name)
+        del self.adapters[name]
         del self.by_uid[adapter.uid]
         self.free_slots.append(adapter.slot)
         self.pool_epoch += 1
