@@ -76,7 +76,6 @@ class RLConfig:
             (self.lora_alpha >= 0, f"--lora-alpha must be >= 0 (0 = 2 * rank), got {self.lora_alpha}"),
             (not (self.lora_rank and self.deterministic),
              "--deterministic with --lora-rank is not supported: the engine's LoRA matmuls are not batch-invariant"),
-            (not (self.lora_rank and self.tp_size != 1), "--lora-rank needs --tp-size 1 (adapters are not sharded)"),
         ]
         for ok, msg in checks:
             if not ok:
