@@ -207,15 +207,15 @@ class ModelRunner:
         if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
             # Freed storages would be read (or written) out of bounds.
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
-        lora_mask = self.lora_manager.prepare(fb) if self.lora_manager is not None else None
-        if (fb.forward_mode.is_decode() and lora_mask is None and self.graph_runner is not None
+        lora_batch = self.lora_manager.prepare(fb) if self.lora_manager is not None else None
+        if (fb.forward_mode.is_decode() and lora_batch is None and self.graph_runner is not None
                 and self.graph_runner.can_run(fb)):  # captured steps hold no adapter: those run eager
             return self.graph_runner.replay(fb)
         # The eager step runs in inference mode: no version counters or view tracking, ~6% of a tiny
         # model's step. Not the captured one above: compiled graphs guard on the autograd mode.
         with (torch.inference_mode(),
               forward_context(ForwardContext(self.attn_backend, self.token_to_kv_pool, self.req_to_token_pool,
-                                             lora_mask)),
+                                             lora_batch)),
               batch_invariant.mode(self.config.enable_deterministic_inference)):
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb.input_ids, fb.positions, fb)

@@ -1,17 +1,21 @@
-"""One adapted runner module (qkv_proj, o_proj, gate_up_proj, down_proj) and its batched LoRA matmul.
+"""One adapted runner module (qkv_proj, o_proj, gate_up_proj, down_proj) and its segmented LoRA matmul.
 
 A module holds the device buffers of every loaded adapter in slot layout: A as [slots, k, R, in] and B
 as [slots, k, R, out], where k is the number of PEFT targets fused in the module (q|k|v: 3, gate|up: 2),
 R is max_lora_rank (smaller ranks are zero-padded, which changes no value) and B is block-diagonal:
 target j's rows write only its own output columns. A step gathers the slots of its adapters once
-(cached while the batch's adapter set is unchanged) and adds, for every row at once,
+(cached while the batch's adapter set is unchanged), each B scaled by its adapter's scaling, and adds,
+over the step's adapted rows grouped by adapter (a `LoRABatch`, built once per step by the manager),
 
-    y += ((x @ A_batch^T) * mask) @ B_batch        # mask: [num_tokens, num_adapters] scaling, 0 elsewhere
+    y[rows] += grouped_mm(grouped_mm(x[rows], A_g^T), B_g)    # segment g of rows uses adapter g
 
-which is every row's own adapter (rows on the base model have a zero mask row): two matmuls over the
-batch, no loop over requests or adapters. Tensor parallelism: a column-parallel module holds this rank's
-rows of B (A whole); a row-parallel one this rank's columns of A (B whole), and its LoRA term is added
-before the all-reduce, whose sum over ranks completes x @ A^T.
+two grouped (segmented) matmuls whose cost is the adapted rows' own, whatever the number of adapters in
+the batch, as punica's and SGLang's csgmv kernels do; base-model rows are not touched. Where the grouped
+matmul is not available for the device and dtype, each segment is one matmul (at most
+max_loras_per_batch of them). `masked` is the older formulation, every row against every adapter of the
+batch with a 0/1 mask, kept as a reference for tests and the benchmark. Tensor parallelism: a
+column-parallel module holds this rank's rows of B (A whole); a row-parallel one this rank's columns of
+A (B whole), and its LoRA term is added before the all-reduce, whose sum over ranks completes x @ A^T.
 
 It does not parse adapters (runner/lora/adapter.py) or choose slots (runner/lora/manager.py).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,9 @@ class LoRAModule:
         k = len(targets)
         self.a_pool = torch.zeros(num_slots, k, max_rank, in_local, dtype=dtype, device=device)
         self.b_pool = torch.zeros(num_slots, k, max_rank, out_local, dtype=dtype, device=device)
-        self.a_batch: torch.Tensor | None = None  # [s * k * R, in_local], the step's adapters
-        self.b_batch: torch.Tensor | None = None  # [s * k * R, out_local]
+        self.a_batch: torch.Tensor | None = None  # [g, in_local, k * R], the step's g adapters
+        self.b_batch: torch.Tensor | None = None  # [g, k * R, out_local], scaled
+        self.a_flat: torch.Tensor | None = None  # [g * k * R, in_local]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.a_pool, self.b_pool]
@@ -60,18 +66,65 @@ class LoRAModule:
         self.a_pool[slot].copy_(a)
         self.b_pool[slot].copy_(b)
 
-    def gather(self, slots: torch.Tensor) -> None:
-        """Cache the step's adapters (pool slots `slots`, [s] int64 on the device) as flat matrices."""
-        s = slots.numel()
-        self.a_batch = self.a_pool.index_select(0, slots).reshape(s * len(self.targets) * self.max_rank, -1)
-        self.b_batch = self.b_pool.index_select(0, slots).reshape(s * len(self.targets) * self.max_rank, -1)
+    def gather(self, slots: torch.Tensor, scalings: torch.Tensor) -> None:
+        """Cache the step's adapters (pool slots `slots`, [g] int64, and their scalings [g], on the device)."""
+        g, kr = slots.numel(), len(self.targets) * self.max_rank
+        a = self.a_pool.index_select(0, slots).reshape(g, kr, -1)  # [g, kR, in]
+        b = self.b_pool.index_select(0, slots).reshape(g, kr, -1) * scalings.view(g, 1, 1)  # [g, kR, out]
+        self.a_batch = a.transpose(1, 2).contiguous()  # [g, in, kR]
+        self.b_batch = b.contiguous()
+        self.a_flat = a.reshape(g * kr, -1)  # [g * kR, in]: the masked formulation's layout
 
     def drop_batch(self) -> None:
-        self.a_batch = self.b_batch = None
+        self.a_batch = self.b_batch = self.a_flat = None
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """y + every row's LoRA term. x: [n, in_local], y: [n, out_local], mask: [n, s]."""
-        n, s = x.shape[0], mask.shape[1]
-        xa = x @ self.a_batch.t()  # [n, s * k * R]
-        xa = (xa.view(n, s, -1) * mask.unsqueeze(-1)).view(n, -1)
-        return y.addmm_(xa, self.b_batch)  # [n, out_local]
+    def apply(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        """y + every adapted row's LoRA term. x: [n, in_local], y: [n, out_local]."""
+        if batch.masked is not None:
+            return self._apply_masked(x, y, batch.masked)
+        xs = x if batch.rows is None else x.index_select(0, batch.rows)  # [m, in_local], grouped by adapter
+        d = batch.grouped(batch.grouped(xs, self.a_batch), self.b_batch)  # [m, out_local]
+        return y.add_(d) if batch.rows is None else y.index_add_(0, batch.rows, d)
+
+    def _apply_masked(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        n, g = x.shape[0], mask.shape[1]
+        xa = x @ self.a_flat.t()  # [n, g * kR]: every row against every adapter of the batch
+        xa = (xa.view(n, g, -1) * mask.unsqueeze(-1)).view(n, -1)
+        return y.addmm_(xa, self.b_batch.view(-1, y.shape[1]))  # [n, out_local]
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """The step's adapted rows, grouped by adapter (built once per step, read by every LoRAModule)."""
+
+    rows: torch.Tensor | None  # [m] int64 token rows, grouped by adapter; None: every row, already grouped
+    offs: torch.Tensor  # [g] int32 on the device: end of each adapter's segment in the grouped rows
+    offs_cpu: tuple[int, ...]  # the same ends, on the host (the per-segment fallback)
+    use_grouped_mm: bool
+    masked: torch.Tensor | None = None  # [n, g] 0/1: the masked reference formulation instead
+
+    def grouped(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[m, K] x [g, K, N] -> [m, N], segment j of x's rows times w[j]."""
+        if self.use_grouped_mm:
+            return F.grouped_mm(x, w, offs=self.offs)
+        out = x.new_empty(x.shape[0], w.shape[2])
+        start = 0
+        for j, end in enumerate(self.offs_cpu):
+            torch.mm(x[start:end], w[j], out=out[start:end])
+            start = end
+        return out
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped matmul runs, and is right, for `device` and `dtype` (probed once)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (5, 16), generator=gen).to(device, dtype)  # small integers: exact in bf16
+    w = torch.randint(-3, 4, (2, 16, 16), generator=gen).to(device, dtype)
+    try:
+        got = F.grouped_mm(x, w, offs=torch.tensor([2, 5], dtype=torch.int32, device=device))
+    except Exception:  # not built for this device / dtype / GPU generation
+        return False
+    want = torch.cat([x[:2].float() @ w[0].float(), x[2:].float() @ w[1].float()])
+    return bool(torch.equal(got.float(), want))

@@ -9,8 +9,8 @@ an adapter replaced under the same name never shares KV with its predecessor.
 `stage` checks everything (runner/lora/adapter.py) and writes nothing; `commit` writes a free slot that no
 step reads until the adapter is registered, so a refused or failed load changes nothing (tensor-parallel
 ranks vote between the two, runner/tp/). `prepare(fb)` turns the
-batch's per-request adapter uids into the step's mask and gathers the batch's slots (cached while the
-adapter set stays the same). Deciding which requests may share a batch, and waiting for requests before
+batch's per-request adapter uids into the step's LoRABatch (adapted token rows grouped by adapter, one
+stable sort per step) and gathers the batch's slots (cached while the adapter set stays the same). Deciding which requests may share a batch, and waiting for requests before
 an unload, are the scheduler's and the Engine's.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from runner.lora.adapter import read_adapter_dir, stage_adapter
 from runner.lora.config import AdapterConfig
-from runner.lora.layer import LoRAModule, LoRATarget
+from runner.lora.layer import LoRABatch, LoRAModule, LoRATarget, grouped_mm_works
 
 logger = logging.getLogger(__name__)
 TENSOR_PATH = "__tensor__"  # SGLang's lora_path of an adapter loaded from tensors
@@ -122,6 +122,8 @@ class LoRAManager:
         self.free_slots = list(range(self.num_slots))
         self._batch_key: tuple | None = None  # (slots,) of the gathered batch buffers
         self.pool_epoch = 0
+        self.use_grouped_mm = grouped_mm_works(self.device, self.dtype)
+        self.masked = False  # True: the masked reference formulation (runner/lora/layer.py), tests and bench only
 
     # ---- adapters ----------------------------------------------------------------------------
     def loaded_adapters(self) -> dict[str, str]:
@@ -223,9 +225,9 @@ class LoRAManager:
             m.drop_batch()
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, fb) -> torch.Tensor | None:
-        """The step's mask [num_tokens, num_adapters] (each row's scaling at its adapter's column), with
-        every module's batch buffers gathered; None when no request of the batch uses an adapter."""
+    def prepare(self, fb) -> LoRABatch | None:
+        """The step's LoRABatch (its adapted token rows grouped by adapter, stable), with every module's
+        batch buffers gathered; None when no request of the batch uses an adapter."""
         uids = fb.lora_ids
         if not uids or all(u is None for u in uids):
             return None
@@ -241,19 +243,30 @@ class LoRAManager:
         key = (tuple(slots), self.pool_epoch)
         if key != self._batch_key:
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            by_slot = {a.slot: a.config.scaling for a in adapters}
+            scalings = torch.tensor([by_slot[s] for s in slots], dtype=self.dtype, device=self.device)
             for m in self.modules.values():
-                m.gather(index)
+                m.gather(index, scalings)
             self._batch_key = key
         col = {s: j for j, s in enumerate(slots)}
-        rows = []
-        for u in uids:
-            row = [0.0] * len(slots)
-            if u is not None:
-                a = self.by_uid[u]
-                row[col[a.slot]] = a.config.scaling
-            rows.append(row)
-        mask = torch.tensor(rows, dtype=self.dtype, device=self.device)  # [bs, s]
-        if fb.forward_mode.is_extend():
-            lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=self.device)
-            mask = mask.repeat_interleave(lens, dim=0, output_size=sum(fb.extend_seq_lens_cpu))  # [num_tokens, s]
-        return mask
+        g = len(slots)
+        req_col = [g if u is None else col[self.by_uid[u].slot] for u in uids]  # g: the base model
+        lens = fb.extend_seq_lens_cpu if fb.forward_mode.is_extend() else [1] * len(uids)
+        counts = [0] * (g + 1)
+        for c, n in zip(req_col, lens):
+            counts[c] += n
+        offs_cpu = tuple(itertools.accumulate(counts[:g]))
+        if self.masked:
+            mask = torch.zeros(len(uids), g, dtype=self.dtype)
+            for i, c in enumerate(req_col):
+                if c < g:
+                    mask[i, c] = 1.0
+            mask = mask.repeat_interleave(torch.tensor(lens), dim=0).to(self.device)  # [num_tokens, g]
+            return LoRABatch(None, torch.empty(0), offs_cpu, False, masked=mask)
+        if counts[g] == 0 and all(a <= b for a, b in zip(req_col, req_col[1:])):
+            rows = None  # every row adapted and already grouped: no gather or scatter
+        else:
+            tok_col = torch.tensor(req_col).repeat_interleave(torch.tensor(lens))  # [num_tokens]
+            rows = torch.argsort(tok_col, stable=True)[: offs_cpu[-1]].to(self.device)  # [m]
+        offs = torch.tensor(offs_cpu, dtype=torch.int32).to(self.device)
+        return LoRABatch(rows, offs, offs_cpu, self.use_grouped_mm)
