@@ -122,7 +122,8 @@ class LoRAManager:
         self.free_slots = list(range(self.num_slots))
         self._batch_key: tuple | None = None  # (slots,) of the gathered batch buffers
         self.pool_epoch = 0
-        self.use_grouped_mm = grouped_mm_works(self.device, self.dtype)
+        shapes = set().union(*(m.grouped_shapes() for m in self.modules.values()))
+        self.use_grouped_mm = grouped_mm_works(self.device, self.dtype, shapes)
         self.masked = False  # True: the masked reference formulation (runner/lora/layer.py), tests and bench only
 
     # ---- adapters ----------------------------------------------------------------------------
