@@ -73,8 +73,7 @@ def throughput(args) -> None:
     toks = args.batch * args.output_len
     rate = {key: toks / min(t) for key, t in times.items()}
     print(f"throughput, preset {args.preset}, {args.batch} prompts {args.prompt_len} -> {args.output_len}, "
-          f"{args.num_adapters} adapters rank {args.rank}, best of {args.repeat}, interleaved "
-          f"(grouped_mm: {manager.use_grouped_mm})")
+          f"{args.num_adapters} adapters rank {args.rank}, best of {args.repeat}, interleaved")
     print(f"  base model                  {rate['base']:9.1f} tok/s")
     print(f"  mixed adapters, segmented   {rate['segmented']:9.1f} tok/s   = {rate['segmented'] / rate['base']:.2f}x "
           f"base (goal >= 0.8x)")

@@ -4,18 +4,20 @@ A module holds the device buffers of every loaded adapter in slot layout: A as [
 as [slots, k, R, out], where k is the number of PEFT targets fused in the module (q|k|v: 3, gate|up: 2),
 R is max_lora_rank (smaller ranks are zero-padded, which changes no value) and B is block-diagonal:
 target j's rows write only its own output columns. A step gathers the slots of its adapters once
-(cached while the batch's adapter set is unchanged), each B scaled by its adapter's scaling, and adds,
-over the step's adapted rows grouped by adapter (a `LoRABatch`, built once per step by the manager),
+(cached while the batch's adapter set is unchanged), each B scaled by its adapter's scaling. The step's
+adapted rows, grouped by adapter (a `LoRABatch`, one stable sort per step in the manager), are laid out
+as g segments of L rows (padded with zeroed rows), and every module adds
 
-    y[rows] += grouped_mm(grouped_mm(x[rows], A_g^T), B_g)    # segment g of rows uses adapter g
+    y += scatter(bmm(bmm(x[gather].view(g, L, in), A_g) * valid, B_g))    # segment j uses adapter j
 
-two grouped (segmented) matmuls whose cost is the adapted rows' own, whatever the number of adapters in
-the batch, as punica's and SGLang's csgmv kernels do; base-model rows are not touched. Where the grouped
-matmul is not available for the device and dtype, each segment is one matmul (at most
-max_loras_per_batch of them). `masked` is the older formulation, every row against every adapter of the
-batch with a 0/1 mask, kept as a reference for tests and the benchmark. Tensor parallelism: a
-column-parallel module holds this rank's rows of B (A whole); a row-parallel one this rank's columns of
-A (B whole), and its LoRA term is added before the all-reduce, whose sum over ranks completes x @ A^T.
+two batched matmuls over the grouped rows (SGLang's csgmv and punica work on the same sorted layout):
+no loop over requests or adapters, and unlike a mask over every adapter the cost does not grow with the
+number of adapters in the batch. Base-model rows are not computed. When padding would more than double
+the rows (very uneven prefills) each segment is one matmul instead (at most max_loras_per_batch).
+`masked` is the older formulation, every row against every adapter with a 0/1 mask, kept as a reference
+for tests and the benchmark. Tensor parallelism: a column-parallel module holds this rank's rows of B
+(A whole); a row-parallel one this rank's columns of A (B whole), and its LoRA term is added before the
+all-reduce, whose sum over ranks completes x @ A^T.
 
 It does not parse adapters (runner/lora/adapter.py) or choose slots (runner/lora/manager.py).
 """
@@ -25,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,6 @@ class LoRAModule:
         self.a_pool[slot].copy_(a)
         self.b_pool[slot].copy_(b)
 
-    def grouped_shapes(self) -> set[tuple[int, int]]:
-        """The (K, N) of this module's two grouped matmuls."""
-        kr = len(self.targets) * self.max_rank
-        return {(self.in_local, kr), (kr, self.out_local)}
-
     def gather(self, slots: torch.Tensor, scalings: torch.Tensor) -> None:
         """Cache the step's adapters (pool slots `slots`, [g] int64, and their scalings [g], on the device)."""
         g, kr = slots.numel(), len(self.targets) * self.max_rank
@@ -87,9 +83,18 @@ class LoRAModule:
         """y + every adapted row's LoRA term. x: [n, in_local], y: [n, out_local]."""
         if batch.masked is not None:
             return self._apply_masked(x, y, batch.masked)
-        xs = x if batch.rows is None else x.index_select(0, batch.rows)  # [m, in_local], grouped by adapter
-        d = batch.grouped(batch.grouped(xs, self.a_batch), self.b_batch)  # [m, out_local]
-        return y.add_(d) if batch.rows is None else y.index_add_(0, batch.rows, d)
+        g = self.a_batch.shape[0]
+        if batch.seg_len is None:  # segments too uneven to pad: one matmul per segment
+            xs = x.index_select(0, batch.rows)  # [m, in_local], grouped by adapter
+            xa = torch.cat([xs[s:e] @ self.a_batch[j] for j, (s, e) in enumerate(batch.segments)])  # [m, kR]
+            d = torch.cat([xa[s:e] @ self.b_batch[j] for j, (s, e) in enumerate(batch.segments)])  # [m, out_local]
+            return y.index_add_(0, batch.rows, d)
+        xs = x if batch.gather is None else x.index_select(0, batch.gather)  # [g * L, in_local]
+        xa = torch.bmm(xs.view(g, batch.seg_len, -1), self.a_batch)  # [g, L, kR]
+        if batch.valid is not None:
+            xa = xa * batch.valid  # padding rows give exact zeros
+        d = torch.bmm(xa, self.b_batch).view(-1, y.shape[1])  # [g * L, out_local]
+        return y.add_(d if batch.scatter is None else d.index_select(0, batch.scatter))
 
     def _apply_masked(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         n, g = x.shape[0], mask.shape[1]
@@ -100,41 +105,19 @@ class LoRAModule:
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """The step's adapted rows, grouped by adapter (built once per step, read by every LoRAModule)."""
+    """The step's adapted rows grouped by adapter (built once per step, read by every LoRAModule).
 
-    rows: torch.Tensor | None  # [m] int64 token rows, grouped by adapter; None: every row, already grouped
-    offs: torch.Tensor  # [g] int32 on the device: end of each adapter's segment in the grouped rows
-    offs_cpu: tuple[int, ...]  # the same ends, on the host (the per-segment fallback)
-    use_grouped_mm: bool
+    Padded layout (the usual one): segment j holds adapter j's rows, padded to L rows, so both matmuls are
+    one batched matmul each; `gather` picks x's rows in that layout, `valid` zeroes the padding and
+    `scatter` maps each token row back to its padded position (a base-model row to a zero padding row).
+    None means identity / no padding. When padding would more than double the rows (uneven prefills),
+    `seg_len` is None and each segment is one matmul over `rows` instead.
+    """
+
+    seg_len: int | None = None  # L
+    gather: torch.Tensor | None = None  # [g * L] int64 token rows (padding: row 0)
+    valid: torch.Tensor | None = None  # [g, L, 1] 1 for a real row, 0 for padding
+    scatter: torch.Tensor | None = None  # [n] int64 position of each token row in the padded layout
+    rows: torch.Tensor | None = None  # [m] int64 adapted token rows, grouped by adapter (per-segment path)
+    segments: tuple[tuple[int, int], ...] = ()  # (start, end) of each adapter's rows in `rows`
     masked: torch.Tensor | None = None  # [n, g] 0/1: the masked reference formulation instead
-
-    def grouped(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """[m, K] x [g, K, N] -> [m, N], segment j of x's rows times w[j]."""
-        if self.use_grouped_mm:
-            return F.grouped_mm(x, w, offs=self.offs)
-        out = x.new_empty(x.shape[0], w.shape[2])
-        start = 0
-        for j, end in enumerate(self.offs_cpu):
-            torch.mm(x[start:end], w[j], out=out[start:end])
-            start = end
-        return out
-
-
-def grouped_mm_works(device: torch.device, dtype: torch.dtype, shapes: set[tuple[int, int]]) -> bool:
-    """Whether torch's grouped matmul runs, and is right, for `device`, `dtype` and every (K, N) of `shapes`
-    (probed once, at the modules' own sizes: a GPU kernel may refuse some strides)."""
-    if not hasattr(F, "grouped_mm"):
-        return False
-    gen = torch.Generator().manual_seed(0)
-    offs = torch.tensor([2, 5], dtype=torch.int32, device=device)
-    for k, n in sorted(shapes):
-        x = torch.randint(-2, 3, (5, k), generator=gen).to(device, dtype)  # small integers: exact inputs
-        w = torch.randint(-2, 3, (2, k, n), generator=gen).to(device, dtype)
-        try:
-            got = F.grouped_mm(x, w, offs=offs)
-        except Exception:  # not built for this device / dtype / GPU generation / strides
-            return False
-        want = torch.cat([x[:2].double() @ w[0].double(), x[2:].double() @ w[1].double()])
-        if (got.double() - want).abs().max() > 1e-2 * want.abs().max():  # bf16 rounds large sums; a wrong
-            return False  # segment is off by far more
-    return True

@@ -24,7 +24,7 @@ import torch
 
 from runner.lora.adapter import read_adapter_dir, stage_adapter
 from runner.lora.config import AdapterConfig
-from runner.lora.layer import LoRABatch, LoRAModule, LoRATarget, grouped_mm_works
+from runner.lora.layer import LoRABatch, LoRAModule, LoRATarget
 
 logger = logging.getLogger(__name__)
 TENSOR_PATH = "__tensor__"  # SGLang's lora_path of an adapter loaded from tensors
@@ -122,8 +122,7 @@ class LoRAManager:
         self.free_slots = list(range(self.num_slots))
         self._batch_key: tuple | None = None  # (slots,) of the gathered batch buffers
         self.pool_epoch = 0
-        shapes = set().union(*(m.grouped_shapes() for m in self.modules.values()))
-        self.use_grouped_mm = grouped_mm_works(self.device, self.dtype, shapes)
+        self.pad_limit = 2.0  # padded rows allowed, as a multiple of the adapted ones, before the per-segment path
         self.masked = False  # True: the masked reference formulation (runner/lora/layer.py), tests and bench only
 
     # ---- adapters ----------------------------------------------------------------------------
@@ -256,18 +255,36 @@ class LoRAManager:
         counts = [0] * (g + 1)
         for c, n in zip(req_col, lens):
             counts[c] += n
-        offs_cpu = tuple(itertools.accumulate(counts[:g]))
+        n_tok = sum(lens)
         if self.masked:
             mask = torch.zeros(len(uids), g, dtype=self.dtype)
             for i, c in enumerate(req_col):
                 if c < g:
                     mask[i, c] = 1.0
             mask = mask.repeat_interleave(torch.tensor(lens), dim=0).to(self.device)  # [num_tokens, g]
-            return LoRABatch(None, torch.empty(0), offs_cpu, False, masked=mask)
-        if counts[g] == 0 and all(a <= b for a, b in zip(req_col, req_col[1:])):
-            rows = None  # every row adapted and already grouped: no gather or scatter
-        else:
-            tok_col = torch.tensor(req_col).repeat_interleave(torch.tensor(lens))  # [num_tokens]
-            rows = torch.argsort(tok_col, stable=True)[: offs_cpu[-1]].to(self.device)  # [m]
-        offs = torch.tensor(offs_cpu, dtype=torch.int32).to(self.device)
-        return LoRABatch(rows, offs, offs_cpu, self.use_grouped_mm)
+            return LoRABatch(masked=mask)
+        tok_col = torch.tensor(req_col).repeat_interleave(torch.tensor(lens))  # [num_tokens], g: the base model
+        order = torch.argsort(tok_col, stable=True)  # token rows grouped by adapter, base rows last
+        m = n_tok - counts[g]
+        seg_len = max(counts[:g]) + (1 if counts[g] else 0)  # a base row needs a padding row to point at
+        if g * seg_len > self.pad_limit * max(m, 1) and g > 1:  # padding would dominate: a matmul per segment
+            ends = list(itertools.accumulate(counts[:g]))
+            return LoRABatch(rows=order[:m].to(self.device), segments=tuple(zip([0, *ends[:-1]], ends)))
+        if g * seg_len == n_tok and counts[g] == 0 and bool((order == torch.arange(n_tok)).all()):
+            return LoRABatch(seg_len=seg_len)  # equal segments, already grouped, no base rows: no index at all
+        gather = torch.zeros(g, seg_len, dtype=torch.int64)
+        valid = torch.zeros(g, seg_len, 1, dtype=self.dtype)
+        scatter = torch.empty(n_tok, dtype=torch.int64)
+        start = 0
+        for j in range(g):
+            rows_j = order[start:start + counts[j]]
+            gather[j, :counts[j]] = rows_j
+            valid[j, :counts[j]] = 1.0
+            scatter[rows_j] = j * seg_len + torch.arange(counts[j])
+            start += counts[j]
+        if counts[g]:
+            pad_of = [j for j in range(g) if counts[j] < seg_len][0]  # a zero row of the padded output
+            scatter[order[m:]] = pad_of * seg_len + seg_len - 1
+        padded = bool((valid == 0).any())
+        return LoRABatch(seg_len=seg_len, gather=gather.view(-1).to(self.device),
+                         valid=valid.to(self.device) if padded else None, scatter=scatter.to(self.device))

@@ -82,14 +82,13 @@ def test_mixed_batch_equals_each_alone(three, make_engine, max_per_batch):
 
 @pytest.mark.parametrize("formulation", ["per-segment", "masked"])
 def test_every_lora_formulation_equals_peft(three, make_engine, formulation):
-    """The per-segment fallback of the grouped matmul and the masked reference give each request of a mixed
-    batch (prefill of unequal lengths, then decode) its own adapter's PeftModel output."""
+    """The per-segment path (uneven segments) and the masked reference give each request of a mixed batch
+    (prefill of unequal lengths, then decode) its own adapter's PeftModel output, as the padded default does."""
     ckpt, adapters, refs = three
     engine = make_engine(ckpt, lora_paths={n: str(p) for n, p in adapters.items()})
     manager = engine.runner.lora_manager
     if formulation == "per-segment":
-        assert manager.use_grouped_mm  # the default path on this CPU: the grouped matmul
-        manager.use_grouped_mm = False
+        manager.pad_limit = 0.0  # never pad: one matmul per adapter segment
     else:
         manager.masked = True
     names = ["b", None, "a", "c", "a"]
