@@ -1,4 +1,4 @@
-"""One adapted runner module (qkv_proj, o_proj, gate_up_proj, down_proj) and its segmented LoRA matmul.
+"""One adapted runner module (qkv_proj, o_proj, gate_up_proj, down_proj) and its batched LoRA matmuls.
 
 A module holds the device buffers of every loaded adapter in slot layout: A as [slots, k, R, in] and B
 as [slots, k, R, out], where k is the number of PEFT targets fused in the module (q|k|v: 3, gate|up: 2),
@@ -14,8 +14,11 @@ two batched matmuls over the grouped rows (SGLang's csgmv and punica work on the
 no loop over requests or adapters, and unlike a mask over every adapter the cost does not grow with the
 number of adapters in the batch. Base-model rows are not computed. When padding would more than double
 the rows (very uneven prefills) each segment is one matmul instead (at most max_loras_per_batch).
-`masked` is the older formulation, every row against every adapter with a 0/1 mask, kept as a reference
-for tests and the benchmark. Tensor parallelism: a column-parallel module holds this rank's rows of B
+The default is still the masked formulation, every row against every adapter of the batch with a 0/1
+mask (three ops per module): at CPU decode sizes it measured faster (bench/lora.py); the manager's
+`segmented` switch selects the segmented one.
+
+Tensor parallelism: a column-parallel module holds this rank's rows of B
 (A whole); a row-parallel one this rank's columns of A (B whole), and its LoRA term is added before the
 all-reduce, whose sum over ranks completes x @ A^T.
 
@@ -120,4 +123,4 @@ class LoRABatch:
     scatter: torch.Tensor | None = None  # [n] int64 position of each token row in the padded layout
     rows: torch.Tensor | None = None  # [m] int64 adapted token rows, grouped by adapter (per-segment path)
     segments: tuple[tuple[int, int], ...] = ()  # (start, end) of each adapter's rows in `rows`
-    masked: torch.Tensor | None = None  # [n, g] 0/1: the masked reference formulation instead
+    masked: torch.Tensor | None = None  # [n, g] 0/1: the masked formulation (the default) instead
