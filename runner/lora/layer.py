@@ -15,7 +15,8 @@ no loop over requests or adapters, and unlike a mask over every adapter the cost
 number of adapters in the batch. Base-model rows are not computed. When padding would more than double
 the rows (very uneven prefills) each segment is one matmul instead (at most max_loras_per_batch).
 The default is still the masked formulation, every row against every adapter of the batch with a 0/1
-mask (three ops per module): at CPU decode sizes it measured faster (bench/lora.py); the manager's
+mask (three ops per module): at CPU decode sizes the segmented one did not measure clearly faster
+(bench/lora.py); the manager's
 `segmented` switch selects the segmented one.
 
 Tensor parallelism: a column-parallel module holds this rank's rows of B

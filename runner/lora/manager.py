@@ -123,8 +123,8 @@ class LoRAManager:
         self._batch_key: tuple | None = None  # (slots,) of the gathered batch buffers
         self.pool_epoch = 0
         self.pad_limit = 2.0  # padded rows allowed, as a multiple of the adapted ones, before the per-segment path
-        # The masked formulation is the default: on the CPU at decode batch 16 it measured faster than the
-        # segmented one (bench/lora.py, 0.87-0.90x of masked), whose cost advantage needs more rows x adapters.
+        # The masked formulation is the default: on the CPU at decode batch 16 the segmented one measured
+        # 0.87-1.11x of it (bench/lora.py, load-dependent); its cost advantage needs more rows x adapters.
         self.segmented = False
 
     # ---- adapters ----------------------------------------------------------------------------
