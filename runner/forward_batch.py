@@ -86,7 +86,7 @@ class ForwardContext:
     attn_backend: Any
     token_to_kv_pool: Any
     req_to_token_pool: Any
-    lora_mask: torch.Tensor | None = None  # [num_tokens, num_adapters] scaling; None: no adapter this step
+    lora_batch: Any = None  # the step's LoRABatch (runner/lora/layer.py); None: no adapter this step
 
 
 _FORWARD_CONTEXT: ForwardContext | None = None
@@ -99,9 +99,9 @@ def get_forward_context() -> ForwardContext:
     return _FORWARD_CONTEXT
 
 
-def current_lora_mask() -> torch.Tensor | None:
-    """The step's LoRA mask (runner/lora/manager.py), or None (no step, or no adapter in it)."""
-    return None if _FORWARD_CONTEXT is None else _FORWARD_CONTEXT.lora_mask
+def current_lora_batch():
+    """The step's LoRABatch (runner/lora/manager.py), or None (no step, or no adapter in it)."""
+    return None if _FORWARD_CONTEXT is None else _FORWARD_CONTEXT.lora_batch
 
 
 @contextmanager

@@ -125,6 +125,10 @@ class ModelRunner:
         from runner.lora.manager import LoRAManager
 
         self.lora_manager = LoRAManager(self)
+        self.load_initial_lora_adapters()
+
+    def load_initial_lora_adapters(self) -> None:
+        """lora_paths (a tensor-parallel engine loads them from rank 0 instead, so every rank agrees on uids)."""
         for src in self.config.lora_paths or ():
             self.lora_manager.load(src["lora_name"], src["lora_path"], pinned=src["pinned"])
 
@@ -230,25 +234,25 @@ class ModelRunner:
         if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
             # Freed storages would be read (or written) out of bounds.
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
-        lora_mask = self.lora_manager.prepare(fb) if self.lora_manager is not None else None
+        lora_batch = self.lora_manager.prepare(fb) if self.lora_manager is not None else None
         # While the cuda_graph tag is released CUDA graph memory is unmapped (torch_memory_saver in preload
         # mode) or dropped: replaying would fault, so those steps run eagerly until it is resumed. The
         # compiled CPU step holds no such memory and keeps running (its numerics must not switch).
         # Captured steps hold no adapter: batches with LoRA run eager.
         graphs_resident = self.memory_saver.is_resident("cuda_graph")
         gr = self.graph_runner
-        if (fb.forward_mode.is_decode() and gr is not None and lora_mask is None
+        if (fb.forward_mode.is_decode() and gr is not None and lora_batch is None
                 and (graphs_resident or not getattr(gr, "released_with_cuda_graph_tag", False)) and gr.can_run(fb)):
             return gr.replay(fb)
         pw = self.piecewise_runner
-        if (fb.forward_mode.is_extend() and pw is not None and lora_mask is None and graphs_resident
+        if (fb.forward_mode.is_extend() and pw is not None and lora_batch is None and graphs_resident
                 and pw.can_run(fb)):
             return pw.replay(fb)
         # The eager step runs in inference mode: no version counters or view tracking, ~6% of a tiny
         # model's step. Not the captured one above: compiled graphs guard on the autograd mode.
         with (torch.inference_mode(),
               forward_context(ForwardContext(self.attn_backend, self.token_to_kv_pool, self.req_to_token_pool,
-                                             lora_mask)),
+                                             lora_batch)),
               batch_invariant.mode(self.config.enable_deterministic_inference),
               hf_numerics.mode(self.config.rl_on_policy_target == "fsdp")):
             self.attn_backend.init_forward_metadata(fb)
@@ -346,10 +350,16 @@ class ModelRunner:
 
     def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, tensors=None,
                           config_dict: dict | None = None, load_format: str | None = None,
-                          pinned: bool = False) -> int:
+                          pinned: bool = False, uid: int | None = None) -> int:
         """Load a PEFT adapter from a directory or from (tensors, config_dict); load_format None (a dict or
         pairs of PEFT names) or "flattened_bucket". Everything is checked before a byte is written; returns
-        the adapter's uid."""
+        the adapter's uid (`uid`: the one to register it under, a tensor-parallel rank's from rank 0)."""
+        staged = self.stage_lora_adapter(lora_name, lora_path, tensors, config_dict, load_format, pinned)
+        return self.commit_lora_adapter(staged, uid)
+
+    def stage_lora_adapter(self, lora_name: str, lora_path: str | None = None, tensors=None,
+                           config_dict: dict | None = None, load_format: str | None = None, pinned: bool = False):
+        """Every check of a load and its host buffers (runner/lora/manager.py StagedAdapter); writes nothing."""
         manager = self._require_lora()
         if tensors is not None:
             pairs = routes.unpack_named_tensors(tensors, load_format)
@@ -360,10 +370,23 @@ class ModelRunner:
             tensors = dict(pairs)
         elif lora_path is None:
             raise ValueError("load_lora_adapter needs lora_path or tensors")
-        return manager.load(lora_name, lora_path, tensors, config_dict, pinned).uid
+        return manager.stage(lora_name, lora_path, tensors, config_dict, pinned)
+
+    def commit_lora_adapter(self, staged, uid: int | None = None) -> int:
+        manager = self._require_lora()
+        manager.check_commit(staged)
+        self.before_lora_commit()
+        return manager.commit(staged, uid).uid
 
     def unload_lora_adapter(self, lora_name: str) -> None:
-        self._require_lora().unload(lora_name)
+        manager = self._require_lora()
+        manager.check_unload(lora_name)
+        self.before_lora_commit()
+        manager.unload(lora_name)
+
+    def before_lora_commit(self) -> None:
+        """Called once a LoRA load or unload is checked, before it changes anything (a tensor-parallel rank
+        votes here and raises if another rank refused)."""
 
     def lora_adapters(self) -> dict[str, dict]:
         """name -> {"uid", "path", "pinned", "r"} of every loaded adapter ({} with LoRA off)."""

@@ -86,7 +86,6 @@ class RLConfig:
             (self.lora_alpha >= 0, f"--lora-alpha must be >= 0 (0 = 2 * rank), got {self.lora_alpha}"),
             (not (self.lora_rank and self.deterministic),
              "--deterministic with --lora-rank is not supported: the engine's LoRA matmuls are not batch-invariant"),
-            (not (self.lora_rank and self.tp_size != 1), "--lora-rank needs --tp-size 1 (adapters are not sharded)"),
             (not (self.engine_process and self.num_engines != 1),
              "--engine-process runs one engine in a child process; with --num-engines > 1 the engines are Ray "
              "actors already: drop one of the two"),

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner import batch_invariant
-from runner.forward_batch import current_lora_mask
+from runner.forward_batch import current_lora_batch
 from runner.layers.ops import opaque_linear, packed_linear
 
 
@@ -100,8 +100,8 @@ class Linear(nn.Module):
         """y plus each row's adapter term when this step has adapters (runner/lora/layer.py)."""
         if self.lora is None:
             return y
-        mask = current_lora_mask()
-        return y if mask is None else self.lora.apply(x, y, mask)
+        batch = current_lora_batch()
+        return y if batch is None else self.lora.apply(x, y, batch)
 
 
 class MergedLinear(Linear):

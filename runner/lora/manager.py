@@ -6,10 +6,11 @@ projection of the model and allocates `max_loaded_loras` slots in each, inside t
 addressed by name; each load gets a fresh `uid`, which is what requests and the prefix cache key on, so
 an adapter replaced under the same name never shares KV with its predecessor.
 
-`load` checks everything first (runner/lora/adapter.py), then writes a free slot that no step reads
-until the adapter is registered, so a refused or failed load changes nothing. `prepare(fb)` turns the
-batch's per-request adapter uids into the step's mask and gathers the batch's slots (cached while the
-adapter set stays the same). Deciding which requests may share a batch, and waiting for requests before
+`stage` checks everything (runner/lora/adapter.py) and writes nothing; `commit` writes a free slot that no
+step reads until the adapter is registered, so a refused or failed load changes nothing (tensor-parallel
+ranks vote between the two, runner/tp/). `prepare(fb)` turns the
+batch's per-request adapter uids into the step's LoRABatch (a 0/1 mask by default; with `segmented`,
+the adapted token rows grouped by adapter, one stable sort per step) and gathers the batch's slots (cached while the adapter set stays the same). Deciding which requests may share a batch, and waiting for requests before
 an unload, are the scheduler's and the Engine's.
 """
 
@@ -23,12 +24,17 @@ import torch
 
 from runner.lora.adapter import read_adapter_dir, stage_adapter
 from runner.lora.config import AdapterConfig
-from runner.lora.layer import LoRAModule, LoRATarget
+from runner.lora.layer import LoRABatch, LoRAModule, LoRATarget
 
 logger = logging.getLogger(__name__)
 TENSOR_PATH = "__tensor__"  # SGLang's lora_path of an adapter loaded from tensors
 
 _uids = itertools.count(1)
+
+
+def new_uid() -> int:
+    """A load uid never handed out before in this process."""
+    return next(_uids)
 
 
 @dataclass
@@ -39,6 +45,18 @@ class LoadedAdapter:
     config: AdapterConfig
     path: str
     pinned: bool
+
+
+@dataclass
+class StagedAdapter:
+    """A checked adapter, not yet written: its host slot buffers per (layer, module) and what made them."""
+
+    name: str
+    config: AdapterConfig
+    path: str
+    pinned: bool
+    tensors: dict  # PEFT name -> tensor, as given (tensor-parallel rank 0 forwards them to the other ranks)
+    slots: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _targets_of(layer) -> list[tuple[str, object, list[tuple[str, object]]]]:
@@ -104,6 +122,10 @@ class LoRAManager:
         self.free_slots = list(range(self.num_slots))
         self._batch_key: tuple | None = None  # (slots,) of the gathered batch buffers
         self.pool_epoch = 0
+        self.pad_limit = 2.0  # padded rows allowed, as a multiple of the adapted ones, before the per-segment path
+        # The masked formulation is the default: on the CPU at decode batch 16 the segmented one measured
+        # 0.87-1.11x of it (bench/lora.py, load-dependent); its cost advantage needs more rows x adapters.
+        self.segmented = False
 
     # ---- adapters ----------------------------------------------------------------------------
     def loaded_adapters(self) -> dict[str, str]:
@@ -117,10 +139,10 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
         return adapter.uid
 
-    def load(self, name: str, path: str | None = None, tensors: dict | None = None, config_dict: dict | None = None,
-             pinned: bool = False) -> LoadedAdapter:
-        """Load from a PEFT directory (`path`) or from (`tensors`, `config_dict`). ValueError/RuntimeError,
-        with nothing changed, on any problem."""
+    def stage(self, name: str, path: str | None = None, tensors: dict | None = None,
+              config_dict: dict | None = None, pinned: bool = False) -> StagedAdapter:
+        """Check a load from a PEFT directory (`path`) or from (`tensors`, `config_dict`) and build its host
+        buffers; ValueError/RuntimeError naming the problem. Writes nothing: `commit` does."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
         if name in self.adapters:
@@ -140,26 +162,48 @@ class LoRAManager:
             if not isinstance(tensors, dict):
                 raise ValueError(f"tensors must be a dict (or pairs) of PEFT name -> tensor, got {type(tensors).__name__}")
         staged = stage_adapter(config, tensors, self.modules, self.num_layers, self.max_rank, self.enabled, self.dtype)
+        return StagedAdapter(name, config, path if path is not None else TENSOR_PATH, pinned, tensors, staged)
+
+    def check_commit(self, staged: StagedAdapter) -> None:
+        """`commit` will succeed (re-checked only for a state changed since `stage`)."""
+        if staged.name in self.adapters or not self.free_slots:
+            raise RuntimeError(f"LoRA adapter {staged.name!r}: the loaded adapters changed between check and commit")
+
+    def commit(self, staged: StagedAdapter, uid: int | None = None) -> LoadedAdapter:
+        """Write a staged adapter into a free slot and register it (under `uid`, or a fresh one: tensor-parallel
+        ranks take rank 0's, so a batch's uids mean the same adapter on every rank)."""
+        self.check_commit(staged)
         slot = self.free_slots[0]
         with torch.no_grad():  # a free slot: no step reads it until the adapter is registered below
             for key, module in self.modules.items():
-                if key in staged:
-                    module.write_slot(slot, *staged[key])
+                if key in staged.slots:
+                    module.write_slot(slot, *staged.slots[key])
                 else:
                     module.a_pool[slot].zero_()
                     module.b_pool[slot].zero_()
         self.free_slots.pop(0)
-        adapter = LoadedAdapter(name, next(_uids), slot, config, path if path is not None else TENSOR_PATH, pinned)
-        self.adapters[name] = adapter
+        adapter = LoadedAdapter(staged.name, new_uid() if uid is None else uid, slot, staged.config, staged.path,
+                                staged.pinned)
+        self.adapters[staged.name] = adapter
         self.by_uid[adapter.uid] = adapter
         self.pool_epoch += 1
         return adapter
 
-    def unload(self, name: str) -> LoadedAdapter:
-        """Forget `name` (the caller made sure no request uses it); its slot becomes free."""
-        adapter = self.adapters.pop(name, None)
+    def load(self, name: str, path: str | None = None, tensors: dict | None = None, config_dict: dict | None = None,
+             pinned: bool = False) -> LoadedAdapter:
+        """`stage` then `commit`: nothing changed on any problem."""
+        return self.commit(self.stage(name, path, tensors, config_dict, pinned))
+
+    def check_unload(self, name: str) -> LoadedAdapter:
+        adapter = self.adapters.get(name)
         if adapter is None:
             raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        return adapter
+
+    def unload(self, name: str) -> LoadedAdapter:
+        """Forget `name` (the caller made sure no request uses it); its slot becomes free."""
+        adapter = self.check_unload(name)
+        del self.adapters[name]
         del self.by_uid[adapter.uid]
         self.free_slots.append(adapter.slot)
         self.pool_epoch += 1
@@ -183,9 +227,9 @@ class LoRAManager:
             m.drop_batch()
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, fb) -> torch.Tensor | None:
-        """The step's mask [num_tokens, num_adapters] (each row's scaling at its adapter's column), with
-        every module's batch buffers gathered; None when no request of the batch uses an adapter."""
+    def prepare(self, fb) -> LoRABatch | None:
+        """The step's LoRABatch (its adapted token rows grouped by adapter, stable), with every module's
+        batch buffers gathered; None when no request of the batch uses an adapter."""
         uids = fb.lora_ids
         if not uids or all(u is None for u in uids):
             return None
@@ -201,19 +245,48 @@ class LoRAManager:
         key = (tuple(slots), self.pool_epoch)
         if key != self._batch_key:
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            by_slot = {a.slot: a.config.scaling for a in adapters}
+            scalings = torch.tensor([by_slot[s] for s in slots], dtype=self.dtype, device=self.device)
             for m in self.modules.values():
-                m.gather(index)
+                m.gather(index, scalings)
             self._batch_key = key
         col = {s: j for j, s in enumerate(slots)}
-        rows = []
-        for u in uids:
-            row = [0.0] * len(slots)
-            if u is not None:
-                a = self.by_uid[u]
-                row[col[a.slot]] = a.config.scaling
-            rows.append(row)
-        mask = torch.tensor(rows, dtype=self.dtype, device=self.device)  # [bs, s]
-        if fb.forward_mode.is_extend():
-            lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=self.device)
-            mask = mask.repeat_interleave(lens, dim=0, output_size=sum(fb.extend_seq_lens_cpu))  # [num_tokens, s]
-        return mask
+        g = len(slots)
+        req_col = [g if u is None else col[self.by_uid[u].slot] for u in uids]  # g: the base model
+        lens = fb.extend_seq_lens_cpu if fb.forward_mode.is_extend() else [1] * len(uids)
+        counts = [0] * (g + 1)
+        for c, n in zip(req_col, lens):
+            counts[c] += n
+        n_tok = sum(lens)
+        if not self.segmented:
+            mask = torch.zeros(len(uids), g, dtype=self.dtype)
+            for i, c in enumerate(req_col):
+                if c < g:
+                    mask[i, c] = 1.0
+            mask = mask.repeat_interleave(torch.tensor(lens), dim=0).to(self.device)  # [num_tokens, g]
+            return LoRABatch(masked=mask)
+        tok_col = torch.tensor(req_col).repeat_interleave(torch.tensor(lens))  # [num_tokens], g: the base model
+        order = torch.argsort(tok_col, stable=True)  # token rows grouped by adapter, base rows last
+        m = n_tok - counts[g]
+        seg_len = max(counts[:g]) + (1 if counts[g] else 0)  # a base row needs a padding row to point at
+        if g * seg_len > self.pad_limit * max(m, 1) and g > 1:  # padding would dominate: a matmul per segment
+            ends = list(itertools.accumulate(counts[:g]))
+            return LoRABatch(rows=order[:m].to(self.device), segments=tuple(zip([0, *ends[:-1]], ends)))
+        if g * seg_len == n_tok and counts[g] == 0 and bool((order == torch.arange(n_tok)).all()):
+            return LoRABatch(seg_len=seg_len)  # equal segments, already grouped, no base rows: no index at all
+        gather = torch.zeros(g, seg_len, dtype=torch.int64)
+        valid = torch.zeros(g, seg_len, 1, dtype=self.dtype)
+        scatter = torch.empty(n_tok, dtype=torch.int64)
+        start = 0
+        for j in range(g):
+            rows_j = order[start:start + counts[j]]
+            gather[j, :counts[j]] = rows_j
+            valid[j, :counts[j]] = 1.0
+            scatter[rows_j] = j * seg_len + torch.arange(counts[j])
+            start += counts[j]
+        if counts[g]:
+            pad_of = [j for j in range(g) if counts[j] < seg_len][0]  # a zero row of the padded output
+            scatter[order[m:]] = pad_of * seg_len + seg_len - 1
+        padded = bool((valid == 0).any())
+        return LoRABatch(seg_len=seg_len, gather=gather.view(-1).to(self.device),
+                         valid=valid.to(self.device) if padded else None, scatter=scatter.to(self.device))

@@ -23,9 +23,6 @@ def validate_lora_options(cfg) -> None:
     if cfg.enable_deterministic_inference:
         raise ValueError("enable_lora with enable_deterministic_inference is not supported: the LoRA matmuls are "
                          "not batch-invariant here; turn one of them off")
-    if cfg.tp_size > 1:
-        raise ValueError(f"enable_lora with tp_size={cfg.tp_size} is not supported yet (adapters are not sharded "
-                         f"over tensor-parallel ranks); use tp_size=1 or several engines")
     rank, targets = infer_options(sources, cfg.max_lora_rank, cfg.lora_target_modules)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"max_lora_rank={rank!r} must be an int >= 1")

@@ -3,10 +3,11 @@
 `TPRankRunner` is a ModelRunner whose model is built for its rank (runner/tp/group.py `building`), whose
 KV pool holds only its KV heads, and whose weight writes wait for a vote before they commit: a writer
 that wrote everything asks `vote()` whether every rank did too, and restores its slices if not (the
-all-or-nothing loader, made all-or-nothing across ranks). Captured decode steps are off under TP
+all-or-nothing loader, made all-or-nothing across ranks); a LoRA load or unload votes the same way
+once checked, before it changes anything. Captured decode steps are off under TP
 (collectives inside a captured step are not verified here).
 
-`encode_batch` / `apply_batch` carry a ForwardBatch plus the req_to_token rows it reads (the scheduler
+`encode_batch` / `apply_batch` carry a ForwardBatch (with its requests' LoRA uids) plus the req_to_token rows it reads (the scheduler
 keeps KV bookkeeping on rank 0 only), so every rank's pool sees the same slots. Sampling info stays on
 rank 0. Nothing here spawns processes.
 """
@@ -69,6 +70,14 @@ class TPRankRunner(ModelRunner):
     def new_weight_writer(self) -> WeightWriter:
         return VotingWriter(lambda: self.vote_fn() if self.vote_fn is not None else None)
 
+    def load_initial_lora_adapters(self) -> None:
+        pass  # TPModelRunner loads lora_paths through every rank, with rank 0's uids
+
+    def before_lora_commit(self) -> None:
+        reason = self.vote_fn() if self.vote_fn is not None else None
+        if reason is not None:
+            raise ValueError(reason)
+
     def weight_shard(self, name: str) -> tuple[torch.Tensor, tuple[int, int, int, int] | None]:
         """This rank's part of HF weight `name` (padding dropped) and its (dim, start, size, full)."""
         self._require_weights_resident()
@@ -92,7 +101,7 @@ def encode_batch(fb: ForwardBatch, req_to_token: torch.Tensor) -> tuple[dict, li
     header = {"mode": int(fb.forward_mode), "batch_size": fb.batch_size, "seq_lens_cpu": fb.seq_lens_cpu,
               "extend_prefix_lens_cpu": fb.extend_prefix_lens_cpu, "extend_seq_lens_cpu": fb.extend_seq_lens_cpu,
               "return_all_logits": fb.return_all_logits, "final_seq_lens_cpu": fb.final_seq_lens_cpu,
-              "optional": opt}
+              "optional": opt, "lora_ids": fb.lora_ids}
     return header, [getattr(fb, f) for f in _INT_FIELDS] + [rows] + [getattr(fb, f) for f in opt]
 
 
@@ -113,4 +122,5 @@ def apply_batch(header: dict, tensors: list[torch.Tensor], runner: ModelRunner) 
                         extend_prefix_lens_cpu=header["extend_prefix_lens_cpu"],
                         extend_seq_lens_cpu=header["extend_seq_lens_cpu"],
                         return_all_logits=header["return_all_logits"],
-                        final_seq_lens_cpu=header.get("final_seq_lens_cpu"), **ints, **opt)
+                        final_seq_lens_cpu=header.get("final_seq_lens_cpu"), lora_ids=header["lora_ids"], **ints,
+                        **opt)

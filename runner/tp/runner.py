@@ -4,9 +4,10 @@ Rank 0 is a TPRankRunner here; ranks 1..N-1 are spawned daemon processes (runner
 call that touches the model goes to the workers first, then runs locally, so the collectives inside the
 model line up; then each worker's reply is collected (bounded by the group timeout, and watching the
 process). Sampling, KV bookkeeping and the weight-update group registry stay on rank 0: a forward
-carries the req_to_token rows it reads, a distributed update is received here and forwarded as
-tensors. A weight update commits on every rank or on none (two-phase vote); a sparse delta goes to every
-rank whole, each applies its own slice, after rank 0 checked the summed partial checksums. A rank that dies makes
+carries the req_to_token rows it reads (and its LoRA uids), a distributed update is received here and
+forwarded as tensors. A weight update, a LoRA load and a LoRA unload commit on every rank or on none
+(two-phase vote); adapters keep rank 0's uids on every rank; a sparse delta goes to every rank whole, each
+applies its own slice, after rank 0 checked the summed partial checksums. A rank that dies makes
 every later call fail at once with "tensor-parallel rank N died ..."; the runner then reports its
 weights as unusable so the scheduler fails the batch instead of retrying it.
 
@@ -25,6 +26,7 @@ import torch
 
 from runner.config import RunnerConfig
 from runner.forward_batch import LogitsOutput
+from runner.lora.manager import new_uid
 from runner.tp import channel
 from runner.tp.group import TPGroup
 from runner.tp.rank_runner import TPRankRunner, encode_batch
@@ -69,6 +71,8 @@ class TPModelRunner:
                 if reply["max_total_num_tokens"] < self.local.max_total_num_tokens:
                     raise RuntimeError(f"tensor-parallel rank {rank} has room for {reply['max_total_num_tokens']} "
                                        f"KV tokens, rank 0 for {self.local.max_total_num_tokens}")
+            for src in (config.lora_paths or []) if config.enable_lora else []:
+                self.load_lora_adapter(src["lora_name"], src["lora_path"], pinned=src["pinned"])
         except BaseException:
             self._kill_workers()
             raise
@@ -230,14 +234,14 @@ class TPModelRunner:
         return self.local.update_weights_from_distributed(names, dtypes, shapes, group_name, load_format,
                                                           load=load or self.update_weights_from_tensor)
 
-    def _update(self, header: dict, tensors: list[torch.Tensor], local_call) -> int:
+    def _update(self, header: dict, tensors: list[torch.Tensor], local_call, what: str = "the update"):
         """Two-phase: every rank checks and writes, votes; all commit or all restore."""
         self._send(header, tensors)
         decided = False
 
         def vote() -> str | None:
             nonlocal decided
-            refusals = self._collect_votes()
+            refusals = self._collect_votes(what)
             self._decide(not refusals)
             decided = True
             return refusals[0] if refusals else None
@@ -247,23 +251,23 @@ class TPModelRunner:
             num = local_call()
         except Exception:
             if not decided:
-                self._collect_votes()
+                self._collect_votes(what)
                 self._decide(False)
             for rank in range(1, self.tp_size):
                 self._recv(rank)
             raise
         finally:
             self.local.vote_fn = None
-        self._replies("the weight update")
+        self._replies(what)
         return num
 
-    def _collect_votes(self) -> list[str]:
+    def _collect_votes(self, what: str) -> list[str]:
         refusals = []
         for rank in range(1, self.tp_size):
             v, _ = self._recv(rank)
             if v["vote"] != "ok":
-                refusals.append(f"tensor-parallel rank {rank} refused the update ({v['error']}); every rank "
-                                f"restored its weights")
+                refusals.append(f"tensor-parallel rank {rank} refused {what} ({v['error']}); every rank "
+                                f"kept its weights and adapters as they were")
         return refusals
 
     def _decide(self, commit: bool) -> None:
@@ -272,6 +276,32 @@ class TPModelRunner:
                 channel.send(conn, {"commit": commit})
             except OSError:
                 self._fail(rank)
+
+    # ---- LoRA adapters: checked on rank 0, then checked, voted and committed on every rank ----------
+    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, tensors=None,
+                          config_dict: dict | None = None, load_format: str | None = None,
+                          pinned: bool = False) -> int:
+        """ModelRunner's, on every rank: rank 0 checks first (a refusal sends nothing), then sends the adapter's
+        tensors (read once, here) and its uid; each rank re-checks and stages its own A/B slices, and all
+        commit or none does."""
+        staged = self.local.stage_lora_adapter(lora_name, lora_path, tensors, config_dict, load_format, pinned)
+        return self._load_staged_lora(staged, new_uid(), list(staged.tensors.items()))
+
+    def _load_staged_lora(self, staged, uid: int, named: list[tuple[str, torch.Tensor]]) -> int:
+        header = {"cmd": "lora_load", "name": staged.name, "path": staged.path, "pinned": staged.pinned, "uid": uid,
+                  "config": dataclasses.asdict(staged.config), "names": [n for n, _ in named]}
+        return self._update(header, [_plain(t) for _, t in named], lambda: self.local.commit_lora_adapter(staged, uid),
+                            f"the load of LoRA adapter {staged.name!r}")
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self.local._require_lora().check_unload(lora_name)
+        self._update({"cmd": "lora_unload", "name": lora_name}, [], lambda: self.local.unload_lora_adapter(lora_name),
+                     f"the unload of LoRA adapter {lora_name!r}")
+
+    def rank_lora_adapters(self) -> list[dict[str, dict]]:
+        """Every rank's `lora_adapters()`, rank order (they agree unless something is broken)."""
+        self._send({"cmd": "lora_adapters"})
+        return [self.local.lora_adapters()] + [reply["adapters"] for _, reply in self._replies("lora_adapters")]
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The full HF tensor, assembled from every rank's slice, truncated as ModelRunner does."""

@@ -1,15 +1,16 @@
 """The body of a tensor-parallel worker process (ranks 1..N-1): build this rank's runner, then serve
 rank 0's commands until told to stop or until rank 0 is gone.
 
-Each command (forward, release, resume, a weight update, a weight read, shutdown) gets exactly one
-reply `{"ok": bool, "error": str}`; a weight update also sends one vote and waits for rank 0's
-decision before it commits (runner/tp/rank_runner.py VotingWriter). The worker exits when its parent
+Each command (forward, release, resume, a weight update, a LoRA load/unload, a weight read, shutdown)
+gets exactly one reply `{"ok": bool, "error": str}`; a weight update or LoRA change also sends one vote
+and waits for rank 0's decision before it commits (runner/tp/rank_runner.py). The worker exits when its parent
 dies (the pipe closes, or the parent pid changes) and a collective with a dead peer fails within the
 group's timeout, so no worker outlives the engine.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -64,8 +65,10 @@ def _serve(runner: TPRankRunner, conn, parent_alive, timeout_s: float) -> None:
                 runner.resume_memory_occupation(header["tags"])
             elif cmd == "delta_partials":
                 reply["partials"] = delta.partial_hashes(runner, tensors[0])
-            elif cmd in ("update_tensor", "update_disk", "update_delta"):
-                reply["num_written"] = _update(runner, conn, header, tensors, parent_alive, timeout_s)
+            elif cmd in ("update_tensor", "update_disk", "update_delta", "lora_load", "lora_unload"):
+                _voted(runner, conn, functools.partial(_update, runner, header, tensors), parent_alive, timeout_s)
+            elif cmd == "lora_adapters":
+                reply["adapters"] = runner.lora_adapters()
             elif cmd == "get_shard":
                 shard, spec = runner.weight_shard(header["name"])
                 out, reply["spec"] = [shard], spec
@@ -79,8 +82,25 @@ def _serve(runner: TPRankRunner, conn, parent_alive, timeout_s: float) -> None:
         channel.send(conn, reply, out)
 
 
-def _update(runner: TPRankRunner, conn, header: dict, tensors, parent_alive, timeout_s: float) -> int:
-    """Run one update; vote once (ok from inside the writer, or the error), obey rank 0's decision."""
+def _update(runner: TPRankRunner, header: dict, tensors: list[torch.Tensor]):
+    """One weight update or LoRA load/unload; its writer (or before_lora_commit) votes through vote_fn."""
+    cmd = header["cmd"]
+    if cmd == "update_tensor":
+        return runner.update_weights_from_tensor(list(zip(header["names"], tensors)))
+    if cmd == "update_delta":  # this rank applies its slice; rank 0 checked the sums
+        return runner.update_weights_from_tensor(tensors[0], "delta")
+    if cmd == "update_disk":
+        return runner.update_weights_from_disk(header["path"])
+    if cmd == "lora_unload":
+        return runner.unload_lora_adapter(header["name"])
+    staged = runner.stage_lora_adapter(header["name"], None, list(zip(header["names"], tensors)), header["config"],
+                                       pinned=header["pinned"])
+    staged.path = header["path"]  # rank 0 read the directory and sent its tensors
+    return runner.commit_lora_adapter(staged, header["uid"])
+
+
+def _voted(runner: TPRankRunner, conn, call, parent_alive, timeout_s: float):
+    """Run `call`; vote once (ok from inside it, or the error), obey rank 0's decision."""
     voted = False
 
     def vote() -> str | None:
@@ -92,11 +112,7 @@ def _update(runner: TPRankRunner, conn, header: dict, tensors, parent_alive, tim
 
     runner.vote_fn = vote
     try:
-        if header["cmd"] == "update_tensor":
-            return runner.update_weights_from_tensor(list(zip(header["names"], tensors)))
-        if header["cmd"] == "update_delta":  # this rank applies its slice; rank 0 checked the sums
-            return runner.update_weights_from_tensor(tensors[0], "delta")
-        return runner.update_weights_from_disk(header["path"])
+        return call()
     except Exception as e:
         if not voted:
             channel.send(conn, {"vote": "fail", "error": f"{type(e).__name__}: {e}"})

@@ -80,6 +80,27 @@ def test_mixed_batch_equals_each_alone(three, make_engine, max_per_batch):
     assert max(len(s) for s in seen) == min(3, max_per_batch)  # never more adapters in one step than allowed
 
 
+@pytest.mark.parametrize("formulation", ["segmented", "per-segment"])
+def test_every_lora_formulation_equals_peft(three, make_engine, formulation):
+    """The segmented formulation, padded and per segment, gives each request of a mixed batch (prefill of
+    unequal lengths, then decode) its own adapter's PeftModel output, as the masked default does."""
+    ckpt, adapters, refs = three
+    engine = make_engine(ckpt, lora_paths={n: str(p) for n, p in adapters.items()})
+    manager = engine.runner.lora_manager
+    manager.segmented = True
+    if formulation == "per-segment":
+        manager.pad_limit = 0.0  # never pad: one matmul per adapter segment
+    names = ["b", None, "a", "c", "a"]
+    outs = engine.generate(input_ids=[PROMPTS[1]] * len(names), sampling_params=GREEDY, return_logprob=True,
+                           lora_path=names)
+    for out, name in zip(outs, names, strict=True):
+        _check([out], [refs[name]])
+    other = {n: hf_generate(peft_model(ckpt, p), PROMPTS[2], MAX_NEW) for n, p in adapters.items()}
+    outs = engine.generate(input_ids=[PROMPTS[2], PROMPTS[1], PROMPTS[2]], sampling_params=GREEDY,
+                           return_logprob=True, lora_path=["c", "b", "a"])
+    _check(outs, [other["c"], refs["b"], other["a"]])
+
+
 def test_prefix_cache_is_per_adapter(three, make_engine):
     """The same prompt under a, then the base, then b (radix cache on) equals each model: KV computed
     under one adapter is never reused for another, while a repeat under the same adapter is a cache hit."""

@@ -1,6 +1,7 @@
 """GRPO with --lora-rank end to end: only the adapter trains and only the adapter is synced, each step as a
 new adapter version (the previous one unloaded); the engine under the current version generates what
-the trainer's PeftModel generates; the mismatch metric stays measured; refusals are by name."""
+the trainer's PeftModel generates (tp_size 1 and 2); the mismatch metric stays measured; refusals are by
+name."""
 
 from __future__ import annotations
 
@@ -62,9 +63,32 @@ def test_engine_serves_the_trainers_adapter(lora_run):
 
 
 def test_lora_refusals(ckpt_factory):
-    """--deterministic and --tp-size > 1 with --lora-rank are refused by name."""
+    """--deterministic with --lora-rank is refused by name."""
     ckpt = str(ckpt_factory("llama"))
     with pytest.raises(ValueError, match="--deterministic with --lora-rank"):
         RLConfig(model=ckpt, lora_rank=8, deterministic=True)
-    with pytest.raises(ValueError, match="--lora-rank needs --tp-size 1"):
-        RLConfig(model=ckpt, lora_rank=8, tp_size=2)
+
+
+def test_lora_with_tp2_serves_the_trainers_adapter(ckpt_factory, tmp_path):
+    """--lora-rank with --tp-size 2: each step's adapter version reaches both ranks (same uid), the previous one
+    is unloaded on both, and the tp=2 engine generates what the trainer's PeftModel generates."""
+    ckpt = ckpt_factory("llama")
+    cfg = RLConfig(model=str(ckpt), steps=2, prompts_per_step=2, group_size=2, no_wandb=True, eval_every=0,
+                   output_dir=str(tmp_path), lr=1e-2, lora_rank=4, tp_size=2)
+    trainer = GRPOTrainer(cfg)
+    trainer.task = Task("length", make_toy_prompts, length_reward)
+    try:
+        history = trainer.train()
+        assert all(m["logprob_mismatch"] < 1e-3 for m in history)
+        per_rank = trainer.engine.runner.rank_lora_adapters()
+        assert [list(r) for r in per_rank] == [["policy-step-2"]] * 2 and per_rank[0] == per_rank[1]
+        model = trainer.policy.eval()
+        prompt = random_prompts([7], seed=4)[0]
+        ids, lps = hf_generate(model, prompt, 6)
+        out = trainer.engine.generate(input_ids=prompt, return_logprob=True, lora_path=trainer.lora_path,
+                                      sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+        assert out["output_ids"] == ids
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, torch.tensor(lps), atol=1e-4, rtol=0)
+    finally:
+        trainer.close()
