@@ -10,6 +10,7 @@ a padded copy of a batch without the batch ever learning about it.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
@@ -89,27 +90,35 @@ class ForwardContext:
     lora_batch: Any = None  # the step's LoRABatch (runner/lora/layer.py); None: no adapter this step
 
 
-_FORWARD_CONTEXT: ForwardContext | None = None
+# Per thread: one process runs forwards on several threads at once (each engine's scheduler thread, the
+# overlap schedule's forward worker, a trainer's own pass through the model code), and one thread's
+# forward must never see, or reset, another's context.
+_LOCAL = threading.local()
+
+
+def _current() -> ForwardContext | None:
+    return getattr(_LOCAL, "ctx", None)
 
 
 def get_forward_context() -> ForwardContext:
-    if _FORWARD_CONTEXT is None:
+    ctx = _current()
+    if ctx is None:
         raise RuntimeError("no forward context: the model runs only inside ModelRunner.forward "
                            "(or a graph runner's capture/replay)")
-    return _FORWARD_CONTEXT
+    return ctx
 
 
 def current_lora_batch():
     """The step's LoRABatch (runner/lora/manager.py), or None (no step, or no adapter in it)."""
-    return None if _FORWARD_CONTEXT is None else _FORWARD_CONTEXT.lora_batch
+    ctx = _current()
+    return None if ctx is None else ctx.lora_batch
 
 
 @contextmanager
 def forward_context(ctx: ForwardContext):
     """Set `ctx` for the duration of one forward (nested uses restore the outer one)."""
-    global _FORWARD_CONTEXT
-    prev, _FORWARD_CONTEXT = _FORWARD_CONTEXT, ctx
+    prev, _LOCAL.ctx = _current(), ctx
     try:
         yield ctx
     finally:
-        _FORWARD_CONTEXT = prev
+        _LOCAL.ctx = prev
