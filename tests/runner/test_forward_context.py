@@ -13,7 +13,7 @@ def test_a_forward_on_another_thread_neither_sees_nor_resets_this_threads_contex
     """Two forwards overlapping on two threads (an engine's forward worker and a trainer's own pass
     through the model code) each read their own context, and leaving one restores only its thread's."""
     ctx_a, ctx_b = ForwardContext("a", None, None), ForwardContext("b", None, None)
-    a_entered, b_entered, b_left = threading.Event(), threading.Event(), threading.Event()
+    a_entered, b_entered, a_read, b_left = (threading.Event() for _ in range(4))
     seen: dict[str, object] = {}
 
     def thread_b():
@@ -21,6 +21,7 @@ def test_a_forward_on_another_thread_neither_sees_nor_resets_this_threads_contex
         with forward_context(ctx_b):
             b_entered.set()
             seen["b"] = get_forward_context()
+            a_read.wait(10)  # stay inside until thread A has read its context
         b_left.set()
 
     t = threading.Thread(target=thread_b)
@@ -29,6 +30,7 @@ def test_a_forward_on_another_thread_neither_sees_nor_resets_this_threads_contex
         a_entered.set()
         assert b_entered.wait(10)
         seen["a while b inside"] = get_forward_context()
+        a_read.set()
         assert b_left.wait(10)
         seen["a after b left"] = get_forward_context()
     t.join(10)
