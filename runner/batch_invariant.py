@@ -27,30 +27,17 @@ different thread counts or CPUs agree with each other.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-
 import torch
+
+from runner.thread_flag import ThreadFlag
 
 TILE_ROWS = 16  # rows per linear-layer GEMM: the decode-sized shape, shared by prefill and decode
 KV_BLOCK = 64  # keys per attention block
 
-_state = threading.local()  # per thread: each engine's scheduler thread, the trainer's thread
-
-
-def is_enabled() -> bool:
-    return getattr(_state, "enabled", False)
-
-
-@contextmanager
-def mode(enabled: bool = True):
-    """Batch-invariant ops on this thread for the duration (nested uses restore the outer setting)."""
-    prev = is_enabled()
-    _state.enabled = enabled
-    try:
-        yield
-    finally:
-        _state.enabled = prev
+# Per thread (each engine's scheduler thread, the forward worker, the trainer's thread): `with mode():`.
+_flag = ThreadFlag()
+is_enabled = _flag.is_enabled
+mode = _flag.mode
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

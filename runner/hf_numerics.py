@@ -11,22 +11,9 @@ captured kernels are turned off by RunnerConfig. The default path is untouched.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
+from runner.thread_flag import ThreadFlag
 
-_state = threading.local()
-
-
-def is_enabled() -> bool:
-    return getattr(_state, "enabled", False)
-
-
-@contextmanager
-def mode(enabled: bool = True):
-    """HF numerics on this thread for the duration (nested uses restore the outer setting)."""
-    prev = is_enabled()
-    _state.enabled = enabled
-    try:
-        yield
-    finally:
-        _state.enabled = prev
+# Per thread (each engine's scheduler thread, the forward worker, the trainer's thread): `with mode():`.
+_flag = ThreadFlag()
+is_enabled = _flag.is_enabled
+mode = _flag.mode

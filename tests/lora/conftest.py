@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.lora_adapters import make_adapter
-from tests.rollout.oracle import EnginePool
+from tests.rollout.conftest import make_engine, module_engines  # noqa: F401 (the same fixtures here)
 
 
 @pytest.fixture(scope="session")
@@ -20,17 +20,3 @@ def adapter_factory(tmp_path_factory):
         return cache[key]
 
     return factory
-
-
-@pytest.fixture
-def make_engine():
-    pool = EnginePool()
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def module_engines():
-    pool = EnginePool()
-    yield pool
-    pool.close()
