@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
                   context_length=seq_len + 16, max_total_tokens=num_seqs * (seq_len + 1) + 1024,
                   show_progress=False)
     sp = dict(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True, n=args.n, seed=1)
-    engines = {"on": Engine(str(model_dir), **kwargs),
+    engines = {"on": Engine(str(model_dir), disable_overlap_schedule=False, **kwargs),
                "off": Engine(str(model_dir), disable_overlap_schedule=True, **kwargs)}
     print(f"workload: preset={args.preset} dtype={args.dtype} batch={args.batch} n={args.n} "
           f"prompt_len={args.prompt_len} output_len={args.output_len} torch_threads={torch.get_num_threads()} "

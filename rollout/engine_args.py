@@ -69,8 +69,9 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "kv_cache_dtype": ("'auto' or a model dtype", "KV cache dtype"),
     "chunked_prefill_size": (">= 1", "prefill tokens per step"),
     "disable_radix_cache": ("bool", "no prefix cache"),
-    "disable_overlap_schedule": ("bool", "no overlap schedule: each decode step is built only after the previous "
-                                 "one finished (rollout.overlap); outputs are the same either way"),
+    "disable_overlap_schedule": ("bool or None", "True: no overlap schedule, each decode step is built only after "
+                                 "the previous one finished (rollout.overlap); False: overlap on; None (default): on "
+                                 "for CUDA, off on the CPU; outputs are the same either way"),
     "attention_backend": ("None, 'torch_native', 'flashinfer' (SGLang's 'fa3', 'triton' ... are refused)",
                           "attention kernels, chosen once"),
     "disable_cuda_graph": ("bool", "no captured decode step"),

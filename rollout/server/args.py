@@ -129,7 +129,8 @@ def _add_dataclass_flags(parser: argparse._ArgumentGroup, cls, skip: set[str]) -
         tp = _base_type(hints[f.name])
         help_ = f.metadata.get("help") or _help(f.name, default)
         if tp is bool:
-            action = argparse.BooleanOptionalAction if default else "store_true"
+            # True or None (decided by the engine) defaults also get --no-<flag>: a user can pick either side.
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
             parser.add_argument(_flag(f.name), dest=f.name, action=action, default=default, help=help_)
         elif typing.get_origin(tp) is list:  # list[str] / list[int]: one or more values, as SGLang's nargs="+"
             parser.add_argument(_flag(f.name), dest=f.name, nargs="+", type=typing.get_args(tp)[0],

@@ -156,13 +156,16 @@ def test_control_between_steps_equals_off(control, tiny_llama, make_engine):
 
 
 def test_disable_overlap_schedule_is_an_engine_option_and_a_server_flag(tiny_llama, make_engine):
-    """SGLang's disable_overlap_schedule: on by default, off by the Engine option or --disable-overlap-schedule;
-    a non-bool is refused by name."""
+    """SGLang's disable_overlap_schedule: None (the default) is off on the CPU (on for CUDA), False turns it
+    on, True off, over the Engine and the server flags (--[no-]disable-overlap-schedule); a non-bool is refused
+    by name."""
     from rollout.server.args import parse_args
 
     assert parse_args(["--model-path", "m", "--disable-overlap-schedule"])[1]["disable_overlap_schedule"] is True
-    assert parse_args(["--model-path", "m"])[1]["disable_overlap_schedule"] is False
-    assert make_engine(tiny_llama).scheduler.overlap is not None
+    assert parse_args(["--model-path", "m", "--no-disable-overlap-schedule"])[1]["disable_overlap_schedule"] is False
+    assert parse_args(["--model-path", "m"])[1]["disable_overlap_schedule"] is None
+    assert make_engine(tiny_llama).scheduler.overlap is None  # CPU default
+    assert make_engine(tiny_llama, disable_overlap_schedule=False).scheduler.overlap is not None
     assert make_engine(tiny_llama, disable_overlap_schedule=True).scheduler.overlap is None
     with pytest.raises(ValueError, match="disable_overlap_schedule"):
         make_engine(tiny_llama, disable_overlap_schedule="yes")
@@ -171,7 +174,7 @@ def test_disable_overlap_schedule_is_an_engine_option_and_a_server_flag(tiny_lla
 def test_decode_forwards_run_on_the_worker_with_one_thread(tiny_llama, make_engine):
     """With the overlap schedule, decode forwards run on the forward worker thread, which (tiny CPU model)
     steps on one intra-op thread like the scheduler thread; prefill forwards stay on the scheduler thread."""
-    engine = make_engine(tiny_llama)
+    engine = make_engine(tiny_llama, disable_overlap_schedule=False)
     seen: list[tuple[str, bool, int]] = []
     real = engine.runner.forward
 
@@ -189,7 +192,7 @@ def test_decode_forwards_run_on_the_worker_with_one_thread(tiny_llama, make_engi
 def test_kv_of_a_finished_request_is_freed_only_after_the_step_that_reads_it(tiny_llama, make_engine):
     """A request stopped by a stop token while the next step (built with its row) is in flight keeps its
     KV until that step is done: no release ever hits a request that the step in flight still reads."""
-    engine = make_engine(tiny_llama)
+    engine = make_engine(tiny_llama, disable_overlap_schedule=False)
     ref = engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 16,
                                                               "ignore_eos": True})
     kv, overlap = engine.scheduler.kv, engine.scheduler.overlap
