@@ -261,7 +261,12 @@ def load_snapshot(engine) -> dict:
 
 @router.get("/get_load")
 async def get_load(request: Request):
-    snap = await run_blocking(request, load_snapshot, request.app.state.engine)
+    """SGLang's load report. The Engine publishes its counters at every step boundary, so this reads them
+    without the step lock (and counts requests still queued for the scheduler)."""
+    engine = request.app.state.engine
+    if hasattr(engine, "get_load"):
+        return JSONResponse([{"dp_rank": 0, **engine.get_load()}])
+    snap = await run_blocking(request, load_snapshot, engine)
     return JSONResponse([{"dp_rank": 0, "num_reqs": snap["num_running"] + snap["num_waiting"],
                           "num_waiting_reqs": snap["num_waiting"], "num_tokens": snap["num_used_tokens"]}])
 
