@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from tests.rl_surface.conftest import at_step
 from tests.rollout.oracle import hf_generate, random_prompts
 
 TIMEOUT = 60.0
@@ -93,25 +94,6 @@ def test_chunked_prefill_and_retraction_equal_off(tiny_llama, make_engine):
     assert engines["on"].get_server_info()["num_retractions"] > 0
 
 
-def _at_step(engine, n: int, fn) -> threading.Event:
-    """fn() in the scheduler thread at the step boundary after its n-th step from now (under the step gate,
-    as a control call from another thread lands there)."""
-    real, done, count = engine.scheduler.step, threading.Event(), [0]
-
-    def step():
-        out = real()
-        count[0] += 1
-        if count[0] == n:
-            engine.scheduler.step = real
-            with engine._cv:
-                fn()
-            done.set()
-        return out
-
-    engine.scheduler.step = step
-    return done
-
-
 def _controlled(engine, path, control: str) -> list[dict]:
     """The PROMPTS batch with `control` applied after step 6, then the batch's outputs."""
     rids = [f"r{i}" for i in range(len(PROMPTS))]
@@ -131,10 +113,12 @@ def _controlled(engine, path, control: str) -> list[dict]:
             engine.resume_memory_occupation()
         engine.continue_generation()
 
-    done = _at_step(engine, 6, act)
+    state = at_step(engine, 6, act)
     params = [{"temperature": 0.9, "seed": 80 + i, "max_new_tokens": 20, "ignore_eos": True} for i in range(len(PROMPTS))]
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True, rid=rids)
-    assert done.wait(TIMEOUT)
+    assert state["done"].wait(TIMEOUT)
+    if "error" in state:
+        raise state["error"]
     return outs
 
 

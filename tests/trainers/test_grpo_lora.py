@@ -49,17 +49,22 @@ def test_only_the_adapter_trains_and_syncs(lora_run):
     assert all(m["logprob_mismatch"] < 1e-3 for m in history)
 
 
+def _assert_engine_equals_peft(trainer, model, prompt: list[int]) -> None:
+    """6 greedy tokens under the trainer's current adapter version equal the PeftModel's, logprobs to 1e-4."""
+    ids, lps = hf_generate(model, prompt, 6)
+    out = trainer.engine.generate(input_ids=prompt, return_logprob=True, lora_path=trainer.lora_path,
+                                  sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+    assert out["output_ids"] == ids
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    torch.testing.assert_close(got, torch.tensor(lps), atol=1e-4, rtol=0)
+
+
 def test_engine_serves_the_trainers_adapter(lora_run):
     """Greedy generation under the current adapter version equals the trainer's PeftModel (HF + peft)."""
     trainer, _, _ = lora_run
     model = trainer.policy.eval()
     for prompt in random_prompts([5, 11], seed=9):
-        ids, lps = hf_generate(model, prompt, 6)
-        out = trainer.engine.generate(input_ids=prompt, return_logprob=True, lora_path=trainer.lora_path,
-                                      sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
-        assert out["output_ids"] == ids
-        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-        torch.testing.assert_close(got, torch.tensor(lps), atol=1e-4, rtol=0)
+        _assert_engine_equals_peft(trainer, model, prompt)
 
 
 def test_lora_refusals(ckpt_factory):
@@ -84,11 +89,6 @@ def test_lora_with_tp2_serves_the_trainers_adapter(ckpt_factory, tmp_path):
         assert [list(r) for r in per_rank] == [["policy-step-2"]] * 2 and per_rank[0] == per_rank[1]
         model = trainer.policy.eval()
         prompt = random_prompts([7], seed=4)[0]
-        ids, lps = hf_generate(model, prompt, 6)
-        out = trainer.engine.generate(input_ids=prompt, return_logprob=True, lora_path=trainer.lora_path,
-                                      sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
-        assert out["output_ids"] == ids
-        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-        torch.testing.assert_close(got, torch.tensor(lps), atol=1e-4, rtol=0)
+        _assert_engine_equals_peft(trainer, model, prompt)
     finally:
         trainer.close()
