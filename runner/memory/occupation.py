@@ -19,7 +19,7 @@ import gc
 import torch
 
 from runner.config import check_memory_tags
-from runner.memory.memory_saver import release_host_memory
+from runner.memory.host_backup import release_host_memory
 
 
 def check_transition(runner, tags: list[str] | None, release: bool) -> list[str]:

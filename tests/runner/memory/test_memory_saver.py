@@ -194,7 +194,7 @@ def test_pause_that_returns_nothing_is_reported(caplog):
     """A pause whose mem_get_info shows (nearly) nothing returned logs once that the release is a no-op."""
     import logging
 
-    import runner.memory.memory_saver as ms
+    import runner.memory.tms_saver as ms
 
     saver = TorchMemorySaver(torch.device("cpu"), saver=StandInTMS(), hook_mode="torch")
     free = iter([10 << 30, (10 << 30) + (1 << 20), 10 << 30, 10 << 30])  # 1 MiB back of 128 MiB
