@@ -29,256 +29,32 @@ default is a string resolved in the child only: this leaf package never imports 
   library in LD_PRELOAD, which must be there from the child's start).
 
 `generate(stream=True)` is refused in the parent with a clear error: a stream cannot cross the pipe.
+
+This module is the parent's side. The child's loop is weight_sync/remote_child.py, the shared-memory
+bucket descriptors weight_sync/shm.py.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-import mmap
 import multiprocessing as mp
 import os
-import re
-import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
 from multiprocessing import shared_memory
-from typing import Any
 
 import torch
 
-from weight_sync.bucket import FlattenedTensorBucket, dtype_to_str, str_to_dtype
+from weight_sync.bucket import FlattenedTensorBucket
+from weight_sync.remote_child import ALLOWED_METHODS, DELTA_BLOB, jsonable, resolve_factory, serve
+from weight_sync.shm import bucket_from_shm, bucket_to_shm, new_segment_prefix
 
-ALLOWED_METHODS = frozenset({
-    "generate", "update_weights_from_tensor", "update_weights_from_disk", "release_memory_occupation",
-    "resume_memory_occupation", "flush_cache", "get_server_info", "pause_generation", "continue_generation",
-    "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
-    "get_weights_by_name", "get_weights_checksum",
-})
+__all__ = ["DEFAULT_FACTORY", "RemoteEngine", "bucket_from_shm", "bucket_to_shm", "new_segment_prefix"]
+
 DEFAULT_START_TIMEOUT_S = 600.0
 WEIGHT_TRANSPORTS = ("auto", "shm", "cuda_ipc")
-DELTA_BLOB = "delta_blob"  # the one tensor of a shared-memory bucket that carries a delta
 _POLL_S = 0.2  # how often a waiting parent checks that the child still lives
-
-
-def new_segment_prefix() -> str:
-    """`rlw_<12 hex>_`: the random, per-handle prefix of every segment a RemoteEngine creates."""
-    return f"rlw_{secrets.token_hex(6)}_"
-
-
-def _check_segment_name(name: Any, prefix: str) -> str:
-    if not isinstance(name, str) or not re.fullmatch(re.escape(prefix) + r"[0-9a-f]{1,16}", name):
-        raise ValueError(f"shared memory segment {name!r} was not created by this engine's sender (expected "
-                         f"a name {prefix}<hex>); refused")
-    return name
-
-
-class _Segment:
-    """A POSIX shared memory segment attached read-write, never registered with a resource tracker."""
-
-    def __init__(self, name: str) -> None:
-        try:
-            import _posixshmem  # CPython's own binding, what SharedMemory uses on POSIX
-        except ImportError:  # Windows: no resource tracker to avoid
-            self._shm = shared_memory.SharedMemory(name=name)
-            self.buf, self.size, self._mmap = self._shm.buf, self._shm.size, None
-            return
-        self._shm = None
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-        try:
-            self.size = os.fstat(fd).st_size
-            self._mmap = mmap.mmap(fd, self.size) if self.size else None
-        finally:
-            os.close(fd)
-        self.buf = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
-
-    def close(self) -> None:
-        self.buf.release()
-        if self._mmap is not None:
-            self._mmap.close()
-        if self._shm is not None:
-            self._shm.close()
-
-
-def bucket_to_shm(bucket: FlattenedTensorBucket, shm: shared_memory.SharedMemory | None,
-                  name_prefix: str | None = None, counter: list[int] | None = None):
-    """Copy a CPU bucket into shared memory (reusing `shm` when big enough). Returns (descriptor, shm).
-    A new segment is named `name_prefix` + a hex counter (random name without a prefix)."""
-    flat = bucket.flattened_tensor
-    if flat.device.type != "cpu":
-        raise NotImplementedError(f"cross-process sync of {flat.device.type} tensors through shared memory is not "
-                                  f"supported; use weight_sync.cuda_ipc, move the bucket to the CPU, or sync in-process")
-    nbytes = flat.numel() * flat.element_size()
-    if shm is None or shm.size < nbytes:
-        if shm is not None:
-            shm.close()
-            shm.unlink()
-        name = None
-        if name_prefix is not None:
-            counter = counter if counter is not None else [0]
-            counter[0] += 1
-            name = f"{name_prefix}{counter[0]:x}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
-    dst = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
-    dst.copy_(flat.contiguous().view(torch.uint8))
-    d = bucket.to_dict()
-    descriptor = {"shm_name": shm.name, "nbytes": nbytes, "dtype": dtype_to_str(flat.dtype),
-                  "metadata": d["metadata"]}
-    return descriptor, shm
-
-
-def bucket_from_shm(descriptor: Any, name_prefix: str) -> tuple[FlattenedTensorBucket, _Segment]:
-    """Rebuild a bucket from a descriptor: validated field by field (the segment name must carry
-    `name_prefix`), then the metadata as a whole, before any tensor is built; nothing executed."""
-    if not isinstance(descriptor, dict) or set(descriptor) != {"shm_name", "nbytes", "dtype", "metadata"}:
-        raise ValueError(f"malformed bucket descriptor: expected keys shm_name, nbytes, dtype, metadata; "
-                         f"got {sorted(descriptor) if isinstance(descriptor, dict) else type(descriptor).__name__}")
-    name, nbytes = descriptor["shm_name"], descriptor["nbytes"]
-    if not isinstance(name, str) or not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-        raise ValueError("malformed bucket descriptor: shm_name must be a string and nbytes an int >= 0")
-    _check_segment_name(name, name_prefix)
-    dtype = str_to_dtype(descriptor["dtype"])
-    if nbytes % dtype.itemsize:
-        raise ValueError(f"bucket descriptor claims {nbytes} bytes, not a whole number of {dtype} elements")
-    seg = _Segment(name)
-    if seg.size < nbytes:
-        seg.close()
-        raise ValueError(f"bucket descriptor claims {nbytes} bytes of {dtype}; segment {name} has {seg.size}")
-    try:
-        flat = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes).view(dtype) if nbytes else \
-            torch.empty(0, dtype=dtype)
-        bucket = FlattenedTensorBucket.from_dict({"flattened_tensor": flat, "metadata": descriptor["metadata"]})
-    except Exception:
-        flat = None
-        seg.close()
-        raise
-    return bucket, seg
-
-
-def _jsonable(x):
-    if isinstance(x, tuple | list):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, torch.Tensor):
-        return x.tolist()
-    return x
-
-
-def _encode(reply: dict) -> bytes:
-    """JSON bytes of a reply; a result JSON cannot carry becomes an error reply (the child lives on)."""
-    try:
-        return json.dumps(reply).encode()
-    except (TypeError, ValueError, RecursionError) as e:
-        result = reply.get("result")
-        if hasattr(result, "close"):  # a generator: stop it (and the requests behind it)
-            try:
-                result.close()
-            except Exception:  # noqa: BLE001 - closing is best effort; the error reply still goes back
-                pass
-        return json.dumps({"ok": False, "error": f"result of type {type(result).__name__} cannot be sent back "
-                                                 f"as JSON ({type(e).__name__}); a stream cannot cross the "
-                                                 f"process boundary: call without stream=True"}).encode()
-
-
-def _resolve_factory(factory: str) -> Callable:
-    module, sep, attr = factory.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"factory {factory!r} is not 'module:callable'")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"factory {factory!r} is not callable")
-    return obj
-
-
-def _serve(conn, factory: str, kwargs: dict, segment_prefix: str) -> None:
-    """Child process: build the engine (or report why not), answer JSON requests until shutdown."""
-    try:
-        engine = _resolve_factory(factory)(**kwargs)
-    except BaseException as e:  # the reason goes to the parent, which is waiting for "ready"
-        conn.send_bytes(json.dumps({"ok": False, "error": f"engine construction failed: {type(e).__name__}: "
-                                                          f"{e}"}).encode())
-        conn.close()
-        return
-    conn.send_bytes(json.dumps({"ok": True, "result": "ready"}).encode())
-    try:
-        while True:
-            try:
-                raw = conn.recv_bytes()
-            except EOFError:
-                return
-            try:
-                msg = json.loads(raw)
-            except (ValueError, RecursionError) as e:  # not JSON (a pickle, say): refuse it, keep serving
-                conn.send_bytes(_encode({"ok": False, "error": f"message is not JSON: {type(e).__name__}"}))
-                continue
-            if not isinstance(msg, dict):
-                msg = {"method": None}
-            method, args, pos = msg.get("method"), msg.get("kwargs", {}), msg.get("args", [])
-            if method == "shutdown":
-                conn.send_bytes(_encode({"ok": True, "result": None}))
-                return
-            try:
-                if method not in ALLOWED_METHODS or not isinstance(args, dict) or not isinstance(pos, list):
-                    raise ValueError(f"method {method!r} is not allowed")
-                if method == "generate" and args.get("stream"):
-                    raise ValueError("generate(stream=True) is not supported across processes; use stream=False")
-                if method == "update_weights_from_tensor" and args.get("load_format") in ("shm_bucket", "shm_delta"):
-                    result = _update_from_shm(engine, args, segment_prefix)
-                elif method == "update_weights_from_tensor" and args.get("load_format") == "cuda_ipc":
-                    result = _update_from_ipc(engine, args)
-                else:
-                    result = getattr(engine, method)(*pos, **args)
-                reply = {"ok": True, "result": _jsonable(result)}
-            except Exception as e:  # the reason goes back to the caller; the engine keeps serving
-                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            conn.send_bytes(_encode(reply))
-    finally:
-        engine.shutdown()
-
-
-def _update_from_shm(engine, args: dict, segment_prefix: str):
-    args = dict(args)
-    try:
-        bucket, seg = bucket_from_shm(args.pop("named_tensors"), segment_prefix)
-    except (ValueError, FileNotFoundError, PermissionError, TypeError) as e:
-        return [False, f"update_weights_from_tensor failed: bad bucket: {e}"]
-    delta = args["load_format"] == "shm_delta"
-    args["load_format"] = "delta" if delta else "flattened_bucket"
-    try:
-        if delta:  # one uint8 tensor: the delta blob (weight_sync/delta_codec.py); a copy, off the segment
-            named = bucket.named_tensors()
-            if len(named) != 1 or named[0][0] != DELTA_BLOB:
-                return [False, f"update_weights_from_tensor failed: a delta bucket holds one tensor {DELTA_BLOB!r}"]
-            return engine.update_weights_from_tensor(named[0][1].clone(), **args)
-        return engine.update_weights_from_tensor(bucket, **args)
-    finally:
-        del bucket
-        try:
-            seg.close()
-        except BufferError:  # a view is still referenced somewhere; the mapping goes with it
-            pass
-
-
-def _update_from_ipc(engine, args: dict):
-    """Map the CUDA IPC buckets (all validated first), load them as one update, release the mappings."""
-    from weight_sync import cuda_ipc
-
-    args = dict(args)
-    try:
-        buckets = cuda_ipc.decode_request(args.pop("named_tensors"))
-    except (ValueError, RuntimeError, TypeError) as e:
-        return [False, f"update_weights_from_tensor failed: bad CUDA IPC payload: {e}"]
-    args["load_format"] = "flattened_bucket"
-    try:
-        return engine.update_weights_from_tensor([b.to_dict() for b in buckets], **args)
-    finally:
-        if any(b.device.type == "cuda" for b in buckets):
-            torch.cuda.synchronize()  # the sender may reuse its memory once we reply
-        del buckets
 
 
 def _factory_name(factory: str | Callable) -> str:
@@ -292,7 +68,7 @@ def _factory_name(factory: str | Callable) -> str:
         raise TypeError(f"factory must be a 'module:callable' string or a callable, got {type(factory).__name__}")
     name = f"{getattr(factory, '__module__', '')}:{getattr(factory, '__qualname__', '')}"
     try:
-        same = _resolve_factory(name) is factory
+        same = resolve_factory(name) is factory
     except (ImportError, AttributeError, ValueError, TypeError):
         same = False
     if not same:
@@ -330,7 +106,7 @@ class RemoteEngine:
         self._closed = False
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child_conn, factory, engine_kwargs, self.segment_prefix),
+        self._proc = ctx.Process(target=serve, args=(child_conn, factory, engine_kwargs, self.segment_prefix),
                                  daemon=True)
         saved = {k: os.environ.get(k) for k in (child_env or {})}
         os.environ.update(child_env or {})  # spawn copies the environment at start: the child's only
@@ -386,7 +162,7 @@ class RemoteEngine:
             raise RuntimeError("remote engine is shut down")
         if not self._proc.is_alive():
             raise RuntimeError(f"remote engine: engine process exited (exit code {self._proc.exitcode})")
-        msg = {"method": method, "args": _jsonable(list(args)), "kwargs": _jsonable(kwargs)}
+        msg = {"method": method, "args": jsonable(list(args)), "kwargs": jsonable(kwargs)}
         try:
             self._conn.send_bytes(json.dumps(msg).encode())
         except OSError as e:

@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 import torch
 
 from weight_sync import cuda_ipc
-from weight_sync.cross_process import _Segment
+from weight_sync.shm import _Segment
 
 UUID_A = "0a1b2c3d-0000-4000-8000-00000000000a"
 UUID_B = "0a1b2c3d-1111-4111-8111-00000000000b"

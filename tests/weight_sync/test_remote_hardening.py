@@ -20,7 +20,8 @@ import torch
 
 from tests.weight_sync import fake_engine
 from weight_sync import FlattenedTensorBucket
-from weight_sync.cross_process import RemoteEngine, bucket_from_shm, bucket_to_shm, new_segment_prefix
+from weight_sync.cross_process import RemoteEngine
+from weight_sync.shm import bucket_from_shm, bucket_to_shm, new_segment_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,7 +146,7 @@ def test_foreign_segments_are_refused_and_left_alone():
 ATTACH = textwrap.dedent("""
     import json, sys
     from multiprocessing import shared_memory
-    from weight_sync.cross_process import bucket_from_shm
+    from weight_sync.shm import bucket_from_shm
     how, descriptor, prefix = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     if how == "ours":
         bucket, seg = bucket_from_shm(descriptor, prefix)
