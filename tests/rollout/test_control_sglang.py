@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from tests.rl_surface.conftest import at_step as after_step  # tests here take an `at_step` number
 from tests.rollout.oracle import random_prompts
 
 N_NEW = 24
@@ -39,29 +40,11 @@ def _wait_until(cond, timeout: float = TIMEOUT) -> None:
         time.sleep(0.005)
 
 
-def _after_step(engine, n: int, fn) -> dict:
-    """Run fn() in the scheduler thread (engine lock held, exactly between steps n and n+1 from now)."""
-    real, state = engine.scheduler.step, {"done": threading.Event(), "count": 0}
-
-    def step():
-        out = real()
-        state["count"] += 1
-        if state["count"] == n:
-            engine.scheduler.step = real
-            with engine._cv:  # a step boundary, as a control call sees it (a step launched ahead rolls back)
-                state["result"] = fn()
-            state["done"].set()
-        return out
-
-    engine.scheduler.step = step
-    return state
-
-
 def _run_batch(engine, control, at_step: int, rids=None) -> tuple[list[dict], dict]:
     """The PROMPTS batch in a thread, with `control()` run right after step `at_step`. Returns the outputs
     (after the call returns, which needs a continue_generation for pausing controls) and the hook state."""
     result: list = []
-    state = _after_step(engine, at_step, control)
+    state = after_step(engine, at_step, control)
     t = threading.Thread(target=lambda: result.append(engine.generate(
         input_ids=PROMPTS, sampling_params=PARAMS, return_logprob=True, rid=rids)), daemon=True)
     t.start()

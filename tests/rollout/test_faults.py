@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.checkpoints import VOCAB_SIZE
+from tests.rl_surface.conftest import at_step as after_step  # tests here take an `at_step` number
 from tests.rollout.oracle import random_prompts
 
 N_NEW = 16
@@ -45,24 +46,6 @@ def _in_thread(fn, timeout: float = TIMEOUT):
     t.join(timeout)
     assert not t.is_alive(), "call did not return (engine hung?)"
     return out[0]
-
-
-def _after_step(engine, n: int, fn) -> threading.Event:
-    """Run fn() in the scheduler thread (engine lock held) right after its n-th step from now."""
-    real, done, count = engine.scheduler.step, threading.Event(), [0]
-
-    def step():
-        out = real()
-        count[0] += 1
-        if count[0] == n:
-            engine.scheduler.step = real
-            with engine._cv:  # a step boundary, as a control call sees it (a step launched ahead rolls back)
-                fn()
-            done.set()
-        return out
-
-    engine.scheduler.step = step
-    return done
 
 
 def _assert_idle_and_clean(engine) -> None:
@@ -150,7 +133,7 @@ def test_unexpected_error_in_the_loop_fails_in_flight_requests_and_thread_surviv
 
     engine.pause_generation(mode="in_place")
     stream = engine.generate(input_ids=prompt, sampling_params=_sp(7, max_new_tokens=400), stream=True)
-    _after_step(engine, 2, lambda: setattr(engine.scheduler, "step", boom))
+    after_step(engine, 2, lambda: setattr(engine.scheduler, "step", boom))
     engine.continue_generation()
     chunks = _in_thread(lambda: list(stream))
     reason = chunks[-1]["meta_info"]["finish_reason"]
@@ -178,15 +161,15 @@ def _bad_request_scenario(engine, corrupt, at_step: int) -> tuple[list[dict], li
     t.start()
     _wait_until(lambda: engine.get_server_info()["num_in_flight"] == 5)
     bad = engine._reqs["bad"]
-    done = threading.Event()
+    state = {"done": threading.Event()}
     if at_step == 0:
         corrupt(bad)  # the first (prefill) batch will fail
-        done.set()
+        state["done"].set()
     else:
-        done = _after_step(engine, at_step, lambda: corrupt(bad))
+        state = after_step(engine, at_step, lambda: corrupt(bad))
     engine.continue_generation()
     t.join(TIMEOUT)
-    assert not t.is_alive() and done.is_set()
+    assert not t.is_alive() and state["done"].is_set() and "error" not in state
     return result[0], solo
 
 
