@@ -100,6 +100,16 @@ class DisabledMemorySaver:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _region_to_release(self, tag: str) -> _Region | None:
+        """The region of `tag` with its backup taken and the device idle; None when already released."""
+        check_tag(tag)
+        region = self.regions[tag]
+        if not region.resident:
+            return None
+        self._save_backup(region)
+        self._synchronize()  # the copies (and any kernel still reading) finish before memory goes
+        return region
+
     def _save_backup(self, region: _Region) -> None:
         if region.enable_cpu_backup and region.buffers:
             region.host = region.host or HostBackup(self.device)
@@ -120,12 +130,9 @@ class PortableMemorySaver(DisabledMemorySaver):
         return consolidate(list(tensors)) if tag == "weights" else list(tensors)
 
     def pause(self, tag: str) -> None:
-        check_tag(tag)
-        region = self.regions[tag]
-        if not region.resident:
+        region = self._region_to_release(tag)
+        if region is None:
             return
-        self._save_backup(region)
-        self._synchronize()  # the copies (and any kernel still reading) finish before we free
         for buf in region.buffers:
             buf.untyped_storage().resize_(0)
         region.resident = False

@@ -124,12 +124,9 @@ class TorchMemorySaver(DisabledMemorySaver):
             yield
 
     def pause(self, tag: str) -> None:
-        check_tag(tag)
-        region = self.regions[tag]
-        if not region.resident:
+        region = self._region_to_release(tag)
+        if region is None:
             return
-        self._save_backup(region)
-        self._synchronize()  # nothing may still read the memory we unmap
         held = self.bytes_held(tag)
         free0 = self._free_device_bytes()
         if tag in self._in_library:
