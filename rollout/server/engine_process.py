@@ -1,0 +1,249 @@
+"""The engine process: an Engine in a child of the HTTP server, driven over a private pipe.
+
+`python -m rollout.launch_server` spawns this (multiprocessing "spawn"; `run` is the target) so that the
+model's steps and the HTTP side (request parsing, tokenization, detokenization, SSE writes) hold two
+different GILs: SGLang's layout, where the HTTP process never runs the model. The parent's half is
+rollout/server/engine_client.py, which documents the messages.
+
+What runs here:
+- the reader (this process's main thread) takes the parent's messages in order. A submission is made and
+  queued at once (`Engine._make_reqs` / `_submit` never wait for a step); an abort is posted (the
+  scheduler runs it at its next step boundary); every other call runs in a thread pool, so a control
+  call that waits (on the step lock, on a trainer's broadcast) never holds up submissions or the others.
+- the scheduler thread delivers outputs into `_CallSink`s, which record each request's new tokens since
+  its last message (a delta, read while the step lock is held), and at every step boundary
+  (`Engine.on_step_boundary`) the batch of all deltas of that step becomes ONE message.
+- one sender thread writes every message (pickled here, not on the scheduler thread's critical path of
+  the pipe: a slow reader never blocks a step).
+
+Pickle over this pipe is safe: it is an anonymous pipe (multiprocessing.Pipe) created by the server for
+the child it spawned, inherited by nobody else, so no outside party can write to it; bytes from HTTP
+clients cross it only as values (strings, ints, safetensors-encoded tensor strings, which the child's
+existing decoders in rollout/server/tensor_codec.py rebuild), never as pickles.
+
+What it does not do: HTTP, tokenizing prompts or building output dicts (the parent does), or outlive
+the parent: when the pipe closes (the server exited, even by SIGKILL) the engine is shut down and this
+process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+logger = logging.getLogger("rollout.server.engine_process")
+
+
+def _state(engine) -> dict:
+    """What the parent serves without asking (cached there, refreshed with every call's reply)."""
+    return {"weight_version": engine.weight_version, "model_path": engine.model_path,
+            "tokenizer_path": engine.tokenizer_path, "lora_adapters": engine.runner.lora_adapters()}
+
+
+def portable_error(e: BaseException) -> BaseException:
+    """e itself if it survives a pickle round trip (so the parent raises the same type and message),
+    else a RuntimeError naming its type."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - an exception class with a custom __init__ or unpicklable args
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+class _Batcher:
+    """The deltas of one step, sent as one message at the step boundary. `lock` also orders a call's
+    "submitted" reply before its first delta (both go through the one sender queue)."""
+
+    def __init__(self, engine, outbox: queue.SimpleQueue) -> None:
+        self.engine = engine
+        self.outbox = outbox
+        self.lock = threading.Lock()
+        self.deltas: list[tuple] = []
+        self.last_load: dict | None = None
+
+    def add(self, delta: tuple) -> None:
+        with self.lock:
+            self.deltas.append(delta)
+
+    def flush(self) -> None:
+        """Engine.on_step_boundary: never raises, never waits for the pipe."""
+        load = self.engine.get_load()
+        with self.lock:
+            if not self.deltas and load == self.last_load:
+                return
+            deltas, self.deltas = self.deltas, []
+            self.last_load = load
+            self.outbox.put(("out", deltas, load))
+
+
+class _CallSink:
+    """One generate call's sink. `put` runs on the scheduler thread under the step lock (Engine._deliver):
+    it reads the live request (no snapshot: `reads_at_put`) and records what the parent has not seen."""
+
+    reads_at_put = True
+    closed = False  # never closes: the parent cancels by message, and the engine aborts the requests
+
+    def __init__(self, call_id: int, batcher: _Batcher, calls: dict, num_reqs: int) -> None:
+        self.call_id = call_id
+        self.batcher = batcher
+        self.calls = calls
+        self.num_open = num_reqs
+        self.sent: dict[int, tuple[int, int, int, int, int]] = {}  # index -> lengths already sent
+        self.reqs: list = []
+
+    def put(self, item) -> None:
+        kind, req = item
+        final = kind == "final"
+        old = self.sent.get(req.index, (0, 0, 0, 0, -1))
+        lists = (req.output_ids, req.output_logprobs, req.output_top_logprobs, req.output_token_ids_logprobs)
+        # (offset, tail) per list: the parent truncates its copy to offset and appends the tail.
+        tails = tuple((min(o, len(seq)), seq[min(o, len(seq)):]) if seq or o else None
+                      for o, seq in zip(old[:4], lists))
+        num_inputs = len(req.input_logprobs)
+        inputs = dict(req.input_logprobs) if num_inputs != old[4] and num_inputs else None
+        self.sent[req.index] = (*(len(seq) for seq in lists), num_inputs)
+        fields = (req.cached_tokens, req.num_retractions, self.batcher.engine.weight_version, req.weight_version,
+                  req.finished_reason, req.stop_at, req.error)
+        times = None
+        if final:
+            routed = req.routed_experts
+            times = (req.created_time, req.first_token_time, req.last_token_time, req.finished_time,
+                     None if routed is None else routed.numpy())
+            self.num_open -= 1
+            if not self.num_open:
+                self.calls.pop(self.call_id, None)
+        self.batcher.add((self.call_id, req.index, final, tails, inputs, fields, times))
+
+
+class EngineProcess:
+    def __init__(self, conn, engine) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.batcher = _Batcher(engine, self.outbox)
+        self.calls: dict[int, _CallSink] = {}  # call id -> its sink, until every request delivered final
+        # Control calls: as many as the HTTP server's control pool can have waiting, plus joins.
+        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-call")
+        self.sender = threading.Thread(target=self._send_loop, name="engine-sender", daemon=True)
+        engine.on_step_boundary = self.batcher.flush
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self.outbox.get()
+            if msg is None:
+                return
+            try:
+                self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            except (OSError, ValueError):  # the parent is gone: the reader sees EOF and shuts down
+                return
+            except Exception as e:  # noqa: BLE001 - a value that does not pickle: say so to the caller
+                if msg[0] == "reply":
+                    self.outbox.put(("reply", msg[1], False, RuntimeError(f"reply does not pickle: {e}"), msg[4]))
+                else:
+                    logger.exception("message %r does not pickle", msg[0])
+
+    def serve(self) -> None:
+        self.sender.start()
+        try:
+            while True:
+                try:
+                    msg = pickle.loads(self.conn.recv_bytes())
+                except (EOFError, OSError):
+                    logger.warning("the server closed the pipe; shutting the engine down")
+                    return
+                op = msg[0]
+                if op == "generate":
+                    self._generate(*msg[1:])
+                elif op == "abort":
+                    sink = self.calls.get(msg[1])
+                    if sink is not None:
+                        self.engine._abort_quietly(sink.reqs)
+                elif op == "call":
+                    self.pool.submit(self._call, *msg[1:])
+                elif op == "shutdown":
+                    return
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.engine.shutdown()  # in-flight requests end as abort; their finals go out before "bye"
+            self.outbox.put(("bye",))
+            self.outbox.put(None)
+            self.sender.join(timeout=10)
+
+    def _generate(self, call_id: int, encoded, kwargs: dict) -> None:
+        engine = self.engine
+        try:
+            reqs, single = engine._make_reqs(None, None, encoded=encoded, **kwargs)
+            sink = _CallSink(call_id, self.batcher, self.calls, len(reqs))
+            sink.reqs = reqs
+            skeletons = [_skeleton(r) for r in reqs]
+            self.calls[call_id] = sink
+            with self.batcher.lock:  # the reply goes out before any delta of this call
+                try:
+                    engine._submit(reqs, sink)
+                except BaseException:
+                    self.calls.pop(call_id, None)
+                    raise
+                self.outbox.put(("submitted", call_id, True, (skeletons, single)))
+        except Exception as e:  # noqa: BLE001 - the caller's error, raised in the parent as it is
+            self.outbox.put(("submitted", call_id, False, portable_error(e)))
+
+    def _call(self, call_id: int, name: str, args: tuple, kwargs: dict) -> None:
+        """An Engine method by name, or a module-level function fn(engine, ...) (rollout.server's helpers
+        that decode HTTP payloads here: EngineClient.run_on_engine)."""
+        try:
+            fn = getattr(self.engine, name) if isinstance(name, str) else (lambda *a, **k: name(self.engine, *a, **k))
+            ok, value = True, fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            ok, value = False, portable_error(e)
+        try:
+            state = _state(self.engine)
+        except Exception:  # noqa: BLE001 - the engine is shut down or broken: the parent keeps its cache
+            state = None
+        self.outbox.put(("reply", call_id, ok, value, state))
+
+
+def _skeleton(req):
+    """A fresh copy of a just-made request for the parent (its outputs arrive as deltas)."""
+    import copy
+
+    s = copy.copy(req)
+    s.sink = None
+    s.last_node = None
+    s.output_ids, s.output_logprobs, s.output_top_logprobs, s.output_token_ids_logprobs = [], [], [], []
+    s.input_logprobs = {}
+    return s
+
+
+def run(conn, engine_kwargs: dict, num_threads: int) -> None:
+    """The child's entry point: build the Engine, say "ready" (or why not), serve until told or orphaned."""
+    # Ctrl-C reaches the whole process group: the server decides when the engine stops, not the signal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log_level = str(engine_kwargs.get("log_level", "info")).upper()
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s",
+                        force=True)
+    import torch
+
+    torch.set_num_threads(num_threads)  # what the engine would get in the server's own process
+    try:
+        from rollout.engine import Engine
+
+        engine = Engine(**engine_kwargs)
+    except BaseException as e:  # noqa: BLE001 - the reason goes to the server, which exits with it
+        reason = f"{type(e).__name__}: {e}"
+        try:
+            conn.send_bytes(pickle.dumps(("failed", reason, traceback.format_exc())))
+        finally:
+            conn.close()
+        sys.exit(1)
+    info = {"args": engine.args, "context_len": engine.runner.context_len, "state": _state(engine),
+            "pid": os.getpid(), "num_threads": torch.get_num_threads()}
+    conn.send_bytes(pickle.dumps(("ready", info)))
+    EngineProcess(conn, engine).serve()
+    conn.close()
