@@ -13,8 +13,10 @@ What runs here:
 - the scheduler thread delivers outputs into `_CallSink`s, which record each request's new tokens since
   its last message (a delta, read while the step lock is held), and at every step boundary
   (`Engine.on_step_boundary`) the batch of all deltas of that step becomes ONE message.
-- one sender thread writes every message (pickled here, not on the scheduler thread's critical path of
-  the pipe: a slow reader never blocks a step).
+- every message is pickled and written by the thread that has it (the step's message by the scheduler
+  thread, at the step boundary), under one write lock: handing it to a sender thread cost more (a GIL
+  hand-off per step, ~10% of this process's GIL time in py-spy) than the write itself. A parent that
+  stops reading blocks the step at the write: back-pressure, not a growing queue.
 
 Pickle over this pipe is safe: it is an anonymous pipe (multiprocessing.Pipe) created by the server for
 the child it spawned, inherited by nobody else, so no outside party can write to it; bytes from HTTP
@@ -31,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import queue
 import signal
 import sys
 import threading
@@ -57,13 +58,40 @@ def portable_error(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
+class _Pipe:
+    """The child's end of the pipe: whole messages, one writer at a time."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.is_broken = False
+
+    def send(self, msg: tuple) -> None:
+        """Never raises: a message that does not pickle is logged (a reply becomes that error instead), and
+        a closed pipe (the parent is gone) is noted; the reader sees EOF and shuts the engine down."""
+        try:
+            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - a value that does not pickle: say so to the caller
+            if msg[0] != "reply":
+                logger.exception("message %r does not pickle", msg[0])
+                return
+            data = pickle.dumps(("reply", msg[1], False, RuntimeError(f"the reply does not pickle: {e}"), msg[4]))
+        with self.lock:
+            if self.is_broken:
+                return
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):
+                self.is_broken = True
+
+
 class _Batcher:
     """The deltas of one step, sent as one message at the step boundary. `lock` also orders a call's
-    "submitted" reply before its first delta (both go through the one sender queue)."""
+    "submitted" reply before its first delta."""
 
-    def __init__(self, engine, outbox: queue.SimpleQueue) -> None:
+    def __init__(self, engine, pipe: _Pipe) -> None:
         self.engine = engine
-        self.outbox = outbox
+        self.pipe = pipe
         self.lock = threading.Lock()
         self.deltas: list[tuple] = []
         self.last_load: dict | None = None
@@ -73,14 +101,14 @@ class _Batcher:
             self.deltas.append(delta)
 
     def flush(self) -> None:
-        """Engine.on_step_boundary: never raises, never waits for the pipe."""
+        """Engine.on_step_boundary (step lock held): never raises."""
         load = self.engine.get_load()
         with self.lock:
             if not self.deltas and load == self.last_load:
                 return
             deltas, self.deltas = self.deltas, []
             self.last_load = load
-            self.outbox.put(("out", deltas, load))
+            self.pipe.send(("out", deltas, load))
 
 
 class _CallSink:
@@ -126,31 +154,14 @@ class EngineProcess:
     def __init__(self, conn, engine) -> None:
         self.conn = conn
         self.engine = engine
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.batcher = _Batcher(engine, self.outbox)
+        self.pipe = _Pipe(conn)
+        self.batcher = _Batcher(engine, self.pipe)
         self.calls: dict[int, _CallSink] = {}  # call id -> its sink, until every request delivered final
         # Control calls: as many as the HTTP server's control pool can have waiting, plus joins.
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-call")
-        self.sender = threading.Thread(target=self._send_loop, name="engine-sender", daemon=True)
         engine.on_step_boundary = self.batcher.flush
 
-    def _send_loop(self) -> None:
-        while True:
-            msg = self.outbox.get()
-            if msg is None:
-                return
-            try:
-                self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-            except (OSError, ValueError):  # the parent is gone: the reader sees EOF and shuts down
-                return
-            except Exception as e:  # noqa: BLE001 - a value that does not pickle: say so to the caller
-                if msg[0] == "reply":
-                    self.outbox.put(("reply", msg[1], False, RuntimeError(f"reply does not pickle: {e}"), msg[4]))
-                else:
-                    logger.exception("message %r does not pickle", msg[0])
-
     def serve(self) -> None:
-        self.sender.start()
         try:
             while True:
                 try:
@@ -172,9 +183,7 @@ class EngineProcess:
         finally:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.engine.shutdown()  # in-flight requests end as abort; their finals go out before "bye"
-            self.outbox.put(("bye",))
-            self.outbox.put(None)
-            self.sender.join(timeout=10)
+            self.pipe.send(("bye",))
 
     def _generate(self, call_id: int, encoded, kwargs: dict) -> None:
         engine = self.engine
@@ -190,9 +199,9 @@ class EngineProcess:
                 except BaseException:
                     self.calls.pop(call_id, None)
                     raise
-                self.outbox.put(("submitted", call_id, True, (skeletons, single)))
+                self.pipe.send(("submitted", call_id, True, (skeletons, single)))
         except Exception as e:  # noqa: BLE001 - the caller's error, raised in the parent as it is
-            self.outbox.put(("submitted", call_id, False, portable_error(e)))
+            self.pipe.send(("submitted", call_id, False, portable_error(e)))
 
     def _call(self, call_id: int, name: str, args: tuple, kwargs: dict) -> None:
         """An Engine method by name, or a module-level function fn(engine, ...) (rollout.server's helpers
@@ -206,7 +215,7 @@ class EngineProcess:
             state = _state(self.engine)
         except Exception:  # noqa: BLE001 - the engine is shut down or broken: the parent keeps its cache
             state = None
-        self.outbox.put(("reply", call_id, ok, value, state))
+        self.pipe.send(("reply", call_id, ok, value, state))
 
 
 def _skeleton(req):
