@@ -156,6 +156,28 @@ def test_stream_first_event_arrives_before_the_last(split):
     assert chunks[-1]["output_ids"] == want["output_ids"] and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_dropped_non_streamed_request_is_aborted_in_the_child(split):
+    """A client that goes away before its non-streamed answer: the request is aborted in the engine process
+    (the engine is paused, so only the abort can take it out of flight) and serving goes on."""
+    import socket
+
+    engine = split.engine
+    host, port = split.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(dict(input_ids=PROMPTS[0], sampling_params=dict(max_new_tokens=100, ignore_eos=True))).encode()
+    engine.pause_generation(mode="in_place")
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+            _wait(lambda: engine.get_server_info()["num_in_flight"] == 1, what="the request to be queued")
+        _wait(lambda: engine.get_server_info()["num_in_flight"] == 0, what="the dropped request to be aborted")
+    finally:
+        engine.continue_generation()
+    assert engine.flush_cache()
+    with split.client() as c:
+        assert c.post("/generate", json=dict(input_ids=PROMPTS[1], sampling_params=GREEDY)).status_code == 200
+
+
 def test_bad_input_gets_the_in_process_servers_400(split, oracle, tiny_llama):
     """A request the engine refuses gets the same status and body from both layouts, and the child server
     goes on serving."""
