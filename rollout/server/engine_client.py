@@ -271,6 +271,8 @@ class EngineClient:
             if call is None:  # its process-side abort raced the final: nobody waits
                 continue
             req = call.reqs[index]
+            if req.finished:  # ended already (an output the engine process could not send)
+                continue
             for seq, tail in zip((req.output_ids, req.output_logprobs, req.output_top_logprobs,
                                   req.output_token_ids_logprobs), tails):
                 if tail is not None:

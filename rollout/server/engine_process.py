@@ -36,8 +36,11 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+
+from rollout.request import FinishReason
 
 logger = logging.getLogger("rollout.server.engine_process")
 
@@ -124,11 +127,34 @@ class _CallSink:
         self.calls = calls
         self.num_open = num_reqs
         self.sent: dict[int, tuple[int, int, int, int, int]] = {}  # index -> lengths already sent
+        self.failed: set[int] = set()  # indices whose output could not be sent (ended as abort)
         self.reqs: list = []
 
     def put(self, item) -> None:
         kind, req = item
-        final = kind == "final"
+        if req.index in self.failed:
+            return
+        try:
+            self._put(kind == "final", req)
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave the parent waiting forever
+            logger.exception("request %s: its output could not be sent", req.rid)
+            self.failed.add(req.index)
+            message = f"internal error sending this request's output: {type(e).__name__}: {e}"
+            version = self.batcher.engine.weight_version
+            fields = (req.cached_tokens, req.num_retractions, version, version, FinishReason("abort", message=message),
+                      None, message)
+            self.batcher.add((self.call_id, req.index, True, (None, None, None, None), None, fields,
+                              (req.created_time, req.first_token_time, req.last_token_time, time.perf_counter(), None)))
+            self._count_final()
+            if not req.finished:
+                self.batcher.engine._abort_quietly([req])  # stop spending compute on it
+
+    def _count_final(self) -> None:
+        self.num_open -= 1
+        if not self.num_open:
+            self.calls.pop(self.call_id, None)
+
+    def _put(self, final: bool, req) -> None:
         old = self.sent.get(req.index, (0, 0, 0, 0, -1))
         lists = (req.output_ids, req.output_logprobs, req.output_top_logprobs, req.output_token_ids_logprobs)
         # (offset, tail) per list: the parent truncates its copy to offset and appends the tail.
@@ -144,10 +170,9 @@ class _CallSink:
             routed = req.routed_experts
             times = (req.created_time, req.first_token_time, req.last_token_time, req.finished_time,
                      None if routed is None else routed.numpy())
-            self.num_open -= 1
-            if not self.num_open:
-                self.calls.pop(self.call_id, None)
         self.batcher.add((self.call_id, req.index, final, tails, inputs, fields, times))
+        if final:
+            self._count_final()
 
 
 class EngineProcess:
