@@ -26,6 +26,7 @@ What it does not do: run anything of the model, or restart a dead engine process
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import logging
@@ -34,6 +35,7 @@ import pickle
 import queue
 import threading
 import time
+import weakref
 from collections import defaultdict
 
 from rollout.engine import prompt_token_ids
@@ -107,6 +109,10 @@ class EngineClient:
         self._reader = threading.Thread(target=self._read_loop, name="engine-client-reader", daemon=True)
         self._sender.start()
         self._reader.start()
+        # multiprocessing joins a non-daemonic child at exit, and the child waits for this pipe to close:
+        # a client nobody shut down would hang the interpreter's exit, so shut it down first.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (c := ref()) is not None and c.shutdown(timeout_s=10))
 
     # ---- start and stop ------------------------------------------------------------------------
     @classmethod
