@@ -14,8 +14,8 @@ function, args, kwargs), ("shutdown",). Child -> parent: ("submitted", call_id, 
 error), ("out", deltas, load) once per engine step, ("reply", call_id, ok, value or error, state),
 ("bye",). One sender thread writes (an event loop never blocks on the pipe) and one reader thread reads:
 per "out" message it applies every delta to this side's copy of each request (a `Req`, so outputs are
-built by the same rollout.outputs.build_output as in-process) and makes ONE `call_soon_threadsafe` per
-event loop to hand the chunks to their streams' queues.
+built by the same rollout.outputs.build_output as in-process; rollout/server/engine_deltas.py is the
+format) and makes ONE `call_soon_threadsafe` per event loop to hand the chunks to their streams' queues.
 
 When the child dies, every request in flight ends as abort with the reason, every waiting call raises
 RuntimeError, and `is_alive()` turns False (/health answers 503). Every wait is bounded.
@@ -30,26 +30,22 @@ import atexit
 import concurrent.futures
 import itertools
 import logging
-import multiprocessing
 import pickle
 import queue
 import threading
-import time
 import weakref
 from collections import defaultdict
 
 from rollout.engine import prompt_token_ids
 from rollout.outputs import AsyncSink, AsyncStream, build_output
 from rollout.request import FinishReason, Req
+from rollout.server import engine_deltas, engine_process
+from rollout.server.engine_process import EngineProcessError
 from rollout.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger("rollout.server.engine_client")
 
 _BUILD_INLINE_BELOW = 1 << 15  # as Engine.async_generate: bigger outputs are built in a worker thread
-
-
-class EngineProcessError(RuntimeError):
-    """The engine process failed to start, or is gone."""
 
 
 class _RunnerView:
@@ -123,38 +119,9 @@ class EngineClient:
         Engine would use). Raises EngineProcessError with the child's reason if it fails to start."""
         import torch
 
-        from rollout.server import engine_process
-
-        ctx = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        threads = num_threads or torch.get_num_threads()
-        # Not daemonic: the engine may start processes of its own (tensor parallelism). It exits by itself
-        # when this end of the pipe closes, however this process ends.
-        proc = ctx.Process(target=engine_process.run, args=(child_conn, dict(engine_kwargs), threads),
-                           name="rollout-engine", daemon=False)
-        proc.start()
-        child_conn.close()  # only the child holds its end: EOF here when it dies
-        deadline = time.monotonic() + start_timeout_s
-        try:
-            while not parent_conn.poll(0.2):
-                if not proc.is_alive():
-                    raise EngineProcessError(f"the engine process exited with code {proc.exitcode} before it was "
-                                             f"ready (see its log above)")
-                if time.monotonic() > deadline:
-                    raise EngineProcessError(f"the engine process was not ready within {start_timeout_s:.0f} s")
-            try:
-                msg = pickle.loads(parent_conn.recv_bytes())
-            except (EOFError, OSError):
-                proc.join(10)
-                raise EngineProcessError(f"the engine process exited with code {proc.exitcode} before it was "
-                                         f"ready (see its log above)") from None
-            if msg[0] == "failed":
-                raise EngineProcessError(f"the engine failed to start: {msg[1]}")
-        except BaseException:
-            parent_conn.close()
-            _stop_process(proc, 10)
-            raise
-        return cls(parent_conn, proc, msg[1])
+        conn, proc, info = engine_process.start(engine_kwargs, num_threads or torch.get_num_threads(),
+                                                start_timeout_s)
+        return cls(conn, proc, info)
 
     def is_alive(self) -> bool:
         return self._dead is None and self._process.is_alive()
@@ -170,7 +137,7 @@ class EngineClient:
             self._bye.wait(timeout_s)
         self._outbox.put(None)
         self._process.join(timeout_s if self._dead is None else 5)
-        _stop_process(self._process, 5)
+        engine_process.stop(self._process, 5)
         self._reader.join(5)
         self._conn.close()
 
@@ -272,36 +239,22 @@ class EngineClient:
         self._load = load
         by_loop: dict = defaultdict(list)
         finished = []
-        for call_id, index, final, tails, inputs, fields, times in deltas:
+        for delta in deltas:
+            call_id, index, final = delta[:3]
             call = self._calls.get(call_id)
             if call is None:  # its process-side abort raced the final: nobody waits
                 continue
             req = call.reqs[index]
             if req.finished:  # ended already (an output the engine process could not send)
                 continue
-            for seq, tail in zip((req.output_ids, req.output_logprobs, req.output_top_logprobs,
-                                  req.output_token_ids_logprobs), tails):
-                if tail is not None:
-                    del seq[tail[0]:]
-                    seq.extend(tail[1])
-            if inputs is not None:
-                req.input_logprobs = inputs
-            (req.cached_tokens, req.num_retractions, engine_version, final_version, req.finished_reason,
-             req.stop_at, req.error) = fields
+            engine_deltas.apply(req, delta)
             if final:
-                req.weight_version = final_version
-                req.created_time, req.first_token_time, req.last_token_time, req.finished_time, routed = times
-                if routed is not None:
-                    import torch
-
-                    req.routed_experts = torch.from_numpy(routed)
                 call.num_open -= 1
                 if not call.num_open:
                     self._calls.pop(call_id, None)
                 finished.append(req)
                 item = ("final", req)
             else:
-                req.weight_version = engine_version  # a chunk reports the version being served now
                 item = ("chunk", req.snapshot())
             if not call.sink.closed:
                 by_loop[call.loop].append((call.sink, item))
@@ -487,13 +440,3 @@ def _set_result(fut: asyncio.Future, value) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
-
-
-def _stop_process(proc, timeout_s: float) -> None:
-    """Bounded: terminate, then kill, a child that did not exit by itself."""
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout_s)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout_s)

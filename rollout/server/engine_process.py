@@ -23,6 +23,8 @@ the child it spawned, inherited by nobody else, so no outside party can write to
 clients cross it only as values (strings, ints, safetensors-encoded tensor strings, which the child's
 existing decoders in rollout/server/tensor_codec.py rebuild), never as pickles.
 
+`start` spawns it and waits for its Engine (the server's side, EngineClient.spawn, calls it).
+
 What it does not do: HTTP, tokenizing prompts or building output dicts (the parent does), or outlive
 the parent: when the pipe closes (the server exited, even by SIGKILL) the engine is shut down and this
 process exits.
@@ -31,6 +33,7 @@ process exits.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
@@ -40,7 +43,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-from rollout.request import FinishReason
+from rollout.server import engine_deltas as deltas
 
 logger = logging.getLogger("rollout.server.engine_process")
 
@@ -126,7 +129,7 @@ class _CallSink:
         self.batcher = batcher
         self.calls = calls
         self.num_open = num_reqs
-        self.sent: dict[int, tuple[int, int, int, int, int]] = {}  # index -> lengths already sent
+        self.sent: dict[int, tuple] = {}  # index -> what its deltas carried so far (engine_deltas.encode)
         self.failed: set[int] = set()  # indices whose output could not be sent (ended as abort)
         self.reqs: list = []
 
@@ -134,45 +137,24 @@ class _CallSink:
         kind, req = item
         if req.index in self.failed:
             return
+        version = self.batcher.engine.weight_version
+        final = kind == "final"
         try:
-            self._put(kind == "final", req)
+            delta, self.sent[req.index] = deltas.encode(self.call_id, req, final,
+                                                        self.sent.get(req.index, deltas.NOTHING_SENT), version)
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the parent waiting forever
             logger.exception("request %s: its output could not be sent", req.rid)
             self.failed.add(req.index)
-            message = f"internal error sending this request's output: {type(e).__name__}: {e}"
-            version = self.batcher.engine.weight_version
-            fields = (req.cached_tokens, req.num_retractions, version, version, FinishReason("abort", message=message),
-                      None, message)
-            self.batcher.add((self.call_id, req.index, True, (None, None, None, None), None, fields,
-                              (req.created_time, req.first_token_time, req.last_token_time, time.perf_counter(), None)))
-            self._count_final()
+            delta = deltas.abort_delta(self.call_id, req, f"internal error sending this request's output: "
+                                                          f"{type(e).__name__}: {e}", version)
+            final = True
             if not req.finished:
                 self.batcher.engine._abort_quietly([req])  # stop spending compute on it
-
-    def _count_final(self) -> None:
-        self.num_open -= 1
-        if not self.num_open:
-            self.calls.pop(self.call_id, None)
-
-    def _put(self, final: bool, req) -> None:
-        old = self.sent.get(req.index, (0, 0, 0, 0, -1))
-        lists = (req.output_ids, req.output_logprobs, req.output_top_logprobs, req.output_token_ids_logprobs)
-        # (offset, tail) per list: the parent truncates its copy to offset and appends the tail.
-        tails = tuple((min(o, len(seq)), seq[min(o, len(seq)):]) if seq or o else None
-                      for o, seq in zip(old[:4], lists))
-        num_inputs = len(req.input_logprobs)
-        inputs = dict(req.input_logprobs) if num_inputs != old[4] and num_inputs else None
-        self.sent[req.index] = (*(len(seq) for seq in lists), num_inputs)
-        fields = (req.cached_tokens, req.num_retractions, self.batcher.engine.weight_version, req.weight_version,
-                  req.finished_reason, req.stop_at, req.error)
-        times = None
+        self.batcher.add(delta)
         if final:
-            routed = req.routed_experts
-            times = (req.created_time, req.first_token_time, req.last_token_time, req.finished_time,
-                     None if routed is None else routed.numpy())
-        self.batcher.add((self.call_id, req.index, final, tails, inputs, fields, times))
-        if final:
-            self._count_final()
+            self.num_open -= 1
+            if not self.num_open:
+                self.calls.pop(self.call_id, None)
 
 
 class EngineProcess:
@@ -253,6 +235,54 @@ def _skeleton(req):
     s.output_ids, s.output_logprobs, s.output_top_logprobs, s.output_token_ids_logprobs = [], [], [], []
     s.input_logprobs = {}
     return s
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start, or is gone."""
+
+
+def start(engine_kwargs: dict, num_threads: int, start_timeout_s: float):
+    """Spawn the engine process and wait (at most `start_timeout_s`) until its Engine is built.
+    -> (the server's end of the pipe, the process, its "ready" info). EngineProcessError with the
+    child's reason if it fails to start (the process is then stopped)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe(duplex=True)
+    # Not daemonic: the engine may start processes of its own (tensor parallelism). It exits by itself
+    # when the server's end of the pipe closes, however the server ends.
+    proc = ctx.Process(target=run, args=(child_conn, dict(engine_kwargs), num_threads), name="rollout-engine",
+                       daemon=False)
+    proc.start()
+    child_conn.close()  # only the child holds its end: EOF on ours when it dies
+    gone = "the engine process exited with code {} before it was ready (see its log above)"
+    deadline = time.monotonic() + start_timeout_s
+    try:
+        while not parent_conn.poll(0.2):
+            if not proc.is_alive():
+                raise EngineProcessError(gone.format(proc.exitcode))
+            if time.monotonic() > deadline:
+                raise EngineProcessError(f"the engine process was not ready within {start_timeout_s:.0f} s")
+        try:
+            msg = pickle.loads(parent_conn.recv_bytes())
+        except (EOFError, OSError):
+            proc.join(10)
+            raise EngineProcessError(gone.format(proc.exitcode)) from None
+        if msg[0] == "failed":
+            raise EngineProcessError(f"the engine failed to start: {msg[1]}")
+    except BaseException:
+        parent_conn.close()
+        stop(proc, 10)
+        raise
+    return parent_conn, proc, msg[1]
+
+
+def stop(proc, timeout_s: float) -> None:
+    """Bounded: terminate, then kill, an engine process that did not exit by itself."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout_s)
 
 
 def run(conn, engine_kwargs: dict, num_threads: int) -> None:
