@@ -33,10 +33,17 @@ def _lists(req: Req) -> tuple[list, list, list, list]:
 
 def encode(call_id: int, req: Req, final: bool, sent: tuple, engine_version: str) -> tuple[tuple, tuple]:
     """-> (the delta since `sent`, what is sent after it)."""
-    lists = _lists(req)
-    tails = tuple((min(o, len(seq)), seq[min(o, len(seq)):]) if seq or o else None for o, seq in zip(sent[:4], lists))
-    num_inputs = len(req.input_logprobs)
-    inputs = dict(req.input_logprobs) if num_inputs and num_inputs != sent[4] else None
+    if req.return_logprob:
+        lists = _lists(req)
+        tails = tuple((min(o, len(seq)), seq[min(o, len(seq)):]) if seq or o else None
+                      for o, seq in zip(sent[:4], lists))
+        num_inputs = len(req.input_logprobs)
+        inputs = dict(req.input_logprobs) if num_inputs and num_inputs != sent[4] else None
+        now_sent = (*(len(seq) for seq in lists), num_inputs)
+    else:  # the common case, per token of every stream: only the ids move
+        ids = req.output_ids
+        offset = min(sent[0], len(ids))
+        tails, inputs, now_sent = ((offset, ids[offset:]), None, None, None), None, (len(ids), 0, 0, 0, -1)
     fields = (req.cached_tokens, req.num_retractions, engine_version, req.weight_version, req.finished_reason,
               req.stop_at, req.error)
     times = None
@@ -44,7 +51,7 @@ def encode(call_id: int, req: Req, final: bool, sent: tuple, engine_version: str
         routed = req.routed_experts
         times = (req.created_time, req.first_token_time, req.last_token_time, req.finished_time,
                  None if routed is None else routed.numpy())
-    return (call_id, req.index, final, tails, inputs, fields, times), (*(len(seq) for seq in lists), num_inputs)
+    return (call_id, req.index, final, tails, inputs, fields, times), now_sent
 
 
 def abort_delta(call_id: int, req: Req, message: str, engine_version: str) -> tuple:

@@ -47,31 +47,33 @@ def _parent(call_id: int, skeletons: list[Req]):
     return client, call, loop
 
 
-def _req(index: int) -> Req:
-    return Req(f"r{index}", [5, 6, 7], SamplingParams.from_dict({"max_new_tokens": 8}), seed=1, return_logprob=True,
-               top_logprobs_num=2, token_ids_logprob=[4], stream=True, index=index)
+def _req(index: int, return_logprob: bool = True) -> Req:
+    return Req(f"r{index}", [5, 6, 7], SamplingParams.from_dict({"max_new_tokens": 8}), seed=1,
+               return_logprob=return_logprob, top_logprobs_num=2 * return_logprob,
+               token_ids_logprob=[4] if return_logprob else None, stream=True, index=index)
 
 
 def test_requests_rebuilt_from_deltas_equal_the_engines():
     """Applying each step's message reproduces every list, prompt logprobs, counters and the finish of the
-    engine's requests, including a list that shrank between steps (a rolled-back step)."""
+    engine's requests (with and without logprobs), including lists that shrank between steps."""
     engine, pipe = _FakeEngine(), _FakePipe()
     batcher = _Batcher(engine, pipe)
-    reqs = [_req(0), _req(1)]
+    reqs = [_req(0), _req(1), _req(2, return_logprob=False)]
     sink = _CallSink(7, batcher, {7: None}, len(reqs))
     client, call, loop = _parent(7, [_skeleton(r) for r in reqs])
     try:
         for step in range(5):
             for r in reqs:
                 r.output_ids.append(10 + step + r.index)
-                r.output_logprobs.append(-0.5 * step)
-                r.output_top_logprobs.append([(-0.1, 3), (-0.2, 4)])
-                r.output_token_ids_logprobs.append([-1.0 - step])
-                if step == 0:
+                if r.return_logprob:
+                    r.output_logprobs.append(-0.5 * step)
+                    r.output_top_logprobs.append([(-0.1, 3), (-0.2, 4)])
+                    r.output_token_ids_logprobs.append([-1.0 - step])
+                if step == 0 and r.return_logprob:
                     r.input_logprobs = {1: (-2.0, [(-1.5, 9)], [-3.0]), 2: (-2.5, None, None)}
-                if step == 3 and r.index == 1:  # a step taken back: the engine's lists shrink by one
+                if step == 3 and r.index > 0:  # a step taken back: the engine's lists shrink by one
                     for seq in (r.output_ids, r.output_logprobs, r.output_top_logprobs, r.output_token_ids_logprobs):
-                        del seq[-1]
+                        del seq[-1:]
                     r.num_retractions = 1
                 if step == 4:
                     r.finished_reason = FinishReason("length", matched=5)
@@ -86,7 +88,7 @@ def test_requests_rebuilt_from_deltas_equal_the_engines():
                 assert getattr(mine, name) == getattr(theirs, name), name
         assert call.sink.queue.qsize() == 0  # handed to the loop in one call, not put from this thread
         loop.run_until_complete(asyncio.sleep(0))
-        assert call.sink.queue.qsize() == 2 * 5 and 7 not in client._calls
+        assert call.sink.queue.qsize() == 3 * 5 and 7 not in client._calls
     finally:
         loop.close()
 
