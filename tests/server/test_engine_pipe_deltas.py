@@ -71,9 +71,9 @@ def test_requests_rebuilt_from_deltas_equal_the_engines():
                     r.output_token_ids_logprobs.append([-1.0 - step])
                 if step == 0 and r.return_logprob:
                     r.input_logprobs = {1: (-2.0, [(-1.5, 9)], [-3.0]), 2: (-2.5, None, None)}
-                if step == 3 and r.index > 0:  # a step taken back: the engine's lists shrink by one
+                if step == 3 and r.index > 0:  # steps taken back: the engine's lists shrink
                     for seq in (r.output_ids, r.output_logprobs, r.output_top_logprobs, r.output_token_ids_logprobs):
-                        del seq[-1:]
+                        del seq[-2:]  # below what was sent after the step before
                     r.num_retractions = 1
                 if step == 4:
                     r.finished_reason = FinishReason("length", matched=5)
