@@ -94,8 +94,8 @@ def build_engine(server_args: ServerArgs, engine_kwargs: dict):
     except EngineProcessError as e:
         print(f"rollout server not started: {e}", file=sys.stderr, flush=True)
         return None
-    # This process decodes request tensors and tokenizes, never a forward pass: one intra-op thread, so
-    # torch's pool does not compete with the engine process for cores.
+    # This process parses, tokenizes and streams; it runs no forward pass and decodes no tensors (the
+    # engine process does): one intra-op thread, so torch's pool never competes with the engine's.
     torch.set_num_threads(1)
     logger.info("engine process %d ready (%d torch threads)", engine.pid, engine.engine_num_threads)
     return engine

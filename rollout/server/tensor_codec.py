@@ -13,8 +13,11 @@ tensors:
   list of such strings (one string per bucket, all for the same rank).
 
 - `load_format="cuda_ipc"`: the string is the JSON list of CUDA IPC bucket descriptors of
-  `weight_sync.cuda_ipc.encode_request` (a sender on the same GPU; no bytes cross, the server maps the
-  sender's memory), loaded as flattened buckets; the reply waits until nothing reads that memory.
+  `weight_sync.cuda_ipc.encode_request` (a sender on the same GPU; no bytes cross, the engine's process
+  maps the sender's memory), loaded as flattened buckets; the reply waits until nothing reads that memory.
+
+`decode_and_update` is the route's whole job, run where the engine lives (rollout/server/common.py
+`run_on_engine`): the strings cross the server's pipe to an engine process as strings, never as tensors.
 
 - `load_format="delta"`: the string is the base64 of a sparse delta blob (itself a safetensors file,
   format owned by weight_sync/delta_codec.py, which both the sender and this decoder use).
