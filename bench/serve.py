@@ -2,12 +2,15 @@
 
     python bench/serve.py [--model assets/demo-model] [--num-requests 1000] [--concurrency 64] [--client raw]
 
-Starts `python -m rollout.launch_server` in a subprocess (so client and server do not share a GIL),
+Starts `python -m rollout.launch_server` in a subprocess (so client and server do not share a GIL) in its
+default layout (HTTP in the server process, the Engine in the child process it spawns; `--engine-in-process`
+measures the single-process layout instead),
 sends `--num-requests` streaming /generate requests with at most `--concurrency` in flight (httpx,
 asyncio; or `--client raw`: a bare asyncio HTTP/1.1 client that parses only each stream's last event, so
 that the client's own cost, ~230 us of CPU per SSE event with httpx, does not cap the measurement), and reports output tok/s, p50/p99 end-to-end latency and time to first token, whether every
-request finished, and the CPU seconds the run cost the client process and the server process apiece
-(on a shared machine the split says which side pays for the HTTP overhead). Then it runs the identical workload through `Engine.async_generate(stream=True)`
+request finished, and the CPU seconds the run cost the client process and the server processes apiece
+(server_cpu_s: the server and its engine process together; engine_process_cpu_s: the engine process's
+share; on a shared machine the split says which side pays for the HTTP overhead). Then it runs the identical workload through `Engine.async_generate(stream=True)`
 in this process and prints the HTTP overhead as the ratio of the two throughputs. Every wait is bounded.
 """
 
@@ -57,6 +60,30 @@ def proc_cpu_s(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """Every descendant of pid (Linux /proc; [] elsewhere)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    kids = []
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        except OSError:
+            pass
+    return kids + [d for k in kids for d in child_pids(k)]
+
+
+def tree_cpu_s(pid: int) -> tuple[float | None, float | None]:
+    """(CPU seconds of pid and its live descendants, of the descendants alone)."""
+    own = proc_cpu_s(pid)
+    kids = [proc_cpu_s(k) for k in child_pids(pid)]
+    kids_s = sum(k for k in kids if k is not None)
+    return (None if own is None else own + kids_s), kids_s
 
 
 def summary(name: str, wall: float, results: list[tuple[float, float, int, str]], n: int, **cpu) -> dict:
@@ -162,6 +189,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="bound on each phase, seconds")
     p.add_argument("--engine-args", default="--max-total-tokens 16384 --max-running-requests 64",
                    help="extra launch_server flags, also applied to the in-process Engine")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="measure the server with the engine in its own process (launch_server --engine-in-process) "
+                        "instead of the default two-process layout")
     args = p.parse_args()
     reqs = workload(args)
     port = free_port()
@@ -169,7 +199,8 @@ def main() -> None:
     # Quiet server: stdout is read only until "ready", so an access line per request would fill the pipe
     # and block the server (and logging costs server CPU the peer does not pay). `extra` may override.
     cmd = [sys.executable, "-m", "rollout.launch_server", "--model-path", args.model, "--port", str(port),
-           "--no-access-log", "--log-level", "warning", *extra]
+           "--no-access-log", "--log-level", "warning", *extra,
+           *(["--engine-in-process"] if args.engine_in_process else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -184,11 +215,13 @@ def main() -> None:
         run = run_http if args.client == "httpx" else run_raw
         asyncio.run(run(url, reqs[: args.concurrency], args.concurrency, args.timeout))  # warm-up
         httpx.post(url + "/flush_cache", timeout=30)
-        server0, client0 = proc_cpu_s(proc.pid), own_cpu_s()
+        (server0, engine0), client0 = tree_cpu_s(proc.pid), own_cpu_s()
         wall, results = asyncio.run(run(url, reqs, args.concurrency, args.timeout))
-        client_s, server1 = own_cpu_s() - client0, proc_cpu_s(proc.pid)
-        http = summary(f"http ({args.client} client)", wall, results, len(reqs), client_cpu_s=client_s,
-                       server_cpu_s=None if server0 is None or server1 is None else server1 - server0)
+        client_s, (server1, engine1) = own_cpu_s() - client0, tree_cpu_s(proc.pid)
+        layout = "engine in-process" if args.engine_in_process else "engine process"
+        http = summary(f"http ({args.client} client, {layout})", wall, results, len(reqs), client_cpu_s=client_s,
+                       server_cpu_s=None if server0 is None or server1 is None else server1 - server0,
+                       engine_process_cpu_s=engine1 - engine0)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -54,6 +54,27 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 _BUILD_INLINE_BELOW = 1 << 15  # output entries an awaited call builds on the event loop itself
 
 
+def prompt_token_ids(tokenizer: TokenizerWrapper, prompt, input_ids) -> tuple[list[list[int]], bool]:
+    """generate's prompt arguments, validated -> (token ids per prompt, whether it was a single prompt).
+    Text is encoded with `tokenizer`; input_ids are checked, not copied."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("pass exactly one of prompt or input_ids")
+    if prompt is not None:
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else prompt
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompt must be a string or a list of strings")
+        return [tokenizer.encode(p) for p in prompts], single
+    single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+    ids_list = [input_ids] if single else input_ids
+    if not isinstance(ids_list, list) or not all(
+        isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        for ids in ids_list
+    ):
+        raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+    return ids_list, single
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("rollout-engine")
@@ -94,6 +115,10 @@ class Engine(WeightsAPI, LoRAAPI):
         self._cv.on_acquire = self._at_step_boundary
         self._cv.on_release = self._publish_load
         self._finish_observers: list = []  # fn(req) per finished request (the server's latency metrics)
+        # Called at every step boundary (after a step's deliveries, and at the end of every control call),
+        # holding the step lock: a sink that batches what a step delivered sends it then, as one message
+        # (rollout/server/engine_process.py). It must be quick and must not raise.
+        self.on_step_boundary = None
         self._thread = threading.Thread(target=run_scheduler_loop, args=(self,), name="rollout-scheduler",
                                         daemon=True)
         self._thread.start()
@@ -156,6 +181,8 @@ class Engine(WeightsAPI, LoRAAPI):
         kv = self.runner.token_to_kv_pool
         self._load = {"num_running": len(s.running) + (s.chunked_req is not None), "num_waiting": len(s.waiting),
                       "num_used_tokens": max(0, self.runner.max_total_num_tokens - kv.available_size())}
+        if self.on_step_boundary is not None:
+            self.on_step_boundary()
 
     def get_load(self) -> dict:
         """SGLang's load report, without waiting for the step in progress: {"num_reqs", "num_waiting_reqs",
@@ -183,8 +210,9 @@ class Engine(WeightsAPI, LoRAAPI):
             self._notify_finished(req)
             item = ("final", req)
         elif req.stream:
-            # A copy: the reader builds the chunk later, while the scheduler keeps appending.
-            item = ("chunk", req.snapshot())
+            # A copy: the reader builds the chunk later, while the scheduler keeps appending. A sink that
+            # reads the request at once, under the step lock (rollout/server/engine_process.py), needs none.
+            item = ("chunk", req if getattr(req.sink, "reads_at_put", False) else req.snapshot())
         else:
             return
         try:
@@ -268,23 +296,10 @@ class Engine(WeightsAPI, LoRAAPI):
 
     def _make_reqs(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream,
                    return_routed_experts=False, logprob_start_len=None, token_ids_logprob=None,
-                   return_original_logprob=None, lora_path=None):
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("pass exactly one of prompt or input_ids")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            prompts = [prompt] if single else prompt
-            if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-                raise ValueError("prompt must be a string or a list of strings")
-            ids_list = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
-            ids_list = [input_ids] if single else input_ids
-            if not isinstance(ids_list, list) or not all(
-                isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-                for ids in ids_list
-            ):
-                raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+                   return_original_logprob=None, lora_path=None, encoded=None):
+        # `encoded`: prompt_token_ids' result, computed by a caller that tokenizes in its own process
+        # (rollout/server/engine_client.py); the engine then never sees the text.
+        ids_list, single = encoded if encoded is not None else prompt_token_ids(self.tokenizer, prompt, input_ids)
         if not ids_list:
             raise ValueError("empty batch: no prompts given")
         num = len(ids_list)

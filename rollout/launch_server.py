@@ -6,6 +6,13 @@ stops accepting, finishes open responses, then the engine is shut down (in-fligh
 finish_reason abort); the shutdown and the stop are printed. `--log-level` (default info) applies to
 every logger of the process; uvicorn's access log is on unless `--no-access-log`.
 
+Two processes by default (SGLang's layout): this one runs HTTP, tokenization and detokenization; the
+Engine (scheduler and model) runs in a child (rollout/server/engine_process.py, reached through
+rollout/server/engine_client.py), so the two halves hold two GILs. The child gets the torch thread count
+an in-process engine would have; this process then keeps one torch thread (it runs no model). An engine
+that fails to build makes the server exit 1 with its reason. `--engine-in-process` keeps everything in
+this process.
+
 `ServerThread` runs the same server in a background thread of this process (tests, benchmarks).
 uvicorn picks uvloop and httptools when they are installed (`pip install uvicorn[standard]`): on the
 tiny-model streaming benchmark they cut the server's CPU by roughly a fifth (one run each, loaded machine).
@@ -70,13 +77,37 @@ class ServerThread:
         self.thread.join(timeout_s)
 
 
+def build_engine(server_args: ServerArgs, engine_kwargs: dict):
+    """The Engine in this process (--engine-in-process), else an EngineClient over the engine process;
+    None (the reason printed) if the engine process failed to start."""
+    if server_args.engine_in_process:
+        from rollout import Engine
+
+        return Engine(**engine_kwargs)
+    import torch
+
+    from rollout.server.engine_client import EngineClient, EngineProcessError
+
+    try:
+        engine = EngineClient.spawn(engine_kwargs, num_threads=torch.get_num_threads(),
+                                    start_timeout_s=server_args.engine_start_timeout_s)
+    except EngineProcessError as e:
+        print(f"rollout server not started: {e}", file=sys.stderr, flush=True)
+        return None
+    # This process parses, tokenizes and streams; it runs no forward pass and decodes no tensors (the
+    # engine process does): one intra-op thread, so torch's pool never competes with the engine's.
+    torch.set_num_threads(1)
+    logger.info("engine process %d ready (%d torch threads)", engine.pid, engine.engine_num_threads)
+    return engine
+
+
 def main(argv: list[str] | None = None) -> int:
     server_args, engine_kwargs = parse_args(argv)
     log_level = str(engine_kwargs.get("log_level", "info")).lower()
     configure_logging(log_level)
-    from rollout import Engine
-
-    engine = Engine(**engine_kwargs)
+    engine = build_engine(server_args, engine_kwargs)
+    if engine is None:
+        return 1
     try:
         app = create_app(engine, server_args)
         server = uvicorn.Server(_uvicorn_config(app, server_args, log_level, server_args.access_log))

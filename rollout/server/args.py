@@ -44,6 +44,9 @@ class ServerArgs:
     weight_group_join_timeout_s: float = 60.0  # default join timeout (a request's timeout_s overrides)
     # ---- operator options (logging) --------------------------------------------------------
     access_log: bool = True  # uvicorn's access log, one line per request at --log-level info; --no-access-log
+    # ---- process layout (rollout/launch_server.py) -----------------------------------------
+    engine_in_process: bool = False  # default: the engine runs in a child process (engine_process.py)
+    engine_start_timeout_s: float = 600.0  # bound on building the engine in its process
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -54,6 +57,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.weight_group_join_timeout_s > 0:
             raise ValueError(f"--weight-group-join-timeout-s must be > 0, got {self.weight_group_join_timeout_s}")
+        if not self.engine_start_timeout_s > 0:
+            raise ValueError(f"--engine-start-timeout-s must be > 0, got {self.engine_start_timeout_s}")
         if self.api_key == "":
             raise ValueError("--api-key must not be empty (omit it to disable authentication)")
 
@@ -71,6 +76,10 @@ ARG_HELP: dict[str, str] = {
                      "inline template (default: the tokenizer's own; without one chat completions are refused)",
     "max_n": "refuse a request asking for more sequences (prompts x n) than this",
     "access_log": "uvicorn's access log (one line per request, at --log-level info or lower)",
+    "engine_in_process": "run the engine (scheduler and model) in the HTTP server's own process, sharing its GIL "
+                         "(the old layout; default: a child process, so HTTP and the model use two cores)",
+    "engine_start_timeout_s": "seconds the server waits for the engine process to build the engine before it "
+                              "gives up and exits",
     "device": "'cpu' or 'cuda' ('cuda:N' picks a device)",
     "cpu_kv_cache_bytes": "KV cache bytes on the CPU when --max-total-tokens is not given",
     "cpu_prepack": "oneDNN-prepacked linear weights on the CPU (faster decode)",

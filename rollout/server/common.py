@@ -88,6 +88,16 @@ def engine_error(e: Exception) -> JSONResponse:
     return error_response(f"{type(e).__name__}: {e}", 500)
 
 
+async def run_on_engine(request: Request, fn, *args, **kwargs):
+    """fn(engine, *args, **kwargs) where the engine lives: in the control pool for an in-process Engine,
+    in the engine process for an EngineClient (fn is module-level: it crosses the pipe by name), so that
+    what fn decodes from a request (tensors) is rebuilt next to the engine."""
+    engine = request.app.state.engine
+    if hasattr(engine, "run_on_engine"):
+        return await run_blocking(request, engine.run_on_engine, fn, *args, **kwargs)
+    return await run_blocking(request, fn, engine, *args, **kwargs)
+
+
 async def run_blocking(request: Request, fn, *args, **kwargs):
     """Run a blocking engine call in the server's control thread pool, never on the event loop."""
     loop = asyncio.get_running_loop()

@@ -15,9 +15,9 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from rollout.server.common import error_response, run_blocking
+from rollout.server.common import error_response, run_blocking, run_on_engine
 from rollout.server.native import Body
-from rollout.server.tensor_codec import decode_buckets, decode_named_tensors
+from rollout.server.tensor_codec import PayloadError, decode_buckets, decode_named_tensors
 
 router = APIRouter()
 
@@ -59,19 +59,29 @@ async def unload_lora_adapter(obj: UnloadLoRAAdapterReqInput, request: Request):
 
 @router.post("/load_lora_adapter_from_tensors")
 async def load_lora_adapter_from_tensors(obj: LoadLoRAAdapterFromTensorsReqInput, request: Request):
-    engine = request.app.state.engine
     if obj.added_tokens_config:
         return error_response("added_tokens_config is not supported (adapters cannot add tokens here)", 400,
                               param="added_tokens_config")
-    try:
-        if obj.load_format == "flattened_bucket":
-            tensors = await run_blocking(request, decode_buckets, obj.serialized_tensors, "serialized_tensors")
-        else:
-            tensors = await run_blocking(request, decode_named_tensors, obj.serialized_tensors, "serialized_tensors")
-    except ValueError as e:
+    try:  # decoded where the engine runs (its own process by default): the tensors never cross a pipe
+        res = await run_on_engine(request, decode_and_load_adapter, obj.lora_name, obj.serialized_tensors,
+                                  obj.config_dict, obj.load_format, obj.pinned)
+    except PayloadError as e:
         return error_response(str(e), 400, param="serialized_tensors")
-    return _answer(await run_blocking(request, engine.load_lora_adapter_from_tensors, obj.lora_name, tensors,
-                                      obj.config_dict, load_format=obj.load_format, pinned=obj.pinned))
+    return _answer(res)
+
+
+def decode_and_load_adapter(engine, lora_name: str, serialized: str, config_dict: dict, load_format: str | None,
+                            pinned: bool):
+    """/load_lora_adapter_from_tensors next to the engine: decode (PayloadError if malformed), then load."""
+    try:
+        if load_format == "flattened_bucket":
+            tensors = decode_buckets(serialized, "serialized_tensors")
+        else:
+            tensors = decode_named_tensors(serialized, "serialized_tensors")
+    except ValueError as e:
+        raise PayloadError(str(e)) from None
+    return engine.load_lora_adapter_from_tensors(lora_name, tensors, config_dict, load_format=load_format,
+                                                 pinned=pinned)
 
 
 def lora_of_model(request: Request, model: str | None) -> str | None:

@@ -1,4 +1,5 @@
-"""SGLang's native HTTP endpoints over an in-process Engine: same paths, methods, bodies and status codes.
+"""SGLang's native HTTP endpoints over an Engine (in this process, or in its own behind an EngineClient):
+same paths, methods, bodies and status codes.
 
 Generation goes through `Engine.async_generate` (the event loop awaits its own sink); every other engine
 call blocks on the engine lock, so it runs in the server's thread pool. Request bodies are pydantic
@@ -30,14 +31,16 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from rollout.server import limits, security
-from rollout.server.common import JSONResponse, dumpb, engine_error, error_response, run_blocking, truncate
-from rollout.server.tensor_codec import (
-    decode_buckets,
-    decode_delta,
-    decode_ipc_buckets,
-    decode_named_tensors,
-    update_and_release,
+from rollout.server.common import (
+    JSONResponse,
+    dumpb,
+    engine_error,
+    error_response,
+    run_blocking,
+    run_on_engine,
+    truncate,
 )
+from rollout.server.tensor_codec import PayloadError, decode_and_update
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -202,9 +205,15 @@ async def generate(obj: GenerateReqInput, request: Request):
 
 
 # ---- health and info --------------------------------------------------------------------------
+def engine_alive(request: Request) -> bool:
+    """False once the app shut down, or the engine process (EngineClient) is gone."""
+    is_alive = getattr(request.app.state.engine, "is_alive", None)
+    return not request.app.state.engine_shut_down and (is_alive is None or is_alive())
+
+
 @router.get("/health")
 async def health(request: Request):
-    if request.app.state.engine_shut_down:
+    if not engine_alive(request):
         return Response(status_code=503)
     return Response(status_code=200)
 
@@ -213,7 +222,7 @@ async def health(request: Request):
 async def health_generate(request: Request):
     """200 once the engine produced a token (or is busy producing others'); 503 otherwise."""
     engine = request.app.state.engine
-    if request.app.state.engine_shut_down:
+    if not engine_alive(request):
         return Response(status_code=503)
     load = await run_blocking(request, engine.get_server_info)
     if load["num_in_flight"] and not load.get("paused"):
@@ -251,6 +260,8 @@ async def get_server_info(request: Request):
 
 def load_snapshot(engine) -> dict:
     """Running/waiting requests and KV tokens in use (blocking: takes the engine lock)."""
+    if hasattr(engine, "load_snapshot"):  # an EngineClient: taken in the engine process
+        return engine.load_snapshot()
     info = engine.get_server_info()
     waiting = len(engine.scheduler.waiting)
     kv = engine.runner.token_to_kv_pool
@@ -435,22 +446,11 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
     if len(obj.serialized_named_tensors) not in (1, tp):
         return error_response(f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries; "
                               f"expected 1 or tp_size={tp}", 400, param="serialized_named_tensors")
-    load_format = obj.load_format
-    try:
-        if load_format == "flattened_bucket":
-            payload = await run_blocking(request, decode_buckets, obj.serialized_named_tensors[0])
-        elif load_format == "cuda_ipc":  # a sender on the same GPU: buckets as CUDA IPC handles (cuda_ipc.py)
-            payload = await run_blocking(request, decode_ipc_buckets, obj.serialized_named_tensors[0])
-            load_format = "flattened_bucket"
-        elif obj.load_format == "delta":
-            payload = await run_blocking(request, decode_delta, obj.serialized_named_tensors[0])
-        else:
-            payload = await run_blocking(request, decode_named_tensors, obj.serialized_named_tensors[0])
-    except (ValueError, RuntimeError) as e:
+    try:  # decoded where the engine runs (its own process by default): the tensors never cross a pipe
+        res = await run_on_engine(request, decode_and_update, obj.serialized_named_tensors[0], obj.load_format,
+                                  obj.flush_cache, obj.weight_version, obj.abort_all_requests)
+    except PayloadError as e:
         return error_response(str(e), 400, param="serialized_named_tensors")
-    await _abort_all_first(request, obj.abort_all_requests)
-    res = await run_blocking(request, update_and_release, engine, payload, load_format, obj.flush_cache,
-                             obj.weight_version)
     return _result(res)
 
 

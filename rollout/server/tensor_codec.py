@@ -13,8 +13,11 @@ tensors:
   list of such strings (one string per bucket, all for the same rank).
 
 - `load_format="cuda_ipc"`: the string is the JSON list of CUDA IPC bucket descriptors of
-  `weight_sync.cuda_ipc.encode_request` (a sender on the same GPU; no bytes cross, the server maps the
-  sender's memory), loaded as flattened buckets; the reply waits until nothing reads that memory.
+  `weight_sync.cuda_ipc.encode_request` (a sender on the same GPU; no bytes cross, the engine's process
+  maps the sender's memory), loaded as flattened buckets; the reply waits until nothing reads that memory.
+
+`decode_and_update` is the route's whole job, run where the engine lives (rollout/server/common.py
+`run_on_engine`): the strings cross the server's pipe to an engine process as strings, never as tensors.
 
 - `load_format="delta"`: the string is the base64 of a sparse delta blob (itself a safetensors file,
   format owned by weight_sync/delta_codec.py, which both the sender and this decoder use).
@@ -106,6 +109,34 @@ def decode_ipc_buckets(s: str) -> list[dict]:
     from weight_sync.cuda_ipc import decode_request
 
     return [b.to_dict() for b in decode_request(s)]
+
+
+class PayloadError(ValueError):
+    """serialized_named_tensors itself is malformed (nothing was aborted or loaded)."""
+
+
+def decode_payload(serialized: str, load_format: str | None) -> tuple[object, str | None]:
+    """One rank's string -> (what Engine.update_weights_from_tensor takes, its load_format)."""
+    if load_format == "flattened_bucket":
+        return decode_buckets(serialized), load_format
+    if load_format == "cuda_ipc":  # a sender on the same GPU: buckets as CUDA IPC handles (cuda_ipc.py)
+        return decode_ipc_buckets(serialized), "flattened_bucket"
+    if load_format == "delta":
+        return decode_delta(serialized), load_format
+    return decode_named_tensors(serialized), load_format
+
+
+def decode_and_update(engine, serialized: str, load_format: str | None, flush_cache: bool,
+                      weight_version: str | None, abort_all_requests: bool):
+    """/update_weights_from_tensor next to the engine: decode (PayloadError if malformed: then nothing
+    else happens), abort every request if asked, update."""
+    try:
+        payload, load_format = decode_payload(serialized, load_format)
+    except (ValueError, RuntimeError) as e:
+        raise PayloadError(str(e)) from None
+    if abort_all_requests:
+        engine.abort_request(abort_all=True)
+    return update_and_release(engine, payload, load_format, flush_cache, weight_version)
 
 
 def update_and_release(engine, payload, load_format, flush_cache, weight_version):

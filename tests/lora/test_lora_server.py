@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from safetensors.torch import load_file
 
 from rollout.server.tensor_codec import encode_named_tensors
@@ -16,15 +17,17 @@ GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
 PROMPT = random_prompts([6], seed=7)[0]
 
 
-def test_lora_endpoints_equal_the_engine(tiny_llama, adapter_factory, make_engine):
-    """Adapters loaded over HTTP generate what an Engine with lora_paths generates, on every route."""
+@pytest.mark.parametrize("in_child", [False, True], ids=["engine-in-process", "engine-process"])
+def test_lora_endpoints_equal_the_engine(tiny_llama, adapter_factory, make_engine, in_child):
+    """Adapters loaded over HTTP generate what an Engine with lora_paths generates, on every route, whether
+    the engine runs in the server's process or in its own (tensors decoded there)."""
     a, b = adapter_factory(tiny_llama, r=8, seed=21), adapter_factory(tiny_llama, r=4, seed=22)
     ref_engine = make_engine(tiny_llama, lora_paths={"a": str(a), "b": str(b)})
     ref = {n: ref_engine.generate(input_ids=PROMPT, sampling_params=GREEDY, lora_path=n)["output_ids"]
            for n in ("a", "b", None)}
     assert ref["a"] != ref[None]
     kw = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"])
-    with start_server(tiny_llama, engine_kw=kw) as s, s.client() as c:
+    with start_server(tiny_llama, engine_kw=kw, in_child=in_child) as s, s.client() as c:
         r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(a)})
         assert r.status_code == 200 and r.json() == {"success": True, "error_message": None,
                                                      "loaded_adapters": {"a": str(a)}}

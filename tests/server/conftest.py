@@ -2,7 +2,7 @@
 
 `server` is one in-process uvicorn server (background thread) over an Engine on the tiny Llama
 checkpoint, started once per session; tests that need their own weights or options start theirs with
-`start_server`. Every engine is built with `disable_cuda_graph=True` (no compiled decode step: the
+`start_server` (`in_child=True`: the engine in its own process, as launch_server runs it). Every engine is built with `disable_cuda_graph=True` (no compiled decode step: the
 server, not the runner, is under test, and a compile would dominate the run time). Clients use short,
 bounded timeouts so a hung server fails the test instead of hanging it.
 """
@@ -18,6 +18,7 @@ import pytest
 from rollout import Engine
 from rollout.launch_server import ServerThread, free_port
 from rollout.server import ServerArgs, create_app
+from rollout.server.engine_client import EngineClient
 
 ENGINE_KW = dict(device="cpu", max_total_tokens=4096, max_running_requests=64, show_progress=False,
                  disable_cuda_graph=True, enable_memory_saver=True)
@@ -39,10 +40,15 @@ class Served:
 
 
 @contextlib.contextmanager
-def start_server(path, engine: Engine | None = None, engine_kw: dict | None = None, **server_kw):
-    """Serve `engine` (or a new Engine on `path`) on a free port; stops both (an engine it built) at exit."""
+def start_server(path, engine: Engine | None = None, engine_kw: dict | None = None, in_child: bool = False,
+                 **server_kw):
+    """Serve `engine` (or a new Engine on `path`; with `in_child`, in an engine process behind an
+    EngineClient, launch_server's default layout) on a free port; stops both (an engine it built) at exit."""
     own = engine is None
-    engine = engine or Engine(str(path), **{**ENGINE_KW, **(engine_kw or {})})
+    kw = {**ENGINE_KW, **(engine_kw or {})}
+    if engine is None and in_child:
+        engine = EngineClient.spawn({"model_path": str(path), **kw}, start_timeout_s=120)
+    engine = engine or Engine(str(path), **kw)
     try:
         args = ServerArgs(port=free_port(), **{"served_model_name": "tiny", **server_kw})
         thread = ServerThread(create_app(engine, args), args).start()

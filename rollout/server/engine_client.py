@@ -1,0 +1,442 @@
+"""EngineClient: the HTTP server's stand-in for an Engine that runs in a child process.
+
+`EngineClient.spawn(engine_kwargs)` starts rollout/server/engine_process.py (multiprocessing "spawn")
+and offers what the server's routes use of an Engine: `async_generate` (streamed or not, n > 1,
+logprobs, LoRA, ...), every control and weights method (each a call into the child, answered with the
+same value, or the same exception type and message, so HTTP status codes and bodies do not change),
+`get_load`, finish observers (/metrics), and the attributes routes read: `args`, `tokenizer` (loaded
+here, so tokenizing prompts, chat templates and detokenizing outputs never take the engine's GIL),
+`runner.context_len`, `runner.lora_adapters()`, `weight_version`, `model_path`.
+
+Messages on the private pipe (pickled; engine_process.py says why that is safe), parent -> child:
+("generate", call_id, (ids per prompt, single), kwargs), ("abort", call_id), ("call", call_id, method or
+function, args, kwargs), ("shutdown",). Child -> parent: ("submitted", call_id, ok, (requests, single) or
+error), ("out", deltas, load) once per engine step, ("reply", call_id, ok, value or error, state),
+("bye",). One sender thread writes (an event loop never blocks on the pipe) and one reader thread reads:
+per "out" message it applies every delta to this side's copy of each request (a `Req`, so outputs are
+built by the same rollout.outputs.build_output as in-process; rollout/server/engine_deltas.py is the
+format) and makes ONE `call_soon_threadsafe` per event loop to hand the chunks to their streams' queues.
+
+When the child dies, every request in flight ends as abort with the reason, every waiting call raises
+RuntimeError, and `is_alive()` turns False (/health answers 503). Every wait is bounded.
+
+What it does not do: run anything of the model, or restart a dead engine process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import logging
+import pickle
+import queue
+import threading
+import weakref
+from collections import defaultdict
+
+from rollout.engine import prompt_token_ids
+from rollout.outputs import AsyncSink, AsyncStream, build_output
+from rollout.request import FinishReason, Req
+from rollout.server import engine_deltas, engine_process
+from rollout.server.engine_process import EngineProcessError
+from rollout.tokenizer import TokenizerWrapper
+
+logger = logging.getLogger("rollout.server.engine_client")
+
+_BUILD_INLINE_BELOW = 1 << 15  # as Engine.async_generate: bigger outputs are built in a worker thread
+
+
+class _RunnerView:
+    """The two things routes read from Engine.runner, served from this side."""
+
+    def __init__(self, client: EngineClient, context_len: int) -> None:
+        self._client = client
+        self.context_len = context_len
+
+    def lora_adapters(self) -> dict[str, dict]:
+        return self._client._state["lora_adapters"]
+
+
+class _Call:
+    """One generate call on this side: its sink (the stream's queue), and its requests once submitted."""
+
+    __slots__ = ("loop", "sink", "reqs", "num_open", "submitted")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.sink = AsyncSink(loop)
+        self.reqs: list[Req] = []
+        self.num_open = 0
+        self.submitted: asyncio.Future = loop.create_future()
+
+
+def _remote(name: str):
+    def method(self, *args, **kwargs):
+        return self._call(name, args, kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Engine.{name}, run in the engine process (same result, same exceptions)."
+    return method
+
+
+class EngineClient:
+    def __init__(self, conn, process, info: dict) -> None:
+        self._conn = conn
+        self._process = process
+        self.args = info["args"]
+        self.pid = info["pid"]
+        self.engine_num_threads = info["num_threads"]
+        self._state = info["state"]
+        self.runner = _RunnerView(self, info["context_len"])
+        self.tokenizer = TokenizerWrapper(self.args.model_path, self.args.skip_tokenizer_init)
+        self._load = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        self._finish_observers: list = []
+        self._ids = itertools.count()
+        self._calls: dict[int, _Call] = {}
+        self._replies: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()  # guards _calls, _replies and _dead together
+        self._dead: str | None = None  # why the engine process is gone
+        self._closing = False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._bye = threading.Event()
+        self._sender = threading.Thread(target=self._send_loop, name="engine-client-sender", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name="engine-client-reader", daemon=True)
+        self._sender.start()
+        self._reader.start()
+        # multiprocessing joins a non-daemonic child at exit, and the child waits for this pipe to close:
+        # a client nobody shut down would hang the interpreter's exit, so shut it down first.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (c := ref()) is not None and c.shutdown(timeout_s=10))
+
+    # ---- start and stop ------------------------------------------------------------------------
+    @classmethod
+    def spawn(cls, engine_kwargs: dict, num_threads: int | None = None, start_timeout_s: float = 600.0
+              ) -> EngineClient:
+        """Start the engine process and wait (at most `start_timeout_s`) until its Engine is built.
+        `num_threads`: its torch intra-op threads (default: this process's count, what an in-process
+        Engine would use). Raises EngineProcessError with the child's reason if it fails to start."""
+        import torch
+
+        conn, proc, info = engine_process.start(engine_kwargs, num_threads or torch.get_num_threads(),
+                                                start_timeout_s)
+        return cls(conn, proc, info)
+
+    def is_alive(self) -> bool:
+        return self._dead is None and self._process.is_alive()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine (in-flight requests end as abort, delivered here first) and its process."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self._dead is None:
+            self._outbox.put(("shutdown",))
+            self._bye.wait(timeout_s)
+        self._outbox.put(None)
+        self._process.join(timeout_s if self._dead is None else 5)
+        engine_process.stop(self._process, 5)
+        self._reader.join(5)
+        self._conn.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- the pipe --------------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        if self._dead is not None:
+            raise EngineProcessError(self._dead)
+        if self._closing:
+            raise RuntimeError("engine is shut down")
+        self._outbox.put(msg)
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                self._conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            except (OSError, ValueError):  # the child is gone: the reader says why
+                return
+            except Exception as e:  # noqa: BLE001 - an argument that does not pickle: fail that call only
+                self._fail_message(msg, e)
+
+    def _fail_message(self, msg: tuple, e: Exception) -> None:
+        err = TypeError(f"cannot send {msg[0]!r} to the engine process: {type(e).__name__}: {e}")
+        if msg[0] == "call":
+            fut = self._replies.pop(msg[1], None)
+            if fut is not None:
+                fut.set_exception(err)
+        elif msg[0] == "generate":
+            call = self._calls.pop(msg[1], None)
+            if call is not None:
+                call.loop.call_soon_threadsafe(_set_exception, call.submitted, err)
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            op = msg[0]
+            try:
+                if op == "out":
+                    self._on_out(msg[1], msg[2])
+                elif op == "submitted":
+                    self._on_submitted(*msg[1:])
+                elif op == "reply":
+                    self._on_reply(*msg[1:])
+                elif op == "bye":
+                    self._bye.set()
+            except Exception:  # a bug here must not stop every other request's outputs
+                logger.exception("handling the engine process's %r message failed", op)
+        self._process.join(2)
+        code = self._process.exitcode
+        self._on_child_gone("engine is shut down" if self._closing else
+                            f"the engine process died (exit code {code}); restart the server")
+
+    def _on_child_gone(self, reason: str) -> None:
+        with self._lock:
+            self._dead = reason
+            calls, self._calls = self._calls, {}
+            replies, self._replies = self._replies, {}
+        self._bye.set()
+        for fut in replies.values():
+            fut.set_exception(EngineProcessError(reason))
+        by_loop: dict = defaultdict(list)
+        for call in calls.values():
+            if not call.reqs:
+                call.loop.call_soon_threadsafe(_set_exception, call.submitted, EngineProcessError(reason))
+            for req in call.reqs:
+                if not req.finished:
+                    req.finished_reason = FinishReason("abort", message=reason)
+                    req.error = reason
+                    by_loop[call.loop].append((call.sink, ("final", req)))
+        if calls:
+            logger.error("%s: %d call(s) in flight end as abort", reason, len(calls))
+        self._hand_over(by_loop)
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _on_submitted(self, call_id: int, ok: bool, value) -> None:
+        call = self._calls.get(call_id)
+        if call is None:
+            return
+        if not ok:
+            self._calls.pop(call_id, None)
+            call.loop.call_soon_threadsafe(_set_exception, call.submitted, value)
+            return
+        skeletons, single = value
+        call.reqs, call.num_open = skeletons, len(skeletons)
+        call.loop.call_soon_threadsafe(_set_result, call.submitted, single)
+
+    def _on_out(self, deltas: list, load: dict) -> None:
+        self._load = load
+        by_loop: dict = defaultdict(list)
+        finished = []
+        for delta in deltas:
+            call_id, index, final = delta[:3]
+            call = self._calls.get(call_id)
+            if call is None:  # its process-side abort raced the final: nobody waits
+                continue
+            req = call.reqs[index]
+            if req.finished:  # ended already (an output the engine process could not send)
+                continue
+            engine_deltas.apply(req, delta)
+            if final:
+                call.num_open -= 1
+                if not call.num_open:
+                    self._calls.pop(call_id, None)
+                finished.append(req)
+                item = ("final", req)
+            else:
+                item = ("chunk", req.snapshot())
+            if not call.sink.closed:
+                by_loop[call.loop].append((call.sink, item))
+        self._hand_over(by_loop)
+        for req in finished:
+            for fn in self._finish_observers:
+                try:
+                    fn(req)
+                except Exception:  # noqa: BLE001 - an observer's bug must not lose outputs
+                    logger.exception("finish observer %r failed", fn)
+
+    @staticmethod
+    def _hand_over(by_loop: dict) -> None:
+        """One wake-up per event loop for everything this message carried."""
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_distribute, items)
+            except RuntimeError:  # that loop is closed: nobody reads these
+                pass
+
+    def _abort_call(self, call_id: int, reqs=None) -> None:
+        """The caller stopped reading: the engine aborts the call's requests at its next step boundary."""
+        try:
+            self._send(("abort", call_id))
+        except RuntimeError:  # the engine is gone already: nothing runs
+            pass
+
+    def _output(self, req: Req, final: bool) -> dict:
+        return build_output(req, self.tokenizer, req.weight_version, final)
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
+                             return_logprob: bool | list[bool] = False, top_logprobs_num: int | list[int] = 0,
+                             stream: bool = False, rid=None, return_routed_experts: bool | list[bool] = False,
+                             logprob_start_len: int | list[int] | None = None,
+                             token_ids_logprob: list[int] | list[list[int]] | None = None,
+                             return_original_logprob: bool | None = None,
+                             lora_path: str | list[str | None] | None = None):
+        """Engine.async_generate, with the prompts tokenized here and the model in the engine process."""
+        encoded = prompt_token_ids(self.tokenizer, prompt, input_ids)
+        kwargs = dict(sampling_params=sampling_params, return_logprob=return_logprob,
+                      top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
+                      return_routed_experts=return_routed_experts, logprob_start_len=logprob_start_len,
+                      token_ids_logprob=token_ids_logprob, return_original_logprob=return_original_logprob,
+                      lora_path=lora_path)
+        call = _Call(asyncio.get_running_loop())
+        call_id = next(self._ids)
+        with self._lock:
+            if self._dead is not None:
+                raise EngineProcessError(self._dead)
+            self._calls[call_id] = call
+        try:
+            self._send(("generate", call_id, encoded, kwargs))
+            single = await call.submitted
+        except asyncio.CancelledError:
+            call.sink.closed = True
+            self._abort_call(call_id)
+            raise
+        except BaseException:
+            self._calls.pop(call_id, None)
+            raise
+        reqs = call.reqs
+        if stream:
+            return AsyncStream(reqs, call.sink, self._output, lambda _reqs: self._abort_call(call_id))
+        finished: list[Req] = []
+        try:
+            for _ in range(len(reqs)):
+                _, req = await call.sink.get()
+                finished.append(req)
+        except asyncio.CancelledError:  # a cancelled caller's requests stop generating
+            call.sink.closed = True
+            self._abort_call(call_id)
+            raise
+        results: list[dict | None] = [None] * len(reqs)
+
+        def build() -> None:
+            for req in finished:
+                results[req.index] = self._output(req, final=True)
+
+        size = sum(len(r.output_ids) * (1 + r.top_logprobs_num) for r in finished)
+        if size > _BUILD_INLINE_BELOW:
+            await asyncio.to_thread(build)
+        else:
+            build()
+        return results[0] if single else results
+
+    # ---- control: calls into the engine process ----------------------------------------------
+    def _call(self, name, args: tuple = (), kwargs: dict | None = None):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._ids)
+        with self._lock:
+            if self._dead is not None:
+                raise EngineProcessError(self._dead)
+            self._replies[call_id] = fut
+        self._send(("call", call_id, name, tuple(args), dict(kwargs or {})))
+        # Bounded by the engine's own bounds: the wait ends when it answers or its process is gone.
+        while True:
+            try:
+                return fut.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if not self._process.is_alive() and not fut.done():
+                    self._reader.join(5)
+                    if not fut.done():
+                        raise EngineProcessError(self._dead or "the engine process is gone") from None
+
+    def _on_reply(self, call_id: int, ok: bool, value, state: dict | None) -> None:
+        if state is not None:
+            self._state = state
+        fut = self._replies.pop(call_id, None)
+        if fut is None:
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def run_on_engine(self, fn, *args, **kwargs):
+        """fn(engine, *args, **kwargs) in the engine process; fn must be a module-level function (it
+        crosses the pipe by name). The server's routes use it to decode HTTP payloads next to the engine."""
+        return self._call(fn, args, kwargs)
+
+    def get_load(self) -> dict:
+        """Engine.get_load as of the engine's last step boundary (no round trip)."""
+        return dict(self._load)
+
+    def load_snapshot(self) -> dict:
+        from rollout.server.native import load_snapshot
+
+        return self.run_on_engine(load_snapshot)
+
+    @property
+    def weight_version(self) -> str:
+        return self._state["weight_version"]
+
+    @property
+    def model_path(self) -> str:
+        return self._state["model_path"]
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self._state["tokenizer_path"]
+
+    def add_finish_observer(self, fn) -> None:
+        """fn(req) once per finished request, on this side's reader thread (quick; no engine calls)."""
+        self._finish_observers = [*self._finish_observers, fn]
+
+    def remove_finish_observer(self, fn) -> None:
+        self._finish_observers = [f for f in self._finish_observers if f is not fn]
+
+    abort_request = _remote("abort_request")
+    pause_generation = _remote("pause_generation")
+    continue_generation = _remote("continue_generation")
+    flush_cache = _remote("flush_cache")
+    get_server_info = _remote("get_server_info")
+    update_weight_version = _remote("update_weight_version")
+    get_weights_checksum = _remote("get_weights_checksum")
+    get_weights_by_name = _remote("get_weights_by_name")
+    update_weights_from_tensor = _remote("update_weights_from_tensor")
+    update_weights_from_disk = _remote("update_weights_from_disk")
+    init_weights_update_group = _remote("init_weights_update_group")
+    update_weights_from_distributed = _remote("update_weights_from_distributed")
+    destroy_weights_update_group = _remote("destroy_weights_update_group")
+    release_memory_occupation = _remote("release_memory_occupation")
+    resume_memory_occupation = _remote("resume_memory_occupation")
+    load_lora_adapter = _remote("load_lora_adapter")
+    load_lora_adapter_from_tensors = _remote("load_lora_adapter_from_tensors")
+    unload_lora_adapter = _remote("unload_lora_adapter")
+    start_expert_distribution_record = _remote("start_expert_distribution_record")
+    stop_expert_distribution_record = _remote("stop_expert_distribution_record")
+    dump_expert_distribution_record = _remote("dump_expert_distribution_record")
+
+
+def _distribute(items: list) -> None:
+    for sink, item in items:
+        if not sink.closed:
+            sink.queue.put_nowait(item)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
