@@ -18,6 +18,7 @@ from torch import nn
 
 from runner.layers.embedding import LMHead
 from runner.layers.linear import Linear
+from runner.layers.ops import GatedPacked
 
 
 def is_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -38,11 +39,25 @@ def packable_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, Linear | LMHead) and m.weight.numel() >= MIN_PACK_NUMEL]
 
 
+def _packed_pair(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), DECODE_BATCH_HINT)
+    return packed, None if bias is None else bias.detach().contiguous()
+
+
 @torch.no_grad()
 def pack(module: nn.Module) -> None:
     bias = getattr(module, "bias", None)
-    weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), DECODE_BATCH_HINT)
-    module.packed = (weight, None if bias is None else bias.detach().contiguous())
+    if getattr(module, "gated", False):
+        # A gate|up projection (shards 0 and 1 stacked on dim 0): packed as its halves, so the MLP
+        # runs SiLU-and-mul in the linears' epilogues (runner/layers/ops.py, packed_silu_and_mul).
+        halves = []
+        for shard in (0, 1):
+            start, size = module.weight.shard_offsets[shard]
+            halves.append(_packed_pair(module.weight.narrow(0, start, size),
+                                       None if bias is None else bias.narrow(0, start, size)))
+        module.packed = GatedPacked(*halves)
+        return
+    module.packed = _packed_pair(module.weight, bias)
 
 
 def unpack(module: nn.Module) -> None:
