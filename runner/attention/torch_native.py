@@ -128,9 +128,10 @@ class TorchNativeAttnBackend:
         # gather, ~4x faster on the CPU at decode shapes (16 x 64 slots: 11 us vs 48 us).
         flat = md.kv_indices.reshape(-1)  # a view for eager plans; one copy per layer for graph slices
         kv_shape = (bs, md.kv_indices.shape[1], layer.num_kv_heads, d)
-        # bf16 is attended in bf16 (as transformers does): torch 2.13's CPU flash kernel at the 0.5B
-        # shapes took 0.7x the fp32 call plus its K/V casts at decode (16 x 64 keys) and 0.25x at
-        # prefill (16 x 32 tokens, GQA). fp16 on the CPU is not measured: it stays in fp32.
+        # bf16 is attended in bf16 (as transformers does): at the 0.5B decode shape (16 requests, 48-96
+        # keys, 2 threads) torch 2.13's CPU flash kernel took 0.72-0.77x the fp32 call with its K/V/q/out
+        # casts (1 thread: the same), and fewer parallel regions per layer. fp16 is not measured on
+        # the CPU: it stays in fp32.
         dt = torch.float32 if q.device.type == "cpu" and q.dtype == torch.float16 else q.dtype
         if md.q_index is None and md.max_q_len == 1:
             return self._decode_grouped(q, layer, flat, kv_shape, dt, md.mask, pool)
