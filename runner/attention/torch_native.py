@@ -128,8 +128,11 @@ class TorchNativeAttnBackend:
         # gather, ~4x faster on the CPU at decode shapes (16 x 64 slots: 11 us vs 48 us).
         flat = md.kv_indices.reshape(-1)  # a view for eager plans; one copy per layer for graph slices
         kv_shape = (bs, md.kv_indices.shape[1], layer.num_kv_heads, d)
-        # CPU SDPA in bf16/fp16 ran ~5x slower than in fp32 at decode shapes here: compute in fp32.
-        dt = torch.float32 if q.device.type == "cpu" else q.dtype
+        # bf16 is attended in bf16 (as transformers does): at the 0.5B decode shape (16 requests, 48-96
+        # keys, 2 threads) torch 2.13's CPU flash kernel took 0.72-0.77x the fp32 call with its K/V/q/out
+        # casts (1 thread: the same), and fewer parallel regions per layer. fp16 is not measured on
+        # the CPU: it stays in fp32.
+        dt = torch.float32 if q.device.type == "cpu" and q.dtype == torch.float16 else q.dtype
         if md.q_index is None and md.max_q_len == 1:
             return self._decode_grouped(q, layer, flat, kv_shape, dt, md.mask, pool)
         k = pool.k_buffer[layer.layer_id].index_select(0, flat).view(kv_shape)  # [bs, max_kv, kv_heads, d]
@@ -154,7 +157,8 @@ class TorchNativeAttnBackend:
         rows: SDPA of [bs, kv_heads, group, d] against [bs, kv_heads, max_kv, d]. The same sums as the
         GQA call per (request, head), but each gathered K/V block is read once per KV head instead of
         once per query head, in a quarter of the kernel's work items (1.5x faster at the 40M and 0.5B
-        decode shapes on one thread here). Casts the gathered K/V while contiguous (one pass each)."""
+        decode shapes on one thread here). Casts the gathered K/V while contiguous (one pass each) when
+        `dt` is not the pool's dtype."""
         bs, _, hkv, d = kv_shape
         group = layer.num_heads // hkv
         k = pool.k_buffer[layer.layer_id].index_select(0, flat).to(dt).view(kv_shape)  # [bs, max_kv, hkv, d]

@@ -17,7 +17,7 @@ from torch import nn
 
 from runner.config import ModelConfig
 from runner.forward_batch import ForwardBatch, LogitsOutput
-from runner.layers.activation import silu_and_mul
+from runner.layers.activation import gated_silu_and_mul
 from runner.layers.attention import PagedAttention
 from runner.layers.embedding import LMHead, VocabEmbedding
 from runner.layers.linear import (
@@ -93,9 +93,10 @@ class LlamaMLP(nn.Module):
             rows = (inter, tp.rank * size, size)
             self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {0: rows, 1: rows})
             self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
+        self.gate_up_proj.gated = True  # prepacked as gate and up halves (runner/layers/prepack.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(gated_silu_and_mul(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -83,3 +83,34 @@ def test_bf16_prepacked_matches_plain_bf16(ckpt_factory):
 
 def _packed_runner(runner) -> list[bool]:
     return [m.packed is not None for m in prepack.packable_modules(runner.model)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_mlp_epilogues_match_silu_and_mul(dtype):
+    """A prepacked gate|up runs SiLU-and-mul in its linears' epilogues: equal to silu(x Wg^T) * (x Wu^T)
+    in float64 to fp32 rounding (fp32) or bf16 rounding (bf16), and its whole output is still gate|up."""
+    import torch.nn.functional as F
+
+    from runner.layers.activation import gated_silu_and_mul
+    from runner.layers.linear import MergedLinear
+    from runner.layers.ops import GatedPacked
+
+    if dtype == torch.bfloat16 and not prepack.is_supported(torch.device("cpu"), dtype):
+        pytest.skip("this CPU has no oneDNN bf16 support")
+    gen = torch.Generator().manual_seed(0)
+    hidden, inter = 64, 96
+    proj = MergedLinear(hidden, {0: inter, 1: inter}).to(dtype)
+    proj.gated = True
+    with torch.no_grad():
+        proj.weight.copy_(torch.randn(2 * inter, hidden, generator=gen) * 0.2)
+    prepack.pack(proj)
+    assert isinstance(proj.packed, GatedPacked)
+    x = torch.randn(5, hidden, generator=gen).to(dtype)
+    w = proj.weight.double()
+    want = F.silu(x.double() @ w[:inter].T) * (x.double() @ w[inter:].T)  # [5, inter]
+    got = gated_silu_and_mul(proj, x)
+    assert got.shape == (5, inter) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    whole = proj(x)  # the LoRA / captured-step route: both halves side by side
+    torch.testing.assert_close(whole.double(), x.double() @ w.T, rtol=tol, atol=tol)
