@@ -40,13 +40,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=5, help="timed on/off pairs")
-    return p.parse_args(argv)
+    p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in seconds for "
+                   "the whole run (default: Python's 0.005); how long a thread waiting for the GIL lets the "
+                   "holder run, see bench/gil_convoy.py")
+    args = p.parse_args(argv)
+    if args.switch_interval is not None and args.switch_interval <= 0:
+        p.error("--switch-interval must be > 0")
+    return args
 
 
 def main(argv=None) -> dict:
     from rollout import Engine
 
     args = parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     model_dir = write_preset(args.preset, args.dtype, Path(tempfile.mkdtemp(prefix="bench_overlap_")) / "ckpt")
     prompts = make_prompts(args.batch, args.prompt_len, vocab_size_of(model_dir), seed=0)
     num_seqs = args.batch * args.n
@@ -59,7 +67,7 @@ def main(argv=None) -> dict:
                "off": Engine(str(model_dir), disable_overlap_schedule=True, **kwargs)}
     print(f"workload: preset={args.preset} dtype={args.dtype} batch={args.batch} n={args.n} "
           f"prompt_len={args.prompt_len} output_len={args.output_len} torch_threads={torch.get_num_threads()} "
-          f"cpus={os.cpu_count()}", flush=True)
+          f"cpus={os.cpu_count()} switch_interval={sys.getswitchinterval()}", flush=True)
     try:
         for e in engines.values():  # warm-up: first-call allocations and lazy inits are not timed
             e.generate(input_ids=prompts[:2], sampling_params={**sp, "max_new_tokens": 8})
