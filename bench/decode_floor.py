@@ -112,6 +112,7 @@ class DecodeLoop:
         vocab = self.runner.model_config.vocab_size
         self.info = SamplingBatchInfo.from_lists([temperature] * batch, [1.0] * batch, [-1] * batch, [0.0] * batch,
                                                  list(range(batch)), [0] * batch, vocab, "cpu")
+        self.info.need_logprobs = False  # as the scheduler's batches of requests without return_logprob
         self.rows = [self.runner.req_to_token_pool.alloc() for _ in range(batch)]
         self.reset()
 

@@ -9,6 +9,9 @@ care: the OS shares cores per thread, so a busy machine gives the two-thread sch
 than the one-thread one; tokens per CPU-second (process CPU time) show the cost of the same work. Both engines produce the same tokens (checked on the first pair:
 the workload is seeded), so only the schedule differs.
 
+Each decode forward+sample is also timed where it runs: its share of the wall time, on and off, says
+whether the overlap hid the host work (on: near 100%) or the worker waited for the scheduler thread.
+
 It does not time prefill-heavy or streaming workloads, nor latency: a whole batch's output tok/s.
 
     python bench/overlap.py --preset tiny --batch 16 --prompt-len 32 --output-len 128 --repeat 5
@@ -40,13 +43,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=5, help="timed on/off pairs")
-    return p.parse_args(argv)
+    p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in seconds for "
+                   "the whole run (default: Python's 0.005); how long a thread waiting for the GIL lets the "
+                   "holder run, see bench/gil_convoy.py")
+    args = p.parse_args(argv)
+    if args.switch_interval is not None and args.switch_interval <= 0:
+        p.error("--switch-interval must be > 0")
+    return args
 
 
 def main(argv=None) -> dict:
     from rollout import Engine
 
     args = parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     model_dir = write_preset(args.preset, args.dtype, Path(tempfile.mkdtemp(prefix="bench_overlap_")) / "ckpt")
     prompts = make_prompts(args.batch, args.prompt_len, vocab_size_of(model_dir), seed=0)
     num_seqs = args.batch * args.n
@@ -57,15 +68,17 @@ def main(argv=None) -> dict:
     sp = dict(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True, n=args.n, seed=1)
     engines = {"on": Engine(str(model_dir), disable_overlap_schedule=False, **kwargs),
                "off": Engine(str(model_dir), disable_overlap_schedule=True, **kwargs)}
+    busy = {mode: _time_decode_forwards(e) for mode, e in engines.items()}
     print(f"workload: preset={args.preset} dtype={args.dtype} batch={args.batch} n={args.n} "
           f"prompt_len={args.prompt_len} output_len={args.output_len} torch_threads={torch.get_num_threads()} "
-          f"cpus={os.cpu_count()}", flush=True)
+          f"cpus={os.cpu_count()} switch_interval={sys.getswitchinterval()}", flush=True)
     try:
         for e in engines.values():  # warm-up: first-call allocations and lazy inits are not timed
             e.generate(input_ids=prompts[:2], sampling_params={**sp, "max_new_tokens": 8})
         tok_s: dict[str, list[float]] = {"on": [], "off": []}
         tok_cpu_s: dict[str, list[float]] = {"on": [], "off": []}
         ratios, loads = [], []
+        fwd_share: dict[str, list[float]] = {"on": [], "off": []}  # decode forward+sample time / wall time
         first: dict[str, list] = {}
         for i in range(args.repeat):
             loads.append(os.getloadavg()[0])
@@ -73,6 +86,7 @@ def main(argv=None) -> dict:
             for mode in order:
                 engine = engines[mode]
                 engine.flush_cache()
+                busy[mode].clear()
                 t0, c0 = time.perf_counter(), time.process_time()
                 outs = engine.generate(input_ids=prompts, sampling_params=sp)
                 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -80,6 +94,7 @@ def main(argv=None) -> dict:
                 assert tokens == num_seqs * args.output_len, f"{mode}: {tokens} tokens"
                 tok_s[mode].append(tokens / seconds)
                 tok_cpu_s[mode].append(tokens / cpu)
+                fwd_share[mode].append(sum(busy[mode]) / seconds)
                 first.setdefault(mode, [o["output_ids"] for o in outs])
             ratios.append(tok_s["on"][-1] / tok_s["off"][-1])
             print(f"pair {i}: on {tok_s['on'][-1]:.0f} tok/s ({tok_cpu_s['on'][-1]:.0f} per CPU-s), off "
@@ -93,12 +108,35 @@ def main(argv=None) -> dict:
     result = {"on_tok_s": statistics.median(tok_s["on"]), "off_tok_s": statistics.median(tok_s["off"]),
               "ratio": statistics.median(ratios), "best_ratio": max(tok_s["on"]) / max(tok_s["off"]),
               "cpu_ratio": statistics.median(tok_cpu_s["on"]) / statistics.median(tok_cpu_s["off"]),
-              "load_min": min(loads), "load_max": max(loads), "num_overlapped_steps": overlapped}
+              "load_min": min(loads), "load_max": max(loads), "num_overlapped_steps": overlapped,
+              "forward_share_on": statistics.median(fwd_share["on"]),
+              "forward_share_off": statistics.median(fwd_share["off"])}
     print(f"overlap on {result['on_tok_s']:.0f} tok/s vs off {result['off_tok_s']:.0f} tok/s: "
           f"{result['ratio']:.3f}x (median of {args.repeat} pairs; best run each {result['best_ratio']:.3f}x; "
           f"tokens per CPU-second {result['cpu_ratio']:.3f}x; load average {result['load_min']:.2f}-"
           f"{result['load_max']:.2f}; {overlapped} decode steps launched ahead)")
+    print(f"decode forward+sample busy for {100 * result['forward_share_on']:.0f}% of the wall time with overlap "
+          f"on, {100 * result['forward_share_off']:.0f}% off (the rest: host work not hidden, hand-overs, idle)")
     return result
+
+
+def _time_decode_forwards(engine) -> list[float]:
+    """Record the seconds of each decode forward+sample of `engine` (on whichever thread runs it) into the
+    returned list: with overlap on, wall time minus their sum is what the worker spent waiting."""
+    sched = engine.scheduler
+    inner = sched._forward_sample_ids
+    spans: list[float] = []
+
+    def timed(fb, reqs, prompt_rows=None):
+        t0 = time.perf_counter()
+        try:
+            return inner(fb, reqs, prompt_rows)
+        finally:
+            if fb.forward_mode.is_decode():
+                spans.append(time.perf_counter() - t0)
+
+    sched._forward_sample_ids = timed
+    return spans
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ class _Sampled(NamedTuple):
     """One row of a step's host-side result."""
 
     token: int
-    logprob: float
+    logprob: float | None  # None when no request of the step asked for logprobs
     top: list[tuple[float, int]] | None  # (logprob, token id) of the top tokens, if asked
     ids_logprobs: list[float] | None = None  # at the request's token_ids_logprob, if asked
     prompt: list[tuple[int, tuple]] | None = None  # (position, Req.input_logprobs entry) scored this step
@@ -473,7 +473,8 @@ class Scheduler:
             fb.sampling_info = self._sampling_info(reqs)
         logits_out = self.runner.forward(fb)
         out = self.runner.sample(logits_out, fb)
-        ids, logprobs = out.next_token_ids.tolist(), out.logprobs.tolist()  # the one device->host read
+        ids = out.next_token_ids.tolist()  # the one device->host read (two with logprobs)
+        logprobs = [None] * len(ids) if out.logprobs is None else out.logprobs.tolist()
         if self.kv.routed_experts is not None and self.recorder.last_routed_experts is not None:
             # [num_tokens, num_layers, top_k] in the batch's token order, as out_cache_loc
             self.kv.write_routed_experts(fb.out_cache_loc, self.recorder.last_routed_experts)

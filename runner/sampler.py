@@ -121,7 +121,9 @@ class SamplingBatchInfo:
 @dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # [bs] int64
-    logprobs: torch.Tensor  # [bs] fp32, of the chosen token under the sampled distribution
+    # [bs] fp32, of the chosen token under the sampled distribution; None when the info's need_logprobs
+    # is False and no top/token_ids logprobs were asked (a greedy batch then skips its logsumexp)
+    logprobs: torch.Tensor | None
     raw_logprobs: torch.Tensor | None = None  # [bs] under log_softmax(raw logits)
     top_logprobs: torch.Tensor | None = None  # [bs, k]
     top_logprob_ids: torch.Tensor | None = None  # [bs, k]
@@ -307,8 +309,13 @@ class Sampler:
         argmax = lse = greedy = None
         if any_greedy or logits.device.type != "cpu":  # the device would need a sync to decide lazily
             argmax = first_argmax(logits)  # [bs]; also the argmax after temperature and truncation
+        # Nothing reads a logprob: the greedy rows' logsumexp (a full-vocab pass, ~2% of a 40M decode
+        # step) is skipped and `logprobs` comes back None.
+        wants_logprobs = (info.need_logprobs or info.top_logprobs_num > 0 or info.token_ids is not None
+                          or info.original_rows is not None)
         if any_greedy:
-            lse = logsumexp_at_argmax(logits, argmax)  # [bs]
+            if wants_logprobs:
+                lse = logsumexp_at_argmax(logits, argmax)  # [bs]
             greedy = info.temperatures == 0
         logprobs_all = None  # the reported distribution of the sampled rows, [bs, vocab]
         if info.is_all_greedy:
@@ -352,7 +359,7 @@ class Sampler:
                 vals = torch.where(info.original_rows.unsqueeze(1), raw.gather(1, at) - raw_lse.unsqueeze(1), vals)
             return vals
 
-        out = SampleOutput(ids, reported(ids.unsqueeze(1)).squeeze(1))
+        out = SampleOutput(ids, reported(ids.unsqueeze(1)).squeeze(1) if wants_logprobs else None)
         if info.top_logprobs_num > 0:
             k = info.top_logprobs_num
             if any_greedy:

@@ -320,3 +320,22 @@ def test_batch_without_penalties_builds_no_processor_tensors():
     info = sampling_info(plain + [pen], 384, [1], "cpu")
     assert info.output_counts[3, 9] == 2 and info.output_counts[3, 4] == 1 and info.output_counts[:3].sum() == 0
     assert info.seen_mask[3].nonzero().flatten().tolist() == [4, 5, 6, 9] and not info.seen_mask[:3].any()
+
+
+def test_logprobs_of_one_request_in_a_batch_that_mostly_skips_them(env):
+    """In one greedy batch, the request asking for logprobs gets HF's log_softmax at its tokens, while the
+    requests that did not ask get none; every row's tokens equal HF greedy, also after the logprob request
+    finished and the batch runs on without logprobs (the sampler then skips them)."""
+    engine, hf = env
+    prompts = random_prompts([9, 6, 11], seed=21)
+    outs = engine.generate(input_ids=prompts, return_logprob=[False, True, False],
+                           sampling_params=[dict(GREEDY, max_new_tokens=n) for n in (14, 5, 14)])
+    for prompt, out, n in zip(prompts, outs, (14, 5, 14)):
+        assert out["output_ids"] == hf_greedy_with(hf, prompt, n)
+    assert "output_token_logprobs" not in outs[0]["meta_info"]
+    assert "output_token_logprobs" not in outs[2]["meta_info"]
+    ref = hf_logprobs(hf, prompts[1] + outs[1]["output_ids"])
+    lps = outs[1]["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == outs[1]["output_ids"]
+    for k, (lp, t, _) in enumerate(lps):
+        assert math.isclose(lp, ref[len(prompts[1]) - 1 + k, t].item(), abs_tol=2e-5)

@@ -109,6 +109,25 @@ def test_greedy_is_argmax_with_raw_logprob():
     torch.testing.assert_close(mixed.logprobs[::2].double(), want[::2], atol=1e-6, rtol=0)
 
 
+def test_logprobs_skipped_when_nobody_reads_them():
+    """need_logprobs=False: greedy and mixed batches pick the same tokens as with logprobs (greedy = argmax)
+    and report logprobs None; any top-logprobs request brings them back."""
+    logits = _logits(6, seed=3)
+    for rows in ([{"temperature": 0.0}] * 6, [{"temperature": 0.0} if i % 2 else {"temperature": 1.2, "seed": i}
+                                              for i in range(6)]):
+        full = sampler(logits, _info(rows))
+        lean_info = _info(rows)
+        lean_info.need_logprobs = False
+        lean = sampler(logits, lean_info)
+        assert lean.logprobs is None
+        assert torch.equal(lean.next_token_ids, full.next_token_ids)
+        assert torch.equal(lean.next_token_ids[1::2], logits.argmax(-1)[1::2])
+    top_info = _info([{"temperature": 0.0}] * 6, top_logprobs_num=2)
+    top_info.need_logprobs = False
+    want = torch.log_softmax(logits.double(), -1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
+    torch.testing.assert_close(sampler(logits, top_info).logprobs.double(), want, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("target", [
     pytest.param({"temperature": 0.9}, id="temperature"),
     pytest.param({"temperature": 1.1, "top_k": 20, "top_p": 0.9}, id="filtered"),
