@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from rollout.engine_args import EngineArgs
 from rollout.lora_api import LoRAAPI
-from rollout.outputs import AsyncSink, AsyncStream, SyncSink, SyncStream, build_output
+from rollout.outputs import AsyncSink, AsyncStream, SyncSink, SyncStream, build_output, gather_final_outputs
 from rollout.pause_watchdog import PauseWatchdog, timeout_from_env
 from rollout.request import FinishReason, Req
 from rollout.sampling_params import SamplingParams
@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-_BUILD_INLINE_BELOW = 1 << 15  # output entries an awaited call builds on the event loop itself
 
 
 def prompt_token_ids(tokenizer: TokenizerWrapper, prompt, input_ids) -> tuple[list[list[int]], bool]:
@@ -517,27 +516,7 @@ class Engine(WeightsAPI, LoRAAPI):
         self._submit(reqs, sink)
         if stream:
             return AsyncStream(reqs, sink, self._output, self._abort_quietly)
-        finished: list[Req] = []
-        try:
-            for _ in range(len(reqs)):
-                _, req = await sink.get()
-                finished.append(req)
-        except asyncio.CancelledError:  # a cancelled caller's requests stop generating
-            self._abort_quietly(reqs)
-            raise
-        results: list[dict | None] = [None] * len(reqs)
-
-        def build() -> None:
-            for req in finished:
-                results[req.index] = self._output(req, final=True)
-
-        # Outputs with many logprobs take seconds to build: in a worker thread, not on the caller's loop.
-        size = sum(len(r.output_ids) * (1 + r.top_logprobs_num) for r in finished)
-        if size > _BUILD_INLINE_BELOW:
-            await asyncio.to_thread(build)
-        else:
-            build()
-        return results[0] if single else results
+        return await gather_final_outputs(sink, reqs, self._output, lambda: self._abort_quietly(reqs), single)
 
     # ---- control (SGLang's semantics) -------------------------------------------------------------
     def abort_request(self, rid: str = "", abort_all: bool = False) -> int:

@@ -253,3 +253,32 @@ class AsyncStream(_StreamBase):
 
     async def aclose(self) -> None:
         self._close()
+
+
+BUILD_INLINE_BELOW = 1 << 15  # output entries an awaited call builds on the event loop itself
+
+
+async def gather_final_outputs(sink, reqs: list, build, on_cancel, single: bool):
+    """Await the final output of every request of one async call from `sink`, then build their dicts
+    with `build(req, final=True)`, in request order; `on_cancel()` runs if the caller is cancelled
+    (its requests should stop generating). Outputs with many logprobs take seconds to build: past
+    BUILD_INLINE_BELOW entries they are built in a worker thread, not on the caller's loop."""
+    finished = []
+    try:
+        for _ in range(len(reqs)):
+            _, req = await sink.get()
+            finished.append(req)
+    except asyncio.CancelledError:
+        on_cancel()
+        raise
+    results: list = [None] * len(reqs)
+
+    def build_all() -> None:
+        for req in finished:
+            results[req.index] = build(req, final=True)
+
+    if sum(len(r.output_ids) * (1 + r.top_logprobs_num) for r in finished) > BUILD_INLINE_BELOW:
+        await asyncio.to_thread(build_all)
+    else:
+        build_all()
+    return results[0] if single else results

@@ -37,7 +37,7 @@ import weakref
 from collections import defaultdict
 
 from rollout.engine import prompt_token_ids
-from rollout.outputs import AsyncSink, AsyncStream, build_output
+from rollout.outputs import AsyncSink, AsyncStream, build_output, gather_final_outputs
 from rollout.request import FinishReason, Req
 from rollout.server import engine_deltas, engine_process
 from rollout.server.engine_process import EngineProcessError
@@ -45,7 +45,6 @@ from rollout.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger("rollout.server.engine_client")
 
-_BUILD_INLINE_BELOW = 1 << 15  # as Engine.async_generate: bigger outputs are built in a worker thread
 
 
 class _RunnerView:
@@ -318,27 +317,11 @@ class EngineClient:
         reqs = call.reqs
         if stream:
             return AsyncStream(reqs, call.sink, self._output, lambda _reqs: self._abort_call(call_id))
-        finished: list[Req] = []
-        try:
-            for _ in range(len(reqs)):
-                _, req = await call.sink.get()
-                finished.append(req)
-        except asyncio.CancelledError:  # a cancelled caller's requests stop generating
+        def cancelled() -> None:
             call.sink.closed = True
             self._abort_call(call_id)
-            raise
-        results: list[dict | None] = [None] * len(reqs)
 
-        def build() -> None:
-            for req in finished:
-                results[req.index] = self._output(req, final=True)
-
-        size = sum(len(r.output_ids) * (1 + r.top_logprobs_num) for r in finished)
-        if size > _BUILD_INLINE_BELOW:
-            await asyncio.to_thread(build)
-        else:
-            build()
-        return results[0] if single else results
+        return await gather_final_outputs(call.sink, reqs, self._output, cancelled, single)
 
     # ---- control: calls into the engine process ----------------------------------------------
     def _call(self, name, args: tuple = (), kwargs: dict | None = None):
