@@ -129,3 +129,13 @@ def reference_outputs():
         return cache[key]
 
     return get
+
+
+def assert_kv_clean(engine: Engine) -> None:
+    """Nothing in flight, no row or cache lock held, every KV slot free or in the prefix cache."""
+    with engine._cv:
+        kv = engine.scheduler.kv
+        assert not engine._reqs and kv.is_idle()
+        cached = kv.tree.evictable_size if kv.tree else 0
+        assert kv.tree is None or kv.tree.protected_size == 0
+        assert kv.kv_pool.available_size() + cached == kv.kv_pool.size

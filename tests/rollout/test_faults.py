@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.checkpoints import VOCAB_SIZE
+from tests.rl_surface.conftest import assert_kv_clean
 from tests.rl_surface.conftest import at_step as after_step  # tests here take an `at_step` number
 from tests.rollout.oracle import random_prompts
 
@@ -51,12 +52,7 @@ def _in_thread(fn, timeout: float = TIMEOUT):
 def _assert_idle_and_clean(engine) -> None:
     """Nothing in flight, every request row free, no cache lock held, every KV slot free or cached."""
     _wait_until(lambda: engine.get_server_info()["num_in_flight"] == 0)
-    with engine._cv:
-        kv = engine.scheduler.kv
-        assert not engine._reqs and kv.is_idle()
-        cached = kv.tree.evictable_size if kv.tree else 0
-        assert kv.tree is None or kv.tree.protected_size == 0
-        assert kv.kv_pool.available_size() + cached == kv.kv_pool.size
+    assert_kv_clean(engine)
     assert engine._thread.is_alive()
 
 

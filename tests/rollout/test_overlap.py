@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from tests.rl_surface.conftest import at_step
+from tests.rl_surface.conftest import assert_kv_clean, at_step
 from tests.rollout.oracle import hf_generate, random_prompts
 
 TIMEOUT = 60.0
@@ -34,13 +34,8 @@ def _assert_same(outs: list[dict], refs: list[dict]) -> None:
 def _assert_clean(engine, overlapped: bool) -> None:
     """Nothing in flight, no row or cache lock held, every KV slot free or in the prefix cache; steps were
     launched ahead iff the overlap schedule is on."""
-    with engine._cv:
-        kv = engine.scheduler.kv
-        assert not engine._reqs and kv.is_idle()
-        cached = kv.tree.evictable_size if kv.tree else 0
-        assert kv.tree is None or kv.tree.protected_size == 0
-        assert kv.kv_pool.available_size() + cached == kv.kv_pool.size
-        ahead = engine.scheduler.stats["num_overlapped_steps"]
+    assert_kv_clean(engine)
+    ahead = engine.scheduler.stats["num_overlapped_steps"]
     assert (ahead > 0) if overlapped else (ahead == 0)
 
 
