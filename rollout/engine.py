@@ -44,6 +44,7 @@ from rollout.scheduler_loop import run_scheduler_loop
 from rollout.step_gate import StepGate
 from rollout.tokenizer import TokenizerWrapper
 from rollout.weights_api import WeightsAPI
+from runner.openmp_pool import release_thread_pool
 from runner.tp import create_model_runner
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class Engine(WeightsAPI, LoRAAPI):
         if self.scheduler.overlap is not None:
             self.scheduler.overlap.hold_back = self._hold_back
         self._cv.on_acquire = self._at_step_boundary
-        self._cv.on_release = self._publish_load
+        self._cv.on_release = self._after_control
         self._finish_observers: list = []  # fn(req) per finished request (the server's latency metrics)
         # Called at every step boundary (after a step's deliveries, and at the end of every control call),
         # holding the step lock: a sink that batches what a step delivered sends it then, as one message
@@ -121,6 +122,7 @@ class Engine(WeightsAPI, LoRAAPI):
         self._thread = threading.Thread(target=run_scheduler_loop, args=(self,), name="rollout-scheduler",
                                         daemon=True)
         self._thread.start()
+        release_thread_pool()  # the pool that built the model would slow the scheduler thread's steps
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -173,6 +175,12 @@ class Engine(WeightsAPI, LoRAAPI):
     def _hold_back(self) -> bool:
         """Something waits for the next step boundary: the overlap schedule launches nothing ahead."""
         return self._cv.pending or bool(self._inbox) or bool(self._posted_aborts) or self._shutdown
+
+    def _after_control(self) -> None:
+        """The end of every control call, on the caller's thread: publish the counters, and free the
+        OpenMP pool the call's tensor work may have built there (runner/openmp_pool.py)."""
+        self._publish_load()
+        release_thread_pool()
 
     def _publish_load(self) -> None:
         """Counters for get_load(), read without the lock (one dict swap, atomic for readers)."""
@@ -422,6 +430,7 @@ class Engine(WeightsAPI, LoRAAPI):
     def _submit(self, reqs: list[Req], sink) -> None:
         """Queue reqs for the scheduler thread without waiting for the step lock (the checks read flags
         that only change at step boundaries; a request that races a release waits, see _can_step)."""
+        release_thread_pool()  # the caller waits for the steps now: its idle OpenMP pool would slow them
         with self._reqs_lock:
             if self._shutdown or not self._thread.is_alive():
                 raise RuntimeError("engine is shut down")

@@ -35,8 +35,11 @@ import torch
 
 from rollout.batch import decode_batch
 from rollout.request import Req
+from runner.openmp_pool import release_thread_pool
 
 logger = logging.getLogger(__name__)
+
+IDLE_RELEASE_S = 0.05  # a worker idle this long frees its OpenMP pool; a busy pipeline never waits that long
 
 
 class ForwardWorker:
@@ -63,13 +66,22 @@ class ForwardWorker:
         self._jobs.put((fn, fut, event))
         return fut
 
+    def is_current_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def _run(self) -> None:
         if self._stream is not None and self.device.index is not None:  # the current device is per thread
             torch.cuda.set_device(self.device)
         if self._on_start is not None:
             self._on_start()
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=IDLE_RELEASE_S)
+            except queue.Empty:
+                # Idle for a while (not merely between two steps): give back this thread's OpenMP pool, so
+                # the process's other threads run at full speed meanwhile (runner/openmp_pool.py).
+                release_thread_pool()
+                job = self._jobs.get()
             if job is None:
                 return
             fn, fut, event = job

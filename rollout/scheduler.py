@@ -464,6 +464,12 @@ class Scheduler:
         return self._sampling_cache(reqs, step_offset)
 
     def _forward_sample(self, fb, reqs: list[Req], prompt_rows=None) -> list[_Sampled]:
+        if (self.overlap is not None and self.runner.device.type == "cpu"
+                and not self.overlap.worker.is_current_thread()):
+            # With the overlap schedule on the CPU, prefill runs on the forward worker too: every step on
+            # one thread means one OpenMP pool, and a second would slow every step (runner/openmp_pool.py).
+            # The worker runs jobs in order and nothing is in flight before a prefill, so this only waits.
+            return self.overlap.worker.submit(lambda: self._forward_sample_ids(fb, reqs, prompt_rows)[1]).result()
         return self._forward_sample_ids(fb, reqs, prompt_rows)[1]
 
     def _forward_sample_ids(self, fb, reqs: list[Req], prompt_rows=None) -> tuple[torch.Tensor, list[_Sampled]]:

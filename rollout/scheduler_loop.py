@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import time
 
+from runner.openmp_pool import release_thread_pool
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,6 +58,9 @@ def _one_iteration(engine) -> bool:
         if engine._shutdown:
             return False
     if not stepped:
+        # Idle: give back this thread's OpenMP pool, so a trainer's ops in the same process are not
+        # slowed by it (runner/openmp_pool.py); the next step builds a new one.
+        release_thread_pool()
         gate.wait_for_wake()
     return True
 

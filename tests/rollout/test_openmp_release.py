@@ -1,0 +1,47 @@
+"""The Engine frees idle OpenMP pools where they would slow its steps (runner/openmp_pool.py): on the
+caller's thread after building the model, on every submission and after every control call, and on the
+scheduler thread whenever it goes idle."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import rollout.engine as engine_mod
+import rollout.scheduler_loop as loop_mod
+from runner import openmp_pool
+
+
+def test_pools_are_released_on_the_threads_that_built_them(tiny_llama, make_engine, monkeypatch):
+    """Each release happens on the right thread, and generation is unchanged by it."""
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    def spy() -> bool:
+        with lock:
+            calls.append(threading.current_thread().name)
+        return openmp_pool.release_thread_pool()
+
+    monkeypatch.setattr(engine_mod, "release_thread_pool", spy)
+    monkeypatch.setattr(loop_mod, "release_thread_pool", spy)
+    me = threading.current_thread().name
+
+    engine = make_engine(tiny_llama, max_total_tokens=512)
+    assert me in calls  # after building the model, on the caller's thread
+
+    def settle() -> None:  # the scheduler thread releases once it finds nothing to do
+        deadline = time.monotonic() + 10
+        while "rollout-scheduler" not in calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    settle()
+    calls.clear()
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0})
+    assert len(out["output_ids"]) == 4
+    settle()
+    assert calls.count(me) >= 1  # the submission
+    assert "rollout-scheduler" in calls  # idle after the request
+
+    calls.clear()
+    assert engine.flush_cache() is True
+    assert me in calls  # after the control call, on the caller's thread
