@@ -11,7 +11,9 @@ that the client's own cost, ~230 us of CPU per SSE event with httpx, does not ca
 request finished, and the CPU seconds the run cost the client process and the server processes apiece
 (server_cpu_s: the server and its engine process together; engine_process_cpu_s: the engine process's
 share; on a shared machine the split says which side pays for the HTTP overhead). Then it runs the identical workload through `Engine.async_generate(stream=True)`
-in this process and prints the HTTP overhead as the ratio of the two throughputs. Every wait is bounded.
+in this process and prints the HTTP overhead as the ratio of the two throughputs: `--repeat` pairs of
+(server, Engine) runs back to back, both kept up throughout, and the median of the pairs' ratios. Every wait is
+bounded.
 """
 
 from __future__ import annotations
@@ -192,6 +194,9 @@ def main() -> None:
     p.add_argument("--engine-in-process", action="store_true",
                    help="measure the server with the engine in its own process (launch_server --engine-in-process) "
                         "instead of the default two-process layout")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timed (server, in-process Engine) pairs, run back to back; the ratio reported is the "
+                        "median of the pairs' ratios (a neighbour's burst of load then hits both sides of a pair)")
     args = p.parse_args()
     reqs = workload(args)
     port = free_port()
@@ -201,7 +206,11 @@ def main() -> None:
     cmd = [sys.executable, "-m", "rollout.launch_server", "--model-path", args.model, "--port", str(port),
            "--no-access-log", "--log-level", "warning", *extra,
            *(["--engine-in-process"] if args.engine_in_process else [])]
+    from rollout import Engine
+    from rollout.server.args import parse_args
+
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ratios, pairs = [], []
     try:
         deadline = time.monotonic() + 120
         for line in proc.stdout:
@@ -213,34 +222,40 @@ def main() -> None:
             raise RuntimeError(f"server exited with {proc.wait()}")
         url = f"http://127.0.0.1:{port}"
         run = run_http if args.client == "httpx" else run_raw
-        asyncio.run(run(url, reqs[: args.concurrency], args.concurrency, args.timeout))  # warm-up
-        httpx.post(url + "/flush_cache", timeout=30)
-        (server0, engine0), client0 = tree_cpu_s(proc.pid), own_cpu_s()
-        wall, results = asyncio.run(run(url, reqs, args.concurrency, args.timeout))
-        client_s, (server1, engine1) = own_cpu_s() - client0, tree_cpu_s(proc.pid)
         layout = "engine in-process" if args.engine_in_process else "engine process"
-        http = summary(f"http ({args.client} client, {layout})", wall, results, len(reqs), client_cpu_s=client_s,
-                       server_cpu_s=None if server0 is None or server1 is None else server1 - server0,
-                       engine_process_cpu_s=engine1 - engine0)
+        _, kw = parse_args(["--model-path", args.model, *extra])
+        # Both stay up for the whole run; an idle one only waits (its scheduler sleeps), so the pairs
+        # alternate on a quiet machine instead of the server's phase and the engine's being minutes apart.
+        with Engine(**kw) as engine:
+            asyncio.run(run(url, reqs[: args.concurrency], args.concurrency, args.timeout))  # warm-ups
+            asyncio.run(run_engine(engine, reqs[: args.concurrency], args.concurrency, args.timeout))
+            for i in range(args.repeat):
+                httpx.post(url + "/flush_cache", timeout=30)
+                (server0, engine0), client0 = tree_cpu_s(proc.pid), own_cpu_s()
+                wall, results = asyncio.run(run(url, reqs, args.concurrency, args.timeout))
+                client_s, (server1, engine1) = own_cpu_s() - client0, tree_cpu_s(proc.pid)
+                http = summary(f"http ({args.client} client, {layout}), pair {i + 1}", wall, results, len(reqs),
+                               client_cpu_s=client_s,
+                               server_cpu_s=None if server0 is None or server1 is None else server1 - server0,
+                               engine_process_cpu_s=engine1 - engine0)
+                engine.flush_cache()
+                cpu0 = own_cpu_s()
+                wall, results = asyncio.run(run_engine(engine, reqs, args.concurrency, args.timeout))
+                inproc = summary(f"engine, pair {i + 1}", wall, results, len(reqs), engine_cpu_s=own_cpu_s() - cpu0)
+                ratios.append(http["tok_per_s"] / inproc["tok_per_s"])
+                pairs.append((http, inproc))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-    from rollout import Engine
-    from rollout.server.args import parse_args
-
-    _, kw = parse_args(["--model-path", args.model, *extra])
-    with Engine(**kw) as engine:
-        asyncio.run(run_engine(engine, reqs[: args.concurrency], args.concurrency, args.timeout))
-        engine.flush_cache()
-        cpu0 = own_cpu_s()
-        wall, results = asyncio.run(run_engine(engine, reqs, args.concurrency, args.timeout))
-        inproc = summary("engine", wall, results, len(reqs), engine_cpu_s=own_cpu_s() - cpu0)
-    print(json.dumps({"http_over_engine_throughput": round(http["tok_per_s"] / inproc["tok_per_s"], 3),
-                      "all_finished": http["finished"] == inproc["finished"] == len(reqs)}), flush=True)
+    finished = all(h["finished"] == e["finished"] == len(reqs) for h, e in pairs)
+    print(json.dumps({"http_over_engine_throughput": round(statistics.median(ratios), 3),
+                      "pair_ratios": [round(r, 3) for r in ratios],
+                      "p50_ttft_ms_http": [h["p50_ttft_ms"] for h, _ in pairs],
+                      "p50_latency_ms_http": [h["p50_latency_ms"] for h, _ in pairs],
+                      "all_finished": finished, "load_avg": round(os.getloadavg()[0], 2)}), flush=True)
 
 
 if __name__ == "__main__":
