@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -31,7 +32,7 @@ from rollout.server.common import JSONResponse, error_response
 from rollout.server.lora import adapter_cards
 from rollout.server.native import check_n
 from rollout.server.openai_engine import (
-    TextDelta,
+    choice_texts,
     closing,
     finish_of,
     generate_all,
@@ -139,23 +140,16 @@ async def completions(req: CompletionRequest, request: Request):
     merged, first = started
 
     async def events():
-        deltas = [TextDelta(req.stop) for _ in range(len(prompts) * req.n)]
         finals: dict[int, dict] = {}
-        item = first
-        while item is not None:
-            i, chunk, final = item
-            d = deltas[i]
-            text = d.step(chunk["text"], final)
-            lp = None
-            if req.logprobs is not None:
-                lp = _completion_logprobs(engine, d.new_logprobs(chunk["meta_info"]), len(d.sent) - len(text))
-            reason = finish_of(chunk["meta_info"])[0] if final else None
-            if final:
-                finals[i] = chunk
-            if text or final or lp:
-                yield {"id": cid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}]}
-            item = await anext(merged, None)
+        async with aclosing(choice_texts(first, merged, req.stop, len(prompts) * req.n, finals)) as items:
+            async for i, chunk, final, text, d in items:
+                lp = None
+                if req.logprobs is not None:
+                    lp = _completion_logprobs(engine, d.new_logprobs(chunk["meta_info"]), len(d.sent) - len(text))
+                reason = finish_of(chunk["meta_info"])[0] if final else None
+                if text or final or lp:
+                    yield {"id": cid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}]}
         if req.stream_options and req.stream_options.include_usage:
             outs = [finals[i] for i in sorted(finals)]
             yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
@@ -253,20 +247,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         for i in range(req.n):  # OpenAI opens each choice with the role
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        deltas = [TextDelta(req.stop) for _ in range(req.n)]
         finals: dict[int, dict] = {}
-        item = first
-        while item is not None:
-            i, c, final = item
-            d = deltas[i]
-            text = d.step(c["text"], final)
-            lp = _chat_logprobs(engine, d.new_logprobs(c["meta_info"])) if num_top is not None else None
-            if final:
-                finals[i] = c
-            if text or final or (lp and lp["content"]):
-                yield chunk([{"index": i, "delta": {"content": text} if text else {}, "logprobs": lp,
-                              "finish_reason": finish_of(c["meta_info"])[0] if final else None}])
-            item = await anext(merged, None)
+        async with aclosing(choice_texts(first, merged, req.stop, req.n, finals)) as items:
+            async for i, c, final, text, d in items:
+                lp = _chat_logprobs(engine, d.new_logprobs(c["meta_info"])) if num_top is not None else None
+                if text or final or (lp and lp["content"]):
+                    yield chunk([{"index": i, "delta": {"content": text} if text else {}, "logprobs": lp,
+                                  "finish_reason": finish_of(c["meta_info"])[0] if final else None}])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n))
 

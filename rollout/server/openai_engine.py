@@ -4,7 +4,7 @@ Text prompts tokenized off the event loop and sized (`prepare`); one engine call
 (`generate_all`); one engine stream per streamed choice, merged as chunks come (`stream_choices`; choice j
 of a seeded request uses seed + j) and started so that a bad request is a 400 before the stream begins
 (`start_stream`); cumulative text turned into deltas that never split a UTF-8 character or a possible stop
-match (`TextDelta`); the SSE body (`data: {...}` then `data: [DONE]`, errors in-band); engine errors
+match (`TextDelta`, per choice: `choice_texts`); the SSE body (`data: {...}` then `data: [DONE]`, errors in-band); engine errors
 reworded with the OpenAI field names the client sent (`openai_error`); finish reasons, usage, metadata.
 
 What it does not do: define routes or response bodies (openai_api.py), or validate request bodies
@@ -208,6 +208,21 @@ class TextDelta:
         new = list(zip(entries[self.num_tokens:], tops[self.num_tokens:]))
         self.num_tokens = len(entries)
         return new
+
+
+async def choice_texts(first, merged, stop, num_choices: int, finals: dict[int, dict]):
+    """Yield (choice index, chunk, is_final, new text, the choice's TextDelta) for `first` and every later
+    item of the merged stream (`start_stream`); each choice's final chunk is also kept in `finals`."""
+    deltas = [TextDelta(stop) for _ in range(num_choices)]
+    item = first
+    while item is not None:
+        i, chunk, final = item
+        d = deltas[i]
+        text = d.step(chunk["text"], final)
+        if final:
+            finals[i] = chunk
+        yield i, chunk, final, text, d
+        item = await anext(merged, None)
 
 
 def sse_response(gen) -> StreamingResponse:
