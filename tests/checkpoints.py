@@ -97,11 +97,12 @@ def make_tokenizer(path: str | pathlib.Path) -> PreTrainedTokenizerFast:
     return wrapped
 
 
-def _config(arch: str, tie_word_embeddings: bool, num_hidden_layers: int, hidden_size: int, **overrides):
-    common = dict(
+def base_config_fields(num_hidden_layers: int, hidden_size: int, tie_word_embeddings: bool) -> dict:
+    """The config fields every tiny checkpoint shares (dense here, MoE in moe_checkpoints.py): the
+    tokenizer's vocabulary and special ids, 4 query heads over 2 KV heads, 512 positions."""
+    return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -112,6 +113,11 @@ def _config(arch: str, tie_word_embeddings: bool, num_hidden_layers: int, hidden
         pad_token_id=2,
         tie_word_embeddings=tie_word_embeddings,
     )
+
+
+def _config(arch: str, tie_word_embeddings: bool, num_hidden_layers: int, hidden_size: int, **overrides):
+    common = base_config_fields(num_hidden_layers, hidden_size, tie_word_embeddings)
+    common["intermediate_size"] = 2 * hidden_size
     if arch == "llama":
         common.update(
             head_dim=32,  # != hidden_size / num_heads (16): loaders must read head_dim

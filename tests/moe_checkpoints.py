@@ -16,7 +16,7 @@ import pathlib
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
-from tests.checkpoints import VOCAB_SIZE, _randomize, make_tokenizer
+from tests.checkpoints import _randomize, base_config_fields, make_tokenizer
 
 MOE_ARCHS = ("qwen3_moe", "mixtral")
 NUM_EXPERTS = 8
@@ -25,21 +25,8 @@ ROUTER_GAIN = 3.0  # router logits std ~3: the k-th and (k+1)-th expert are rare
 
 
 def _config(arch: str, num_hidden_layers: int, hidden_size: int, **overrides):
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-        num_experts_per_tok=TOP_K,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )
+    common = base_config_fields(num_hidden_layers, hidden_size, tie_word_embeddings=False)
+    common.update(num_experts_per_tok=TOP_K, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     if arch == "qwen3_moe":
         common.update(head_dim=32, intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size // 2,
                       num_experts=NUM_EXPERTS, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])

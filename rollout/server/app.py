@@ -1,7 +1,7 @@
 """create_app(engine, server_args): the FastAPI app that serves one in-process Engine.
 
-It wires the route modules (native.py: SGLang's endpoints; openai_api.py: /v1/*; metrics.py:
-/metrics), turns every validation failure into a 400 whose message names the field (FastAPI's default
+It wires the route modules (native.py, native_control.py, native_weights.py: SGLang's endpoints;
+openai_api.py: /v1/*; metrics.py: /metrics), turns every validation failure into a 400 whose message names the field (FastAPI's default
 is 422; SGLang answers 400), and installs the pure ASGI middlewares, outermost first: the body-size limit
 (limits.py), the Host/Origin/method/content-type guard and, with `--api-key`, the key check
 (security.py).
@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.server import limits, lora, metrics, native, openai_api, security
+from rollout.server import limits, lora, metrics, native, native_control, native_weights, openai_api, security
 from rollout.server.args import ServerArgs
 from rollout.server.chat_template import resolve_chat_template
 from rollout.server.common import error_response
@@ -105,7 +105,7 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     # own so it never takes a control call's thread.
     app.state.tokenize_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollout-tokenize")
     # Weight-group joins wait on the network for up to their timeout: their own small pool, and
-    # native.py refuses joins beyond it, so joins to dead addresses never starve the control calls.
+    # native_weights.py refuses joins beyond it, so joins to dead addresses never starve the control calls.
     app.state.join_executor = ThreadPoolExecutor(max_workers=server_args.max_concurrent_weight_group_joins,
                                                  thread_name_prefix="rollout-join")
     app.state.num_joins = 0
@@ -131,6 +131,8 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
         return error_response(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
     app.include_router(native.router)
+    app.include_router(native_control.router)
+    app.include_router(native_weights.router)
     app.include_router(lora.router)
     app.include_router(openai_api.router)
     app.include_router(metrics.router)

@@ -12,10 +12,9 @@ Messages on the private pipe (pickled; engine_process.py says why that is safe),
 ("generate", call_id, (ids per prompt, single), kwargs), ("abort", call_id), ("call", call_id, method or
 function, args, kwargs), ("shutdown",). Child -> parent: ("submitted", call_id, ok, (requests, single) or
 error), ("out", deltas, load) once per engine step, ("reply", call_id, ok, value or error, state),
-("bye",). One sender thread writes (an event loop never blocks on the pipe) and one reader thread reads:
-per "out" message it applies every delta to this side's copy of each request (a `Req`, so outputs are
-built by the same rollout.outputs.build_output as in-process; rollout/server/engine_deltas.py is the
-format) and makes ONE `call_soon_threadsafe` per event loop to hand the chunks to their streams' queues.
+("bye",). One sender thread writes (an event loop never blocks on the pipe) and one reader thread reads
+and dispatches; the generate calls ("submitted", "out": deltas applied to this side's copy of each
+request, one wake-up per event loop) are handled by rollout/server/engine_generate.py, mixed in here.
 
 When the child dies, every request in flight ends as abort with the reason, every waiting call raises
 RuntimeError, and `is_alive()` turns False (/health answers 503). Every wait is bounded.
@@ -25,7 +24,6 @@ What it does not do: run anything of the model, or restart a dead engine process
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import concurrent.futures
 import itertools
@@ -34,17 +32,13 @@ import pickle
 import queue
 import threading
 import weakref
-from collections import defaultdict
 
-from rollout.engine import prompt_token_ids
-from rollout.outputs import AsyncSink, AsyncStream, build_output, gather_final_outputs
-from rollout.request import FinishReason, Req
-from rollout.server import engine_deltas, engine_process
+from rollout.server import engine_process
+from rollout.server.engine_generate import RemoteGeneration, _Call
 from rollout.server.engine_process import EngineProcessError
 from rollout.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger("rollout.server.engine_client")
-
 
 
 class _RunnerView:
@@ -58,19 +52,6 @@ class _RunnerView:
         return self._client._state["lora_adapters"]
 
 
-class _Call:
-    """One generate call on this side: its sink (the stream's queue), and its requests once submitted."""
-
-    __slots__ = ("loop", "sink", "reqs", "num_open", "submitted")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.sink = AsyncSink(loop)
-        self.reqs: list[Req] = []
-        self.num_open = 0
-        self.submitted: asyncio.Future = loop.create_future()
-
-
 def _remote(name: str):
     def method(self, *args, **kwargs):
         return self._call(name, args, kwargs)
@@ -80,7 +61,7 @@ def _remote(name: str):
     return method
 
 
-class EngineClient:
+class EngineClient(RemoteGeneration):
     def __init__(self, conn, process, info: dict) -> None:
         self._conn = conn
         self._process = process
@@ -173,9 +154,7 @@ class EngineClient:
             if fut is not None:
                 fut.set_exception(err)
         elif msg[0] == "generate":
-            call = self._calls.pop(msg[1], None)
-            if call is not None:
-                call.loop.call_soon_threadsafe(_set_exception, call.submitted, err)
+            self._fail_call(msg[1], err)
 
     def _read_loop(self) -> None:
         while True:
@@ -208,120 +187,7 @@ class EngineClient:
         self._bye.set()
         for fut in replies.values():
             fut.set_exception(EngineProcessError(reason))
-        by_loop: dict = defaultdict(list)
-        for call in calls.values():
-            if not call.reqs:
-                call.loop.call_soon_threadsafe(_set_exception, call.submitted, EngineProcessError(reason))
-            for req in call.reqs:
-                if not req.finished:
-                    req.finished_reason = FinishReason("abort", message=reason)
-                    req.error = reason
-                    by_loop[call.loop].append((call.sink, ("final", req)))
-        if calls:
-            logger.error("%s: %d call(s) in flight end as abort", reason, len(calls))
-        self._hand_over(by_loop)
-
-    # ---- generation ------------------------------------------------------------------------------
-    def _on_submitted(self, call_id: int, ok: bool, value) -> None:
-        call = self._calls.get(call_id)
-        if call is None:
-            return
-        if not ok:
-            self._calls.pop(call_id, None)
-            call.loop.call_soon_threadsafe(_set_exception, call.submitted, value)
-            return
-        skeletons, single = value
-        call.reqs, call.num_open = skeletons, len(skeletons)
-        call.loop.call_soon_threadsafe(_set_result, call.submitted, single)
-
-    def _on_out(self, deltas: list, load: dict) -> None:
-        self._load = load
-        by_loop: dict = defaultdict(list)
-        finished = []
-        for delta in deltas:
-            call_id, index, final = delta[:3]
-            call = self._calls.get(call_id)
-            if call is None:  # its process-side abort raced the final: nobody waits
-                continue
-            req = call.reqs[index]
-            if req.finished:  # ended already (an output the engine process could not send)
-                continue
-            engine_deltas.apply(req, delta)
-            if final:
-                call.num_open -= 1
-                if not call.num_open:
-                    self._calls.pop(call_id, None)
-                finished.append(req)
-                item = ("final", req)
-            else:
-                item = ("chunk", req.snapshot())
-            if not call.sink.closed:
-                by_loop[call.loop].append((call.sink, item))
-        self._hand_over(by_loop)
-        for req in finished:
-            for fn in self._finish_observers:
-                try:
-                    fn(req)
-                except Exception:  # noqa: BLE001 - an observer's bug must not lose outputs
-                    logger.exception("finish observer %r failed", fn)
-
-    @staticmethod
-    def _hand_over(by_loop: dict) -> None:
-        """One wake-up per event loop for everything this message carried."""
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_distribute, items)
-            except RuntimeError:  # that loop is closed: nobody reads these
-                pass
-
-    def _abort_call(self, call_id: int, reqs=None) -> None:
-        """The caller stopped reading: the engine aborts the call's requests at its next step boundary."""
-        try:
-            self._send(("abort", call_id))
-        except RuntimeError:  # the engine is gone already: nothing runs
-            pass
-
-    def _output(self, req: Req, final: bool) -> dict:
-        return build_output(req, self.tokenizer, req.weight_version, final)
-
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
-                             return_logprob: bool | list[bool] = False, top_logprobs_num: int | list[int] = 0,
-                             stream: bool = False, rid=None, return_routed_experts: bool | list[bool] = False,
-                             logprob_start_len: int | list[int] | None = None,
-                             token_ids_logprob: list[int] | list[list[int]] | None = None,
-                             return_original_logprob: bool | None = None,
-                             lora_path: str | list[str | None] | None = None):
-        """Engine.async_generate, with the prompts tokenized here and the model in the engine process."""
-        encoded = prompt_token_ids(self.tokenizer, prompt, input_ids)
-        kwargs = dict(sampling_params=sampling_params, return_logprob=return_logprob,
-                      top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
-                      return_routed_experts=return_routed_experts, logprob_start_len=logprob_start_len,
-                      token_ids_logprob=token_ids_logprob, return_original_logprob=return_original_logprob,
-                      lora_path=lora_path)
-        call = _Call(asyncio.get_running_loop())
-        call_id = next(self._ids)
-        with self._lock:
-            if self._dead is not None:
-                raise EngineProcessError(self._dead)
-            self._calls[call_id] = call
-        try:
-            self._send(("generate", call_id, encoded, kwargs))
-            single = await call.submitted
-        except asyncio.CancelledError:
-            call.sink.closed = True
-            self._abort_call(call_id)
-            raise
-        except BaseException:
-            self._calls.pop(call_id, None)
-            raise
-        reqs = call.reqs
-        if stream:
-            return AsyncStream(reqs, call.sink, self._output, lambda _reqs: self._abort_call(call_id))
-        def cancelled() -> None:
-            call.sink.closed = True
-            self._abort_call(call_id)
-
-        return await gather_final_outputs(call.sink, reqs, self._output, cancelled, single)
+        self._end_calls(calls, reason)
 
     # ---- control: calls into the engine process ----------------------------------------------
     def _call(self, name, args: tuple = (), kwargs: dict | None = None):
@@ -407,19 +273,3 @@ class EngineClient:
     start_expert_distribution_record = _remote("start_expert_distribution_record")
     stop_expert_distribution_record = _remote("stop_expert_distribution_record")
     dump_expert_distribution_record = _remote("dump_expert_distribution_record")
-
-
-def _distribute(items: list) -> None:
-    for sink, item in items:
-        if not sink.closed:
-            sink.queue.put_nowait(item)
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

@@ -13,292 +13,41 @@ never silently rendered as a plain prompt (`--chat-template plain` asks for that
 Streaming several choices (n > 1 or a list of prompts) runs one engine stream per choice; choice j of
 a seeded request uses seed + j, so streamed choices are reproducible (though not the same samples as
 the non-streamed batch, whose per-choice seeds the Engine derives itself).
+
+This module holds the routes and their response bodies; the request bodies are openai_protocol.py's, the
+engine calls, streams and SSE plumbing openai_engine.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import re
 import time
 import uuid
-from typing import Any, Literal
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response
 
-from rollout.server import limits
 from rollout.server.chat_template import ChatTemplate, NoChatTemplate, resolve_chat_template
-from rollout.server.common import JSONResponse, dumps, engine_error, error_response, run_blocking
-from rollout.server.lora import adapter_cards, lora_of_model
-from rollout.server.native import await_unless_disconnected, check_n
+from rollout.server.common import JSONResponse, error_response
+from rollout.server.lora import adapter_cards
+from rollout.server.native import check_n
+from rollout.server.openai_engine import (
+    choice_texts,
+    closing,
+    finish_of,
+    generate_all,
+    logprob_pairs,
+    metadata_of,
+    openai_names,
+    prepare,
+    sse_response,
+    start_stream,
+    token_text,
+    usage_of,
+)
+from rollout.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
-MAX_TOP_LOGPROBS = 20
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class SamplingFields(Body):
-    model: str
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    # SGLang's extra keys
-    top_k: int = -1
-    min_p: float = 0.0
-    min_tokens: int = Field(0, ge=0)
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    stop_token_ids: list[int] | None = None
-    rid: str | None = None
-    # sglang-router re-serialises OpenAI bodies with SGLang's extras; unset (false/null) they change nothing.
-    return_hidden_states: Literal[False] = False
-    lora_path: None = None
-    session_params: None = None
-    regex: None = None
-    json_schema: None = None
-    ebnf: None = None
-
-    def sampling_params(self, max_new_tokens: int | None) -> dict:
-        sp: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                  min_p=self.min_p, n=self.n, stop=self.stop, seed=self.seed,
-                                  min_new_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                                  skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim)
-        if max_new_tokens is not None:
-            sp["max_new_tokens"] = max_new_tokens
-        if self.stop_token_ids:
-            sp["stop_token_ids"] = self.stop_token_ids
-        # Forwarded only when set, so the Engine's refusal names exactly what was asked for.
-        for key, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(self, key) != default:
-                sp[key] = getattr(self, key)
-        if self.logit_bias:
-            sp["logit_bias"] = self.logit_bias
-        return {k: v for k, v in sp.items() if v is not None}
-
-
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: Any = None
-
-
-# ---- shared: engine calls ---------------------------------------------------------------------
-def _openai_names(max_tokens_field: str = "max_tokens") -> dict[str, str]:
-    """Engine sampling keys -> the OpenAI request fields they came from (the others are spelled alike)."""
-    return {"max_new_tokens": max_tokens_field, "min_new_tokens": "min_tokens"}
-
-
-def _openai_error(e: Exception, names: dict[str, str]) -> Response:
-    """engine_error, with the Engine's key names replaced by the OpenAI fields the client sent, and
-    `param` set to the first of them: an OpenAI client never sent `max_new_tokens`."""
-    resp = engine_error(e)
-    message = json.loads(resp.body)["error"]["message"]  # engine_error's wording (and any shortening)
-    hits = sorted((m.start(), names[k]) for k in names if (m := re.search(rf"\b{k}\b", message)))
-    if not hits:
-        return resp
-    found = [field for _, field in hits]  # in the message's order: the first one named is the param
-    for engine_key, field in names.items():
-        message = re.sub(rf"\b{engine_key}\b", field, message)
-    return error_response(message, resp.status_code, param=found[0])
-
-
-def _finish(meta: dict) -> tuple[str | None, Any]:
-    """-> (OpenAI finish_reason, matched stop string/token id or None)."""
-    fr = meta.get("finish_reason")
-    if not fr:
-        return None, None
-    return fr["type"], fr.get("matched") if fr["type"] == "stop" else None
-
-
-def _metadata(outs: list[dict]) -> dict:
-    """SGLang's response `metadata`: the weight version that finished the request (its first choice)."""
-    return {"weight_version": outs[0]["meta_info"]["weight_version"] if outs else None}
-
-
-def _usage(outs: list[dict], n: int) -> dict:
-    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])  # each prompt counted once
-    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _token_text(engine, tid: int, text: str | None) -> str:
-    return text if text is not None else (engine.tokenizer.token_text(tid) or "")
-
-
-async def _prepare(request: Request, prompts: list, sampling: dict, num_top: int | None) -> list | Response:
-    """Text prompts tokenized off the event loop, and the request's size checked (limits.py)."""
-    if prompts and isinstance(prompts[0], str):
-        prepared = await limits.prepare_prompts(request, prompts, None)
-        if isinstance(prepared, Response):
-            return prepared
-        prompts = prepared[1] if prepared[1] is not None else prompts
-    if prompts and isinstance(prompts[0], list):
-        too_much = limits.check_work(request, prompts, sampling, return_logprob=num_top is not None,
-                                     top_logprobs_num=num_top or 0)
-        if too_much is not None:
-            return too_much
-    return prompts
-
-
-async def _generate(request: Request, prompts: list, sampling: dict, num_top: int | None, rid,
-                    names: dict[str, str], model=None):
-    """One engine call for every choice: the outputs in choice order (prompt-major, then n), or the
-    error Response to send (499 for a client gone mid-request, the engine's error otherwise, naming
-    the OpenAI fields: `names`)."""
-    engine = request.app.state.engine
-    key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
-    try:
-        out = await await_unless_disconnected(request, engine.async_generate(
-            **{key: prompts}, sampling_params=sampling, return_logprob=num_top is not None,
-            top_logprobs_num=num_top or 0, rid=rid, lora_path=lora_of_model(request, model)))
-    except asyncio.CancelledError:
-        return Response(status_code=499)
-    except Exception as e:
-        return _openai_error(e, names)
-    return out if isinstance(out, list) else [out]
-
-
-async def _stream_choices(request: Request, prompts: list, sampling: dict, num_top: int | None, model=None):
-    """Yield (choice_index, chunk_dict, is_final) from one engine stream per choice, as they come."""
-    engine = request.app.state.engine
-    key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
-    n = sampling.get("n", 1)
-    queue: asyncio.Queue = asyncio.Queue()
-    base = uuid.uuid4().hex
-    rids = [f"{base}-{k}" for k in range(len(prompts) * n)]
-    streams, finished = [], set()
-
-    async def abort_unfinished():
-        # A stream never iterated has no generator frame to abort from: abort by id (unknown ids and
-        # finished ones are no-ops for the engine).
-        for k in range(len(streams)):
-            if k not in finished:
-                try:
-                    await run_blocking(request, engine.abort_request, rids[k])
-                except Exception:  # noqa: BLE001 - finished in the meantime
-                    pass
-
-    try:  # start all (each validated by the engine) before any runs; a refusal aborts those started
-        lora_path = lora_of_model(request, model)
-        for p in prompts:
-            for j in range(n):
-                sp = {**sampling, "n": 1}
-                if sp.get("seed") is not None:
-                    sp["seed"] = sp["seed"] + j
-                streams.append(await engine.async_generate(**{key: p}, sampling_params=sp, stream=True,
-                                                           return_logprob=num_top is not None,
-                                                           top_logprobs_num=num_top or 0, rid=rids[len(streams)],
-                                                           lora_path=lora_path))
-    except BaseException:
-        await abort_unfinished()
-        raise
-
-    async def pump(index, stream):
-        try:
-            async for chunk in stream:
-                await queue.put((index, chunk, chunk["meta_info"]["finish_reason"] is not None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer as an error event
-            await queue.put((index, e, True))
-        finally:
-            await stream.aclose()
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        while len(finished) < len(tasks):
-            index, chunk, final = await queue.get()
-            if isinstance(chunk, Exception):
-                raise chunk
-            if final:
-                finished.add(index)
-            yield index, chunk, final
-    finally:  # a client gone mid-stream: cancel every pump and abort what is still generating
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await abort_unfinished()
-
-
-class _Delta:
-    """Turns cumulative stream text into deltas. Holds back a trailing partial UTF-8 character and, when
-    stop strings are set, the last len(longest stop) - 1 characters (they may become a stop match that
-    the final text trims)."""
-
-    def __init__(self, stop) -> None:
-        stops = [stop] if isinstance(stop, str) else (stop or [])
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.sent = ""
-        self.num_tokens = 0
-
-    def step(self, text: str | None, final: bool) -> str:
-        text = text or ""
-        if not final:
-            text = text.rstrip("\ufffd")
-            text = text[: max(0, len(text) - self.hold)]
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-    def new_logprobs(self, meta: dict) -> list:
-        entries = meta.get("output_token_logprobs") or []
-        tops = meta.get("output_top_logprobs") or [None] * len(entries)
-        new = list(zip(entries[self.num_tokens:], tops[self.num_tokens:]))
-        self.num_tokens = len(entries)
-        return new
-
-
-def _sse_response(gen) -> StreamingResponse:
-    async def body():
-        try:
-            async for item in gen:
-                yield f"data: {dumps(item)}\n\n"
-        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band as OpenAI does
-            yield f"data: {dumps({'error': {'message': str(e), 'type': type(e).__name__, 'code': 400}})}\n\n"
-        finally:
-            await gen.aclose()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
 
 
 def _model_name(request: Request) -> str:
@@ -330,7 +79,7 @@ def _model_card(request: Request) -> dict:
 def _completion_logprobs(engine, pairs: list, offset: int) -> dict:
     tokens, lps, tops, offsets = [], [], [], []
     for (lp, tid, text), top in pairs:
-        s = _token_text(engine, tid, text)
+        s = token_text(engine, tid, text)
         tokens.append(s)
         lps.append(lp)
         offsets.append(offset)
@@ -340,7 +89,7 @@ def _completion_logprobs(engine, pairs: list, offset: int) -> dict:
             continue
         d: dict[str, float] = {}
         for v, t, tt in top:  # distinct ids can share a text (e.g. partial UTF-8): keep the likeliest
-            d.setdefault(_token_text(engine, t, tt), v)
+            d.setdefault(token_text(engine, t, tt), v)
         tops.append(d)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if any(t is not None for t in tops)
             else None, "text_offset": offsets}
@@ -367,69 +116,46 @@ async def completions(req: CompletionRequest, request: Request):
     if bad is not None:
         return bad
     sampling = req.sampling_params(req.max_tokens)
-    names = _openai_names()
-    prompts = await _prepare(request, prompts, sampling, req.logprobs)
+    names = openai_names()
+    prompts = await prepare(request, prompts, sampling, req.logprobs)
     if isinstance(prompts, Response):
         return prompts
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        outs = await _generate(request, prompts, sampling, req.logprobs, req.rid, names, req.model)
+        outs = await generate_all(request, prompts, sampling, req.logprobs, req.rid, names, req.model)
         if isinstance(outs, Response):
             return outs
         choices = []
         for i, o in enumerate(outs):
-            reason, matched = _finish(o["meta_info"])
-            lp = None
-            if req.logprobs is not None:
-                meta = o["meta_info"]
-                pairs = list(zip(meta["output_token_logprobs"],
-                                 meta.get("output_top_logprobs") or [None] * len(meta["output_token_logprobs"])))
-                lp = _completion_logprobs(engine, pairs, 0)
+            reason, matched = finish_of(o["meta_info"])
+            lp = None if req.logprobs is None else _completion_logprobs(engine, logprob_pairs(o["meta_info"]), 0)
             choices.append({"index": i, "text": o["text"], "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched})
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage(outs, req.n), "metadata": _metadata(outs)})
+                             "choices": choices, "usage": usage_of(outs, req.n), "metadata": metadata_of(outs)})
 
-    try:
-        merged = _stream_choices(request, prompts, sampling, req.logprobs, req.model)
-        first = await merged.__anext__()  # surfaces a bad request as a 400 before the stream starts
-    except Exception as e:
-        return _openai_error(e, names)
+    started = await start_stream(request, prompts, sampling, req.logprobs, req.model, names)
+    if isinstance(started, Response):
+        return started
+    merged, first = started
 
     async def events():
-        deltas = [_Delta(req.stop) for _ in range(len(prompts) * req.n)]
         finals: dict[int, dict] = {}
-        item = first
-        while item is not None:
-            i, chunk, final = item
-            d = deltas[i]
-            text = d.step(chunk["text"], final)
-            lp = None
-            if req.logprobs is not None:
-                lp = _completion_logprobs(engine, d.new_logprobs(chunk["meta_info"]), len(d.sent) - len(text))
-            reason = _finish(chunk["meta_info"])[0] if final else None
-            if final:
-                finals[i] = chunk
-            if text or final or lp:
-                yield {"id": cid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}]}
-            item = await anext(merged, None)
+        async with aclosing(choice_texts(first, merged, req.stop, len(prompts) * req.n, finals)) as items:
+            async for i, chunk, final, text, d in items:
+                lp = None
+                if req.logprobs is not None:
+                    lp = _completion_logprobs(engine, d.new_logprobs(chunk["meta_info"]), len(d.sent) - len(text))
+                reason = finish_of(chunk["meta_info"])[0] if final else None
+                if text or final or lp:
+                    yield {"id": cid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}]}
         if req.stream_options and req.stream_options.include_usage:
             outs = [finals[i] for i in sorted(finals)]
             yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                   "usage": _usage(outs, req.n)}
+                   "usage": usage_of(outs, req.n)}
 
-    return _sse_response(_closing(events(), merged))
-
-
-async def _closing(gen, inner):
-    """Iterate `gen`; on close (normal end or client gone) close `inner` too."""
-    try:
-        async for item in gen:
-            yield item
-    finally:
-        await gen.aclose()
-        await inner.aclose()
+    return sse_response(closing(events(), merged))
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------
@@ -463,9 +189,9 @@ def render_chat(engine, messages: list[dict], chat_template: ChatTemplate | str 
 def _chat_logprobs(engine, pairs: list) -> dict:
     content = []
     for (lp, tid, text), top in pairs:
-        s = _token_text(engine, tid, text)
+        s = token_text(engine, tid, text)
         tops = [] if top is None else [
-            {"token": (ts := _token_text(engine, t, tt)), "logprob": v, "bytes": list(ts.encode())} for v, t, tt in top]
+            {"token": (ts := token_text(engine, t, tt)), "logprob": v, "bytes": list(ts.encode())} for v, t, tt in top]
         content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": tops})
     return {"content": content}
 
@@ -490,33 +216,28 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     sampling = req.sampling_params(req.max_completion_tokens if req.max_completion_tokens is not None
                                    else req.max_tokens)
-    names = _openai_names("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    prompts = await _prepare(request, prompts, sampling, num_top)
+    names = openai_names("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    prompts = await prepare(request, prompts, sampling, num_top)
     if isinstance(prompts, Response):
         return prompts
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
     if not req.stream:
-        outs = await _generate(request, prompts, sampling, num_top, req.rid, names, req.model)
+        outs = await generate_all(request, prompts, sampling, num_top, req.rid, names, req.model)
         if isinstance(outs, Response):
             return outs
         choices = []
         for i, o in enumerate(outs):
-            reason, matched = _finish(o["meta_info"])
-            lp = None
-            if num_top is not None:
-                meta = o["meta_info"]
-                lp = _chat_logprobs(engine, list(zip(meta["output_token_logprobs"], meta.get(
-                    "output_top_logprobs") or [None] * len(meta["output_token_logprobs"]))))
+            reason, matched = finish_of(o["meta_info"])
+            lp = None if num_top is None else _chat_logprobs(engine, logprob_pairs(o["meta_info"]))
             choices.append({"index": i, "message": {"role": "assistant", "content": o["text"]}, "logprobs": lp,
                             "finish_reason": reason, "matched_stop": matched})
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage(outs, req.n), "metadata": _metadata(outs)})
+                             "choices": choices, "usage": usage_of(outs, req.n), "metadata": metadata_of(outs)})
 
-    try:
-        merged = _stream_choices(request, prompts, sampling, num_top, req.model)
-        first = await merged.__anext__()
-    except Exception as e:
-        return _openai_error(e, names)
+    started = await start_stream(request, prompts, sampling, num_top, req.model, names)
+    if isinstance(started, Response):
+        return started
+    merged, first = started
 
     def chunk(choices, **extra):
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -526,21 +247,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         for i in range(req.n):  # OpenAI opens each choice with the role
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        deltas = [_Delta(req.stop) for _ in range(req.n)]
         finals: dict[int, dict] = {}
-        item = first
-        while item is not None:
-            i, c, final = item
-            d = deltas[i]
-            text = d.step(c["text"], final)
-            lp = _chat_logprobs(engine, d.new_logprobs(c["meta_info"])) if num_top is not None else None
-            if final:
-                finals[i] = c
-            if text or final or (lp and lp["content"]):
-                yield chunk([{"index": i, "delta": {"content": text} if text else {}, "logprobs": lp,
-                              "finish_reason": _finish(c["meta_info"])[0] if final else None}])
-            item = await anext(merged, None)
+        async with aclosing(choice_texts(first, merged, req.stop, req.n, finals)) as items:
+            async for i, c, final, text, d in items:
+                lp = _chat_logprobs(engine, d.new_logprobs(c["meta_info"])) if num_top is not None else None
+                if text or final or (lp and lp["content"]):
+                    yield chunk([{"index": i, "delta": {"content": text} if text else {}, "logprobs": lp,
+                                  "finish_reason": finish_of(c["meta_info"])[0] if final else None}])
         if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage=_usage([finals[i] for i in sorted(finals)], req.n))
+            yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n))
 
-    return _sse_response(_closing(events(), merged))
+    return sse_response(closing(events(), merged))

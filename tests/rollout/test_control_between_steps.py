@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.rollout.oracle import random_prompts
+from tests.step_counter import count_steps
 
 N, NEW = 64, 120
 PROMPT = random_prompts([8], seed=5)[0]
@@ -25,16 +26,7 @@ def engine(request, tiny_llama, make_engine):
     eng = make_engine(tiny_llama, max_total_tokens=N * (len(PROMPT) + NEW) + 256, max_running_requests=N,
                       enable_memory_saver=True, enable_weights_cpu_backup=True,
                       disable_overlap_schedule=request.param)
-    counter = {"steps": 0}
-    real = eng.scheduler.step
-
-    def counted():
-        out = real()
-        counter["steps"] += 1
-        return out
-
-    eng.scheduler.step = counted
-    eng.steps = lambda: counter["steps"]
+    eng.steps = count_steps(eng)
     return eng
 
 

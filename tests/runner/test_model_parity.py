@@ -10,12 +10,11 @@ import torch
 from runner.forward_batch import ForwardBatch
 from tests.checkpoints import ARCHS, load_hf_model
 from tests.runner.driver import RunnerDriver, make_runner
+from tests.runner.parity import PROMPT_LENS, MaxDiffs, hf_logits, ragged_prompts
 
-ATOL = 1e-4
-PROMPT_LENS = (3, 9, 17)
 CASES = [(arch, False) for arch in ARCHS] + [("qwen2", True)]
 CASE_IDS = [f"{arch}-tied" if tied else arch for arch, tied in CASES]
-MAX_DIFF: dict[str, dict[str, float]] = {}
+DIFFS = MaxDiffs()
 
 
 @pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
@@ -29,41 +28,20 @@ def case(request, ckpt_factory):
 @pytest.fixture(scope="module", autouse=True)
 def _report_max_diffs():
     yield
-    for name, diffs in MAX_DIFF.items():
-        print(f"\nmax |runner - HF| logits [{name}]: " + ", ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
-
-
-def _prompts(seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 384, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids: list[int] | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
-    if embeds is not None:
-        return hf(inputs_embeds=embeds.unsqueeze(0)).logits[0]  # [len, vocab]
-    return hf(torch.tensor([ids])).logits[0]
-
-
-def _check(name: str, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """Assert max |got - want| <= ATOL and record it under MAX_DIFF[name][what]."""
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    diff = (got - want).abs().max().item()
-    MAX_DIFF.setdefault(name, {})[what] = max(diff, MAX_DIFF.get(name, {}).get(what, 0.0))
-    assert diff <= ATOL, f"[{name}] {what}: max |runner - HF| = {diff:.3e} > {ATOL}"
+    DIFFS.report()
 
 
 def test_ragged_prefill_matches_hf_at_every_position(case):
     """One EXTEND over prompts of lengths 3, 9, 17 gives HF's logits at every position of each."""
     _, path, hf = case
     drv = RunnerDriver(make_runner(path))
-    prompts = _prompts()
+    prompts = ragged_prompts()
     rows = [drv.new_request() for _ in prompts]
     out = drv.extend(rows, prompts, return_all_logits=True)
-    want = torch.cat([_hf_logits(hf, p) for p in prompts])
-    _check(case[0], "prefill", out.all_logits, want)
-    last = torch.stack([_hf_logits(hf, p)[-1] for p in prompts])
-    _check(case[0], "prefill_last", out.next_token_logits, last)
+    want = torch.cat([hf_logits(hf, p) for p in prompts])
+    DIFFS.check(case[0], "prefill", out.all_logits, want)
+    last = torch.stack([hf_logits(hf, p)[-1] for p in prompts])
+    DIFFS.check(case[0], "prefill_last", out.next_token_logits, last)
 
 
 def test_decode_steps_match_hf(case):
@@ -71,7 +49,7 @@ def test_decode_steps_match_hf(case):
     tokens are a seeded random stream: greedy on the tied model just repeats one token."""
     _, path, hf = case
     drv = RunnerDriver(make_runner(path))
-    prompts = _prompts(1)
+    prompts = ragged_prompts(1)
     num_steps = 20
     fed = torch.randint(4, 384, (len(prompts), num_steps), generator=torch.Generator().manual_seed(6))
     rows = [drv.new_request() for _ in prompts]
@@ -79,26 +57,26 @@ def test_decode_steps_match_hf(case):
     got = torch.stack([drv.decode(rows, fed[:, step].tolist()).next_token_logits for step in range(num_steps)],
                       dim=1)  # [bs, steps, vocab]
     for i, p in enumerate(prompts):
-        want = _hf_logits(hf, p + fed[i].tolist())[len(p) :]
-        _check(case[0], "decode", got[i], want)
+        want = hf_logits(hf, p + fed[i].tolist())[len(p) :]
+        DIFFS.check(case[0], "decode", got[i], want)
 
 
 def test_extend_over_cached_prefix_matches_full_prefill(case):
     """Prefill k tokens, then EXTEND the rest with extend_prefix_lens=k: logits equal HF's."""
     _, path, hf = case
     drv = RunnerDriver(make_runner(path))
-    prompts = _prompts(2)
+    prompts = ragged_prompts(2)
     ks = [1, 4, 11]
     rows = [drv.new_request() for _ in prompts]
     drv.extend(rows, [p[:k] for p, k in zip(prompts, ks)])
     out = drv.extend(rows, [p[k:] for p, k in zip(prompts, ks)], return_all_logits=True)
-    want = torch.cat([_hf_logits(hf, p)[k:] for p, k in zip(prompts, ks)])
-    _check(case[0], "extend_prefix", out.all_logits, want)
+    want = torch.cat([hf_logits(hf, p)[k:] for p, k in zip(prompts, ks)])
+    DIFFS.check(case[0], "extend_prefix", out.all_logits, want)
     # Same batch with one request already fully cached but for its last token (a 1-token extend).
     rows2 = [drv.new_request() for _ in prompts]
     drv.extend(rows2, [p[:-1] for p in prompts])
     out2 = drv.extend(rows2, [p[-1:] for p in prompts], return_all_logits=True)
-    _check(case[0], "extend_prefix", out2.all_logits, torch.stack([_hf_logits(hf, p)[-1] for p in prompts]))
+    DIFFS.check(case[0], "extend_prefix", out2.all_logits, torch.stack([hf_logits(hf, p)[-1] for p in prompts]))
 
 
 def test_input_embeds_override(case):
@@ -107,13 +85,13 @@ def test_input_embeds_override(case):
     _, path, hf = case
     runner = make_runner(path)
     drv = RunnerDriver(runner)
-    prompts = _prompts(3)
+    prompts = ragged_prompts(3)
     embed = hf.get_input_embeddings()
     with torch.no_grad():
         embeds = [embed(torch.tensor(p)) for p in prompts]  # [len, hidden] each
     rows = [drv.new_request() for _ in prompts]
     out = drv.extend(rows, prompts, return_all_logits=True, input_embeds=torch.cat(embeds))
-    _check(case[0], "input_embeds", out.all_logits, torch.cat([_hf_logits(hf, p) for p in prompts]))
+    DIFFS.check(case[0], "input_embeds", out.all_logits, torch.cat([hf_logits(hf, p) for p in prompts]))
 
     gen = torch.Generator().manual_seed(4)
     flat_positions = [0, 4, 5, 12, 20, 28]  # flattened token indices across the 3 + 9 + 17 tokens
@@ -123,10 +101,10 @@ def test_input_embeds_override(case):
     rows = [drv.new_request() for _ in prompts]
     out = drv.extend(rows, prompts, return_all_logits=True, replace_embeds=new_rows,
                      replace_positions=torch.tensor(flat_positions))
-    want = torch.cat([_hf_logits(hf, embeds=e) for e in replaced.split(list(PROMPT_LENS))])
-    _check(case[0], "replace_embeds", out.all_logits, want)
+    want = torch.cat([hf_logits(hf, embeds=e) for e in replaced.split(list(PROMPT_LENS))])
+    DIFFS.check(case[0], "replace_embeds", out.all_logits, want)
     # The replacement must matter, or this comparison proves nothing.
-    assert (want - torch.cat([_hf_logits(hf, p) for p in prompts])).abs().max() > 1e-2
+    assert (want - torch.cat([hf_logits(hf, p) for p in prompts])).abs().max() > 1e-2
 
 
 def test_idle_is_a_no_op(case):
@@ -134,7 +112,7 @@ def test_idle_is_a_no_op(case):
     _, path, _ = case
     runner = make_runner(path)
     drv = RunnerDriver(runner)
-    drv.extend([drv.new_request()], [_prompts()[1]])  # some state that must survive
+    drv.extend([drv.new_request()], [ragged_prompts()[1]])  # some state that must survive
     kv = runner.token_to_kv_pool
     before = (kv.k_buffer.clone(), kv.v_buffer.clone(), kv.free_slots.clone(),
               runner.req_to_token_pool.req_to_token.clone(), list(runner.req_to_token_pool.free_slots))
@@ -156,7 +134,7 @@ def test_attention_bias_variant_matches_hf(ckpt_factory, arch):
     hf = load_hf_model(path)
     assert hf.model.layers[0].self_attn.o_proj.bias is not None
     drv = RunnerDriver(make_runner(path))
-    prompts = _prompts(5)
+    prompts = ragged_prompts(5)
     out = drv.extend([drv.new_request() for _ in prompts], prompts, return_all_logits=True)
-    want = torch.cat([_hf_logits(hf, p) for p in prompts])
-    _check(f"{arch}-attention_bias", "prefill", out.all_logits, want)
+    want = torch.cat([hf_logits(hf, p) for p in prompts])
+    DIFFS.check(f"{arch}-attention_bias", "prefill", out.all_logits, want)

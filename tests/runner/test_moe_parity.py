@@ -17,9 +17,8 @@ from tests.moe_checkpoints import NUM_EXPERTS, TOP_K, expert_counts, hf_routed_e
 from tests.rl_surface.conftest import make_engine, read_state_dict, run
 from tests.rollout.oracle import hf_generate, random_prompts
 from tests.runner.driver import RunnerDriver, make_runner
+from tests.runner.parity import PROMPT_LENS, MaxDiffs, hf_logits, ragged_prompts
 
-ATOL = 1e-4
-PROMPT_LENS = (3, 9, 17)
 # (case id, arch, config overrides): Qwen3-MoE with a dense middle layer and unnormalized top-k
 # covers mlp_only_layers and norm_topk_prob=False.
 CASES = [
@@ -27,7 +26,7 @@ CASES = [
     ("mixtral", "mixtral", {}),
     ("qwen3_moe-dense-layer", "qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=False)),
 ]
-MAX_DIFF: dict[str, dict[str, float]] = {}
+DIFFS = MaxDiffs()
 
 
 @pytest.fixture(scope="module")
@@ -55,35 +54,17 @@ def case(request, moe_ckpt):
 @pytest.fixture(scope="module", autouse=True)
 def _report_max_diffs():
     yield
-    for name, diffs in MAX_DIFF.items():
-        print(f"\nmax |runner - HF| logits [{name}]: " + ", ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
-
-
-def _prompts(seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 384, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0]  # [len, vocab]
-
-
-def _check(name: str, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    diff = (got - want).abs().max().item()
-    MAX_DIFF.setdefault(name, {})[what] = max(diff, MAX_DIFF.get(name, {}).get(what, 0.0))
-    assert diff <= ATOL, f"[{name}] {what}: max |runner - HF| = {diff:.3e} > {ATOL}"
+    DIFFS.report()
 
 
 def test_ragged_prefill_matches_hf_at_every_position(case):
     """One EXTEND over prompts of lengths 3, 9, 17 gives HF's logits at every position of each."""
     name, path, hf = case
     drv = RunnerDriver(make_runner(path))
-    prompts = _prompts()
+    prompts = ragged_prompts()
     out = drv.extend([drv.new_request() for _ in prompts], prompts, return_all_logits=True)
-    _check(name, "prefill", out.all_logits, torch.cat([_hf_logits(hf, p) for p in prompts]))
-    _check(name, "prefill_last", out.next_token_logits, torch.stack([_hf_logits(hf, p)[-1] for p in prompts]))
+    DIFFS.check(name, "prefill", out.all_logits, torch.cat([hf_logits(hf, p) for p in prompts]))
+    DIFFS.check(name, "prefill_last", out.next_token_logits, torch.stack([hf_logits(hf, p)[-1] for p in prompts]))
 
 
 def _decode_logits(runner, prompts: list[list[int]], fed: torch.Tensor) -> torch.Tensor:
@@ -97,11 +78,11 @@ def _decode_logits(runner, prompts: list[list[int]], fed: torch.Tensor) -> torch
 def test_decode_steps_match_hf(case):
     """12 batched DECODE steps after a ragged prefill give HF's logits after every fed token."""
     name, path, hf = case
-    prompts = _prompts(2)
+    prompts = ragged_prompts(2)
     fed = torch.randint(4, 384, (len(prompts), 12), generator=torch.Generator().manual_seed(7))
     got = _decode_logits(make_runner(path), prompts, fed)
     for i, p in enumerate(prompts):
-        _check(name, "decode", got[i], _hf_logits(hf, p + fed[i].tolist())[len(p) :])
+        DIFFS.check(name, "decode", got[i], hf_logits(hf, p + fed[i].tolist())[len(p) :])
 
 
 def test_captured_decode_step_matches_hf_and_yields_to_the_recorder(moe_ckpt):
@@ -118,12 +99,12 @@ def test_captured_decode_step_matches_hf_and_yields_to_the_recorder(moe_ckpt):
     replays = []
     real_replay = graphs.replay
     graphs.replay = lambda fb: replays.append(fb.batch_size) or real_replay(fb)
-    prompts = _prompts(4)
+    prompts = ragged_prompts(4)
     fed = torch.randint(4, 384, (len(prompts), 6), generator=torch.Generator().manual_seed(8))
     got = _decode_logits(runner, prompts, fed)
     assert replays == [len(prompts)] * 6  # every step was a replay (3 rows padded to 4)
     for i, p in enumerate(prompts):
-        _check(f"{name}-captured", "decode", got[i], _hf_logits(hf, p + fed[i].tolist())[len(p) :])
+        DIFFS.check(f"{name}-captured", "decode", got[i], hf_logits(hf, p + fed[i].tolist())[len(p) :])
 
     recorder = runner.model.expert_recorder
     recorder.start_record()
@@ -147,7 +128,7 @@ def test_decode_steps_and_routed_experts_match_hf(case):
     recorder = runner.model.expert_recorder
     recorder.set_capture_routed_experts(True)
     drv = RunnerDriver(runner)
-    prompts = _prompts(1)
+    prompts = ragged_prompts(1)
     num_steps = 12
     fed = torch.randint(4, 384, (len(prompts), num_steps), generator=torch.Generator().manual_seed(6))
     rows = [drv.new_request() for _ in prompts]
@@ -161,7 +142,7 @@ def test_decode_steps_and_routed_experts_match_hf(case):
     got = torch.stack(logits, dim=1)  # [bs, steps, vocab]
     for i, p in enumerate(prompts):
         seq = p + fed[i].tolist()
-        _check(name, "decode", got[i], _hf_logits(hf, seq)[len(p) :])
+        DIFFS.check(name, "decode", got[i], hf_logits(hf, seq)[len(p) :])
         want = hf_routed_experts(hf, seq)
         assert routed[i].dtype == torch.int32 and routed[i].shape == want.shape
         assert torch.equal(routed[i], want), f"[{name}] request {i}: routed experts differ from HF's top-k"

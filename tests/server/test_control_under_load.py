@@ -11,6 +11,7 @@ import time
 import httpx
 
 from tests.server.conftest import start_server
+from tests.step_counter import count_steps
 
 N, NEW = 64, 160
 
@@ -19,16 +20,7 @@ def test_health_get_load_and_abort_answer_while_a_large_batch_runs(tiny_llama):
     """/health, /get_load and /abort_request(abort_all) answer mid-batch; every sequence ends as abort."""
     engine_kw = {"max_total_tokens": N * (NEW + 16) + 256, "max_running_requests": N}
     with start_server(tiny_llama, engine_kw=engine_kw) as s:
-        engine = s.engine
-        steps = {"n": 0}
-        real = engine.scheduler.step
-
-        def counted():
-            out = real()
-            steps["n"] += 1
-            return out
-
-        engine.scheduler.step = counted
+        num_steps = count_steps(s.engine)
         body = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"n": N, "temperature": 1.0, "max_new_tokens": NEW,
                                                                   "ignore_eos": True}}
         result: list = []
@@ -36,7 +28,7 @@ def test_health_get_load_and_abort_answer_while_a_large_batch_runs(tiny_llama):
                              daemon=True)
         t.start()
         deadline = time.monotonic() + 60
-        while steps["n"] < 5:
+        while num_steps() < 5:
             assert time.monotonic() < deadline, "the batch never started"
             time.sleep(0.002)
         # A second /generate lands on the event loop mid-batch: submitting it must not block the loop.
@@ -51,7 +43,7 @@ def test_health_get_load_and_abort_answer_while_a_large_batch_runs(tiny_llama):
                 assert time.monotonic() < seen, f"/get_load never counted the second request: {load}"
                 time.sleep(0.01)
             assert c.post("/abort_request", json={"abort_all": True}).status_code == 200
-        answered_at = steps["n"]
+        answered_at = num_steps()
         t.join(60)
         t2.join(60)
         assert not t.is_alive() and not t2.is_alive()

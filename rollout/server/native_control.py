@@ -1,0 +1,135 @@
+"""SGLang's native control endpoints: cache, scheduling, memory and the MoE expert-distribution record.
+
+/flush_cache, /pause_generation (abort, retract or in_place), /continue_generation, /abort_request,
+/release_memory_occupation and /resume_memory_occupation (refused with the server flag to restart with
+when the memory saver is off), and SGLang's three expert-distribution paths (a dense engine answers 400).
+Each engine call blocks on the engine lock, so it runs in the server's thread pool; the engine's error
+becomes the 400 body.
+
+What it does not do: generate or report (native.py), or touch weights (native_weights.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from rollout.server.common import JSONResponse, engine_error, error_response, run_blocking
+from rollout.server.native import Body
+
+router = APIRouter()
+
+
+# ---- cache and scheduling control -------------------------------------------------------------
+@router.api_route("/flush_cache", methods=["GET", "POST"])  # GET kept: slime calls it so (security.py)
+async def flush_cache(request: Request):
+    ok = await run_blocking(request, request.app.state.engine.flush_cache)
+    if ok is False:
+        return Response("Cache not flushed: requests are running or waiting.\n", status_code=400)
+    return Response("Cache flushed.\n", status_code=200)
+
+
+class PauseGenerationReqInput(Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+async def _optional_body(request: Request, model: type[BaseModel]):
+    """SGLang clients post these with `{}`, with no body, or GET them: all mean the defaults."""
+    raw = await request.body()
+    if not raw.strip():
+        return model()
+    return model.model_validate_json(raw)
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request):
+    obj = await _optional_body(request, PauseGenerationReqInput)
+    try:
+        await run_blocking(request, request.app.state.engine.pause_generation, mode=obj.mode)
+    except Exception as e:
+        return engine_error(e)
+    return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request):
+    await run_blocking(request, request.app.state.engine.continue_generation)
+    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+
+class AbortReq(Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+@router.post("/abort_request")
+async def abort_request(obj: AbortReq, request: Request):
+    try:
+        await run_blocking(request, request.app.state.engine.abort_request, rid=obj.rid, abort_all=obj.abort_all)
+    except Exception as e:
+        return engine_error(e)
+    return Response(status_code=200)
+
+
+# ---- memory -----------------------------------------------------------------------------------
+class MemoryOccupationReqInput(Body):
+    tags: list[str] | None = None
+
+
+@router.post("/release_memory_occupation")  # POST only: it changes state (security.py)
+async def release_memory_occupation(request: Request):
+    return await _memory(request, "release_memory_occupation")
+
+
+@router.post("/resume_memory_occupation")  # POST only: it changes state (security.py)
+async def resume_memory_occupation(request: Request):
+    return await _memory(request, "resume_memory_occupation")
+
+
+async def _memory(request: Request, method: str):
+    obj = await _optional_body(request, MemoryOccupationReqInput)
+    if not getattr(request.app.state.engine.args, "enable_memory_saver", False):
+        # The engine's own message names its keyword argument; an HTTP client needs the server's flag.
+        return error_response(f"{method}: this server was started without --enable-memory-saver, so it cannot "
+                              f"release memory; restart it with --enable-memory-saver (add "
+                              f"--enable-weights-cpu-backup to keep released weights on the host)", 400,
+                              param="--enable-memory-saver")
+    try:
+        await run_blocking(request, getattr(request.app.state.engine, method), obj.tags)
+    except Exception as e:
+        return engine_error(e)
+    return JSONResponse({"success": True, "message": f"{method}({obj.tags}) done"})
+
+
+# ---- expert distribution (MoE; SGLang's paths) ------------------------------------------------
+async def _expert_record(request: Request, method: str):
+    fn = getattr(request.app.state.engine, method, None)
+    if fn is None:
+        return error_response(f"{method}: this engine has no expert distribution recorder", 400)
+    try:
+        return await run_blocking(request, fn)
+    except Exception as e:
+        return engine_error(e)
+
+
+@router.post("/start_expert_distribution_record")  # POST only: it changes state (security.py)
+async def start_expert_distribution_record(request: Request):
+    out = await _expert_record(request, "start_expert_distribution_record")
+    return out if isinstance(out, Response) else Response("Start recording the expert distribution.\n")
+
+
+@router.post("/stop_expert_distribution_record")  # POST only: it changes state (security.py)
+async def stop_expert_distribution_record(request: Request):
+    out = await _expert_record(request, "stop_expert_distribution_record")
+    return out if isinstance(out, Response) else Response("Stop recording the expert distribution.\n")
+
+
+@router.post("/dump_expert_distribution_record")  # POST only: it changes state (security.py)
+async def dump_expert_distribution_record(request: Request):
+    """SGLang writes the record to a server-side file and answers with a line of text; over HTTP the
+    record itself is more use, so this answers with it as JSON ({"logical_count": [layer][expert], ...})."""
+    out = await _expert_record(request, "dump_expert_distribution_record")
+    return out if isinstance(out, Response) else JSONResponse(out)

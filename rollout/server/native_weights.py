@@ -1,0 +1,210 @@
+"""SGLang's native weight endpoints: updates (disk, tensors, distributed groups), version, reads.
+
+Same paths, bodies and answers as SGLang (`{"success", "message"[, "num_paused_requests"]}`, 200 or 400).
+Disk paths are checked against --allowed-disk-roots (security.py); tensor payloads are decoded where the
+engine runs (tensor_codec.py), so the tensors never cross the engine pipe; group joins run in their own
+bounded pool, so a join to a dead address never holds up a control call.
+
+What it does not do: generate, report or control scheduling (native.py, native_control.py), or decode
+payloads itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Literal
+
+from fastapi import APIRouter, Request
+
+from rollout.server import security
+from rollout.server.common import (
+    JSONResponse,
+    engine_error,
+    error_response,
+    run_blocking,
+    run_on_engine,
+    truncate,
+)
+from rollout.server.native import Body
+from rollout.server.tensor_codec import PayloadError, decode_and_update
+
+router = APIRouter()
+
+
+# ---- weights ----------------------------------------------------------------------------------
+def _result(res) -> JSONResponse:
+    """Engine (ok, msg) or (ok, msg, num_paused) -> SGLang's {"success", "message"[, ...]}, 200 or 400."""
+    ok, msg = res[0], res[1]
+    body = {"success": bool(ok), "message": truncate(str(msg))}
+    if len(res) > 2:
+        body["num_paused_requests"] = res[2]
+    return JSONResponse(body, status_code=200 if ok else 400)
+
+
+async def _abort_all_first(request: Request, abort_all_requests: bool) -> None:
+    if abort_all_requests:
+        await run_blocking(request, request.app.state.engine.abort_request, abort_all=True)
+
+
+class UpdateWeightFromDiskReqInput(Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: Request):
+    engine = request.app.state.engine
+    refused = security.disk_path_refusal(obj.model_path, request.app.state.server_args.allowed_disk_roots)
+    if refused is not None:
+        return JSONResponse({"success": False, "message": refused, "num_paused_requests": 0}, status_code=400)
+    await _abort_all_first(request, obj.abort_all_requests)
+    res = await run_blocking(request, engine.update_weights_from_disk, obj.model_path, load_format=obj.load_format,
+                             weight_version=obj.weight_version, flush_cache=obj.flush_cache)
+    # SGLang always reports how many requests were paused across the update.
+    return _result(res if len(res) > 2 else (*res, 0))
+
+
+class UpdateWeightsFromTensorReqInput(Body):
+    serialized_named_tensors: list[str]
+    load_format: Literal["flattened_bucket", "cuda_ipc", "delta"] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, request: Request):
+    """Each entry of serialized_named_tensors is one TP rank's payload (tensor_codec.py documents it)."""
+    engine = request.app.state.engine
+    tp = engine.args.tp_size
+    if len(obj.serialized_named_tensors) not in (1, tp):
+        return error_response(f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries; "
+                              f"expected 1 or tp_size={tp}", 400, param="serialized_named_tensors")
+    try:  # decoded where the engine runs (its own process by default): the tensors never cross a pipe
+        res = await run_on_engine(request, decode_and_update, obj.serialized_named_tensors[0], obj.load_format,
+                                  obj.flush_cache, obj.weight_version, obj.abort_all_requests)
+    except PayloadError as e:
+        return error_response(str(e), 400, param="serialized_named_tensors")
+    return _result(res)
+
+
+class InitWeightsUpdateGroupReqInput(Body):
+    master_address: str
+    master_port: int | str  # SGLang's clients often send "29500"; the engine parses and names a bad one
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str | None = None  # SGLang defaults to nccl; None lets the engine pick for its device
+    timeout_s: float | None = None  # ours: the join's deadline; default --weight-group-join-timeout-s
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput, request: Request):
+    """Joins wait on the network: they run in their own pool, at most --max-concurrent-weight-group-joins
+    at once (more get 503), so a join to a dead address never holds up a control call."""
+    state = request.app.state
+    limit = state.server_args.max_concurrent_weight_group_joins
+    if obj.timeout_s is not None and not 0 < obj.timeout_s <= 3600:
+        return error_response(f"timeout_s must be in (0, 3600] seconds, got {obj.timeout_s}", 400, param="timeout_s")
+    if state.num_joins >= limit:
+        return error_response(f"{state.num_joins} weight update group joins are already in progress; this server "
+                              f"runs at most --max-concurrent-weight-group-joins {limit} at once: retry later", 503)
+    kwargs = obj.model_dump(exclude_none=True)
+    kwargs["timeout_s"] = obj.timeout_s or state.server_args.weight_group_join_timeout_s
+    state.num_joins += 1  # only the event loop touches it
+    try:
+        loop = asyncio.get_running_loop()
+        res = await loop.run_in_executor(state.join_executor,
+                                         functools.partial(state.engine.init_weights_update_group, **kwargs))
+    finally:
+        state.num_joins -= 1
+    return _result(res)
+
+
+class UpdateWeightsFromDistributedReqInput(Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqInput, request: Request):
+    """SGLang's transfer modes: load_format null = one broadcast per tensor in its own dtype;
+    "flattened_bucket" = one broadcast of the bucket's bytes. The format goes to the Engine only when
+    set, so an Engine without that mode refuses it by name (400)."""
+    engine = request.app.state.engine
+    kwargs = dict(group_name=obj.group_name, flush_cache=obj.flush_cache, weight_version=obj.weight_version)
+    if obj.load_format is not None:
+        kwargs["load_format"] = obj.load_format
+    await _abort_all_first(request, obj.abort_all_requests)
+    try:
+        res = await run_blocking(request, engine.update_weights_from_distributed, obj.names, obj.dtypes, obj.shapes,
+                                 **kwargs)
+    except Exception as e:
+        return engine_error(e)
+    return _result(res)
+
+
+class DestroyWeightsUpdateGroupReqInput(Body):
+    group_name: str = "weight_update_group"
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput, request: Request):
+    try:
+        res = await run_blocking(request, request.app.state.engine.destroy_weights_update_group, obj.group_name)
+    except Exception as e:
+        return engine_error(e)
+    return _result(res if isinstance(res, tuple) else (True, f"destroyed weight update group {obj.group_name!r}"))
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request):
+    return JSONResponse({"weight_version": request.app.state.engine.weight_version})
+
+
+class UpdateWeightVersionReqInput(Body):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(obj: UpdateWeightVersionReqInput, request: Request):
+    engine = request.app.state.engine
+    await run_blocking(request, engine.update_weight_version, obj.new_version, obj.abort_all_requests)
+    return JSONResponse({"success": True, "message": f"Weight version updated to {obj.new_version}",
+                         "new_version": obj.new_version})
+
+
+class GetWeightsByNameReqInput(Body):
+    name: str
+    truncate_size: int = 100
+
+
+@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+async def get_weights_by_name(obj: GetWeightsByNameReqInput, request: Request):
+    try:
+        out = await run_blocking(request, request.app.state.engine.get_weights_by_name, obj.name, obj.truncate_size)
+    except Exception as e:
+        return engine_error(e)
+    if out is None:
+        return error_response(f"Get parameter by name failed: no weight {obj.name!r}", 400, param="name")
+    return JSONResponse(out.tolist() if hasattr(out, "tolist") else out)
+
+
+@router.api_route("/get_weights_checksum", methods=["GET", "POST"])
+async def get_weights_checksum(request: Request):
+    t0 = time.perf_counter()
+    out = await run_blocking(request, request.app.state.engine.get_weights_checksum)
+    out.setdefault("seconds", round(time.perf_counter() - t0, 6))
+    return JSONResponse(out)

@@ -1,0 +1,249 @@
+"""What the OpenAI-compatible routes (rollout/server/openai_api.py) share around the engine.
+
+Text prompts tokenized off the event loop and sized (`prepare`); one engine call for every choice
+(`generate_all`); one engine stream per streamed choice, merged as chunks come (`stream_choices`; choice j
+of a seeded request uses seed + j) and started so that a bad request is a 400 before the stream begins
+(`start_stream`); cumulative text turned into deltas that never split a UTF-8 character or a possible stop
+match (`TextDelta`, per choice: `choice_texts`); the SSE body (`data: {...}` then `data: [DONE]`, errors in-band); engine errors
+reworded with the OpenAI field names the client sent (`openai_error`); finish reasons, usage, metadata.
+
+What it does not do: define routes or response bodies (openai_api.py), or validate request bodies
+(openai_protocol.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from rollout.server import limits
+from rollout.server.common import dumps, engine_error, error_response, run_blocking
+from rollout.server.lora import lora_of_model
+from rollout.server.native import await_unless_disconnected
+
+
+def openai_names(max_tokens_field: str = "max_tokens") -> dict[str, str]:
+    """Engine sampling keys -> the OpenAI request fields they came from (the others are spelled alike)."""
+    return {"max_new_tokens": max_tokens_field, "min_new_tokens": "min_tokens"}
+
+
+def openai_error(e: Exception, names: dict[str, str]) -> Response:
+    """engine_error, with the Engine's key names replaced by the OpenAI fields the client sent, and
+    `param` set to the first of them: an OpenAI client never sent `max_new_tokens`."""
+    resp = engine_error(e)
+    message = json.loads(resp.body)["error"]["message"]  # engine_error's wording (and any shortening)
+    hits = sorted((m.start(), names[k]) for k in names if (m := re.search(rf"\b{k}\b", message)))
+    if not hits:
+        return resp
+    found = [field for _, field in hits]  # in the message's order: the first one named is the param
+    for engine_key, field in names.items():
+        message = re.sub(rf"\b{engine_key}\b", field, message)
+    return error_response(message, resp.status_code, param=found[0])
+
+
+def finish_of(meta: dict) -> tuple[str | None, Any]:
+    """-> (OpenAI finish_reason, matched stop string/token id or None)."""
+    fr = meta.get("finish_reason")
+    if not fr:
+        return None, None
+    return fr["type"], fr.get("matched") if fr["type"] == "stop" else None
+
+
+def metadata_of(outs: list[dict]) -> dict:
+    """SGLang's response `metadata`: the weight version that finished the request (its first choice)."""
+    return {"weight_version": outs[0]["meta_info"]["weight_version"] if outs else None}
+
+
+def usage_of(outs: list[dict], n: int) -> dict:
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])  # each prompt counted once
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def token_text(engine, tid: int, text: str | None) -> str:
+    return text if text is not None else (engine.tokenizer.token_text(tid) or "")
+
+
+async def prepare(request: Request, prompts: list, sampling: dict, num_top: int | None) -> list | Response:
+    """Text prompts tokenized off the event loop, and the request's size checked (limits.py)."""
+    if prompts and isinstance(prompts[0], str):
+        prepared = await limits.prepare_prompts(request, prompts, None)
+        if isinstance(prepared, Response):
+            return prepared
+        prompts = prepared[1] if prepared[1] is not None else prompts
+    if prompts and isinstance(prompts[0], list):
+        too_much = limits.check_work(request, prompts, sampling, return_logprob=num_top is not None,
+                                     top_logprobs_num=num_top or 0)
+        if too_much is not None:
+            return too_much
+    return prompts
+
+
+async def generate_all(request: Request, prompts: list, sampling: dict, num_top: int | None, rid,
+                    names: dict[str, str], model=None):
+    """One engine call for every choice: the outputs in choice order (prompt-major, then n), or the
+    error Response to send (499 for a client gone mid-request, the engine's error otherwise, naming
+    the OpenAI fields: `names`)."""
+    engine = request.app.state.engine
+    key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
+    try:
+        out = await await_unless_disconnected(request, engine.async_generate(
+            **{key: prompts}, sampling_params=sampling, return_logprob=num_top is not None,
+            top_logprobs_num=num_top or 0, rid=rid, lora_path=lora_of_model(request, model)))
+    except asyncio.CancelledError:
+        return Response(status_code=499)
+    except Exception as e:
+        return openai_error(e, names)
+    return out if isinstance(out, list) else [out]
+
+
+async def stream_choices(request: Request, prompts: list, sampling: dict, num_top: int | None, model=None):
+    """Yield (choice_index, chunk_dict, is_final) from one engine stream per choice, as they come."""
+    engine = request.app.state.engine
+    key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
+    n = sampling.get("n", 1)
+    queue: asyncio.Queue = asyncio.Queue()
+    base = uuid.uuid4().hex
+    rids = [f"{base}-{k}" for k in range(len(prompts) * n)]
+    streams, finished = [], set()
+
+    async def abort_unfinished():
+        # A stream never iterated has no generator frame to abort from: abort by id (unknown ids and
+        # finished ones are no-ops for the engine).
+        for k in range(len(streams)):
+            if k not in finished:
+                try:
+                    await run_blocking(request, engine.abort_request, rids[k])
+                except Exception:  # noqa: BLE001 - finished in the meantime
+                    pass
+
+    try:  # start all (each validated by the engine) before any runs; a refusal aborts those started
+        lora_path = lora_of_model(request, model)
+        for p in prompts:
+            for j in range(n):
+                sp = {**sampling, "n": 1}
+                if sp.get("seed") is not None:
+                    sp["seed"] = sp["seed"] + j
+                streams.append(await engine.async_generate(**{key: p}, sampling_params=sp, stream=True,
+                                                           return_logprob=num_top is not None,
+                                                           top_logprobs_num=num_top or 0, rid=rids[len(streams)],
+                                                           lora_path=lora_path))
+    except BaseException:
+        await abort_unfinished()
+        raise
+
+    async def pump(index, stream):
+        try:
+            async for chunk in stream:
+                await queue.put((index, chunk, chunk["meta_info"]["finish_reason"] is not None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer as an error event
+            await queue.put((index, e, True))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        while len(finished) < len(tasks):
+            index, chunk, final = await queue.get()
+            if isinstance(chunk, Exception):
+                raise chunk
+            if final:
+                finished.add(index)
+            yield index, chunk, final
+    finally:  # a client gone mid-stream: cancel every pump and abort what is still generating
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await abort_unfinished()
+
+
+async def start_stream(request: Request, prompts: list, sampling: dict, num_top: int | None, model,
+                       names: dict[str, str]):
+    """-> (the merged choice stream, its first item), or the error Response: every stream is started (and
+    validated by the engine) before the status line is sent, so a bad request is still a 400."""
+    try:
+        merged = stream_choices(request, prompts, sampling, num_top, model)
+        first = await merged.__anext__()
+    except Exception as e:
+        return openai_error(e, names)
+    return merged, first
+
+
+def logprob_pairs(meta: dict) -> list:
+    """A final output's (token logprob entry, its top logprobs or None) per output token."""
+    entries = meta["output_token_logprobs"]
+    return list(zip(entries, meta.get("output_top_logprobs") or [None] * len(entries)))
+
+
+class TextDelta:
+    """Turns cumulative stream text into deltas. Holds back a trailing partial UTF-8 character and, when
+    stop strings are set, the last len(longest stop) - 1 characters (they may become a stop match that
+    the final text trims)."""
+
+    def __init__(self, stop) -> None:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = ""
+        self.num_tokens = 0
+
+    def step(self, text: str | None, final: bool) -> str:
+        text = text or ""
+        if not final:
+            text = text.rstrip("\ufffd")
+            text = text[: max(0, len(text) - self.hold)]
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def new_logprobs(self, meta: dict) -> list:
+        entries = meta.get("output_token_logprobs") or []
+        tops = meta.get("output_top_logprobs") or [None] * len(entries)
+        new = list(zip(entries[self.num_tokens:], tops[self.num_tokens:]))
+        self.num_tokens = len(entries)
+        return new
+
+
+async def choice_texts(first, merged, stop, num_choices: int, finals: dict[int, dict]):
+    """Yield (choice index, chunk, is_final, new text, the choice's TextDelta) for `first` and every later
+    item of the merged stream (`start_stream`); each choice's final chunk is also kept in `finals`."""
+    deltas = [TextDelta(stop) for _ in range(num_choices)]
+    item = first
+    while item is not None:
+        i, chunk, final = item
+        d = deltas[i]
+        text = d.step(chunk["text"], final)
+        if final:
+            finals[i] = chunk
+        yield i, chunk, final, text, d
+        item = await anext(merged, None)
+
+
+def sse_response(gen) -> StreamingResponse:
+    async def body():
+        try:
+            async for item in gen:
+                yield f"data: {dumps(item)}\n\n"
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band as OpenAI does
+            yield f"data: {dumps({'error': {'message': str(e), 'type': type(e).__name__, 'code': 400}})}\n\n"
+        finally:
+            await gen.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def closing(gen, inner):
+    """Iterate `gen`; on close (normal end or client gone) close `inner` too."""
+    try:
+        async for item in gen:
+            yield item
+    finally:
+        await gen.aclose()
+        await inner.aclose()

@@ -1,0 +1,103 @@
+"""The request bodies of the OpenAI-compatible routes (rollout/server/openai_api.py), validated by pydantic.
+
+Bodies are strict and refuse unknown keys (422 naming the field). `SamplingFields` holds what
+/v1/completions and /v1/chat/completions share: the OpenAI sampling fields, SGLang's extra keys (accepted
+as SGLang accepts them) and the extras sglang-router adds, and maps them to the Engine's sampling
+params; penalties and `logit_bias` are forwarded only when set, so the Engine's refusal names exactly
+what was asked for.
+
+What it does not do: call the engine, or check what depends on the server (n limits, prompt sizes,
+chat templates): the routes do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOP_LOGPROBS = 20
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(Body):
+    model: str
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang's extra keys
+    top_k: int = -1
+    min_p: float = 0.0
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stop_token_ids: list[int] | None = None
+    rid: str | None = None
+    # sglang-router re-serialises OpenAI bodies with SGLang's extras; unset (false/null) they change nothing.
+    return_hidden_states: Literal[False] = False
+    lora_path: None = None
+    session_params: None = None
+    regex: None = None
+    json_schema: None = None
+    ebnf: None = None
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict:
+        sp: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                  min_p=self.min_p, n=self.n, stop=self.stop, seed=self.seed,
+                                  min_new_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                                  skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim)
+        if max_new_tokens is not None:
+            sp["max_new_tokens"] = max_new_tokens
+        if self.stop_token_ids:
+            sp["stop_token_ids"] = self.stop_token_ids
+        # Forwarded only when set, so the Engine's refusal names exactly what was asked for.
+        for key, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, key) != default:
+                sp[key] = getattr(self, key)
+        if self.logit_bias:
+            sp["logit_bias"] = self.logit_bias
+        return {k: v for k, v in sp.items() if v is not None}
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Any = None
