@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from runner import batch_invariant
-from runner.attention.decode_mirror import DecodeMirror
 from runner.forward_batch import ForwardBatch, get_forward_context
 
 # Captured steps on the CPU round the attended length up to this, so SDPA sees few distinct shapes.
@@ -38,13 +37,6 @@ class TorchNativeMetadata:
     q_index: torch.Tensor | None  # [num_tokens] position of each new token in [bs * max_q_len]; None for decode
     max_q_len: int
     token_req: torch.Tensor | None = None  # [num_tokens] request row of each new token (deterministic mode)
-    # Eager CPU decode steps: the running batch's dense copy (runner/attention/decode_mirror.py).
-    rows: list[int] | None = None  # request rows in batch order (None: no mirror this step)
-    seq_lens: list[int] | None = None
-    new_locs: torch.Tensor | None = None  # [bs] this step's KV slots
-    mirror_ready: bool | None = None  # None until the step's first layer plans it; False: gather instead
-    append_index: torch.Tensor | None = None  # [bs * hkv] flat mirror row of each newest token
-    add_mask: torch.Tensor | None = None  # [bs * hkv, 1, max_kv] fp32 0 / -inf, for the matmul attention
 
 
 class TorchNativeAttnBackend:
@@ -55,7 +47,6 @@ class TorchNativeAttnBackend:
         self.graph_max_bs = 0  # static graph buffers, see init_cuda_graph_state
         # Whole-context attended length at replay (True: fixed addresses for device graphs).
         self.graph_full_kv = self.device.type == "cuda"
-        self.mirror = DecodeMirror(0)  # sized by the pool at the first decode step
 
     # ---- eager steps ---------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -89,13 +80,9 @@ class TorchNativeAttnBackend:
             starts = torch.cumsum(lens_t, 0) - lens_t
             shift = torch.arange(bs, dtype=torch.int64) * max_q - starts
             q_index = (torch.arange(int(lens_t.sum())) + shift.repeat_interleave(lens_t)).to(dev)
-        self.forward_metadata = md = TorchNativeMetadata(kv_indices, mask, q_index, max_q)
+        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, q_index, max_q)
         if batch_invariant.is_enabled():
-            md.token_req = batch_invariant.token_request_index(q_lens, dev)
-        elif is_decode and dev.type == "cpu":
-            md.rows, md.seq_lens, md.new_locs = fb.req_pool_indices.tolist(), list(seq_lens), fb.out_cache_loc
-        if not is_decode:
-            self.mirror.invalidate()  # a prefill may give a finished request's row to a new one
+            self.forward_metadata.token_req = batch_invariant.token_request_index(q_lens, dev)
 
     # ---- captured decode steps (the graph-runner protocol, runner/graphs/graph_runner.py) ------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -127,11 +114,6 @@ class TorchNativeAttnBackend:
         mask = self.graph_mask[:bs, :, :, :kv_len]
         mask.copy_(valid.view(bs, 1, 1, kv_len))
         self.forward_metadata = TorchNativeMetadata(kv_indices, mask, None, 1)
-        self.mirror.invalidate()  # captured steps write K/V the mirror does not see
-
-    def drop_decode_mirror(self) -> None:
-        """Free the decode mirror (the KV cache is released); the next decode step rebuilds it."""
-        self.mirror.drop()
 
     # ---- attention -------------------------------------------------------------------------
     def _attend(self, q: torch.Tensor, layer, fb: ForwardBatch | None) -> torch.Tensor:
@@ -152,10 +134,6 @@ class TorchNativeAttnBackend:
         # the CPU: it stays in fp32.
         dt = torch.float32 if q.device.type == "cpu" and q.dtype == torch.float16 else q.dtype
         if md.q_index is None and md.max_q_len == 1:
-            if md.rows is not None and q.dtype == pool.dtype and dt in (torch.float32, torch.bfloat16):
-                out = self._decode_mirrored(q, layer, md, pool)
-                if out is not None:
-                    return out
             return self._decode_grouped(q, layer, flat, kv_shape, dt, md.mask, pool)
         k = pool.k_buffer[layer.layer_id].index_select(0, flat).view(kv_shape)  # [bs, max_kv, kv_heads, d]
         v = pool.v_buffer[layer.layer_id].index_select(0, flat).view(kv_shape)
@@ -189,38 +167,6 @@ class TorchNativeAttnBackend:
         out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                              scale=layer.scaling)  # [bs, hkv, group, d]; mask [bs, 1, 1, max_kv]
         return out.reshape(bs, layer.num_heads, d).to(q.dtype)  # [bs, hq, d]
-
-    def _decode_mirrored(self, q: torch.Tensor, layer, md: TorchNativeMetadata, pool) -> torch.Tensor | None:
-        """Decode attention over the running batch's dense copy (runner/attention/decode_mirror.py), or
-        None when this step cannot use one. fp32: scores and outputs as two batched matmuls over the
-        mirror's [bs * hkv, max_kv, d] (at the 40M decode shape 2.4 ms of a 19 ms step less than
-        gathering and the CPU flash kernel); bf16: the same SDPA call as `_decode_grouped`, on the mirror.
-        q: [bs, hq, d] -> [bs, hq, d]."""
-        bs, max_kv = md.kv_indices.shape
-        hkv, d = layer.num_kv_heads, layer.head_dim
-        group = layer.num_heads // hkv
-        if md.mirror_ready is None:  # the step's first layer: plan the mirror once
-            if self.mirror.num_layers != pool.k_buffer.shape[0]:
-                self.mirror = DecodeMirror(pool.k_buffer.shape[0])
-            md.mirror_ready = self.mirror.plan(md.rows, md.seq_lens, hkv, d, pool.dtype, q.device,
-                                               self.req_to_token.shape[1])
-            if md.mirror_ready:
-                md.append_index = self.mirror.append_index(md.seq_lens, hkv, q.device)
-                if pool.dtype == torch.float32:
-                    add = torch.zeros(bs, 1, 1, max_kv, device=q.device).masked_fill_(~md.mask, float("-inf"))
-                    md.add_mask = add.expand(bs, hkv, 1, max_kv).reshape(bs * hkv, 1, max_kv)
-        if not md.mirror_ready:
-            return None
-        k, v = self.mirror.update(layer.layer_id, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
-                                  md.kv_indices, md.new_locs, md.append_index)  # [bs * hkv, capacity, d]
-        k, v = k[:, :max_kv], v[:, :max_kv]
-        if md.add_mask is not None:
-            qh = q.reshape(bs * hkv, group, d)  # head h reads KV head h // group, as enable_gqa
-            scores = torch.baddbmm(md.add_mask, qh, k.transpose(1, 2), alpha=layer.scaling)  # [bs*hkv, g, max_kv]
-            return torch.bmm(torch.softmax(scores, dim=-1), v).view(bs, layer.num_heads, d)
-        out = F.scaled_dot_product_attention(q.reshape(bs, hkv, group, d), k.view(bs, hkv, max_kv, d),
-                                             v.view(bs, hkv, max_kv, d), attn_mask=md.mask, scale=layer.scaling)
-        return out.reshape(bs, layer.num_heads, d)
 
     def forward_extend(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
         return self._attend(q, layer, fb)

@@ -53,9 +53,6 @@ def release(runner, tags: list[str] | None = None) -> None:
             runner._drop_packs()  # shadows of the weights go with them
         if tag == "kv_cache":
             runner.token_to_kv_pool.clear()
-            drop = getattr(runner.attn_backend, "drop_decode_mirror", None)
-            if drop is not None:  # the decode mirror is a copy of KV: it goes with the cache
-                drop()
         if tag == "weights" and getattr(runner, "lora_manager", None) is not None:
             runner.lora_manager.on_weights_released(saver.has_cpu_backup("weights"))
         if tag == "cuda_graph" and getattr(runner, "piecewise_runner", None) is not None:
