@@ -45,3 +45,26 @@ def test_pools_are_released_on_the_threads_that_built_them(tiny_llama, make_engi
     calls.clear()
     assert engine.flush_cache() is True
     assert me in calls  # after the control call, on the caller's thread
+
+
+def test_the_overlap_worker_releases_its_pool_when_idle(tiny_llama, make_engine, monkeypatch):
+    """With the overlap schedule, the forward worker (which runs every CPU forward) frees its pool once
+    idle, and prefill forwards run there too (one thread steps the model, so one pool)."""
+    import rollout.overlap as overlap_mod
+
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    def spy() -> bool:
+        with lock:
+            calls.append(threading.current_thread().name)
+        return openmp_pool.release_thread_pool()
+
+    monkeypatch.setattr(overlap_mod, "release_thread_pool", spy)
+    engine = make_engine(tiny_llama, max_total_tokens=512, disable_overlap_schedule=False)
+    out = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 6, "temperature": 0})
+    assert [len(o["output_ids"]) for o in out] == [6, 6]
+    deadline = time.monotonic() + 10
+    while "rollout-forward" not in calls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "rollout-forward" in calls
