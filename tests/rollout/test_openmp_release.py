@@ -12,8 +12,9 @@ import rollout.scheduler_loop as loop_mod
 from runner import openmp_pool
 
 
-def test_pools_are_released_on_the_threads_that_built_them(tiny_llama, make_engine, monkeypatch):
-    """Each release happens on the right thread, and generation is unchanged by it."""
+def spy_on_releases(monkeypatch, *modules) -> list[str]:
+    """Record the thread name of every release_thread_pool call made through `modules` (the real call
+    still happens); -> the list, appended to as calls come."""
     calls: list[str] = []
     lock = threading.Lock()
 
@@ -22,8 +23,14 @@ def test_pools_are_released_on_the_threads_that_built_them(tiny_llama, make_engi
             calls.append(threading.current_thread().name)
         return openmp_pool.release_thread_pool()
 
-    monkeypatch.setattr(engine_mod, "release_thread_pool", spy)
-    monkeypatch.setattr(loop_mod, "release_thread_pool", spy)
+    for module in modules:
+        monkeypatch.setattr(module, "release_thread_pool", spy)
+    return calls
+
+
+def test_pools_are_released_on_the_threads_that_built_them(tiny_llama, make_engine, monkeypatch):
+    """Each release happens on the right thread, and generation is unchanged by it."""
+    calls = spy_on_releases(monkeypatch, engine_mod, loop_mod)
     me = threading.current_thread().name
 
     engine = make_engine(tiny_llama, max_total_tokens=512)
@@ -52,15 +59,7 @@ def test_the_overlap_worker_releases_its_pool_when_idle(tiny_llama, make_engine,
     idle, and prefill forwards run there too (one thread steps the model, so one pool)."""
     import rollout.overlap as overlap_mod
 
-    calls: list[str] = []
-    lock = threading.Lock()
-
-    def spy() -> bool:
-        with lock:
-            calls.append(threading.current_thread().name)
-        return openmp_pool.release_thread_pool()
-
-    monkeypatch.setattr(overlap_mod, "release_thread_pool", spy)
+    calls = spy_on_releases(monkeypatch, overlap_mod)
     engine = make_engine(tiny_llama, max_total_tokens=512, disable_overlap_schedule=False)
     out = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 6, "temperature": 0})
     assert [len(o["output_ids"]) for o in out] == [6, 6]
