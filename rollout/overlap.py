@@ -19,8 +19,10 @@ Anything that must see a step boundary (every control call, any scheduler mutati
 flush, reset) first calls `cancel()`: the step launched ahead is waited for and rolled back (its slots
 freed, its tokens dropped), so the state is exactly the plain schedule's after step N.
 
-Prefill steps run on the scheduler thread as before (the pipeline is empty then). A step that raises
-on the worker is re-run on the scheduler thread with the plain schedule's failure attribution.
+Prefill steps are not overlapped (the pipeline is empty then); on the CPU they too run on the worker,
+the scheduler thread waiting, so one thread steps the model and holds the one OpenMP pool
+(runner/openmp_pool.py). A step that raises on the worker is re-run with the plain schedule's failure
+attribution.
 """
 
 from __future__ import annotations
