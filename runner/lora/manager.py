@@ -9,8 +9,8 @@ an adapter replaced under the same name never shares KV with its predecessor.
 `stage` checks everything (runner/lora/adapter.py) and writes nothing; `commit` writes a free slot that no
 step reads until the adapter is registered, so a refused or failed load changes nothing (tensor-parallel
 ranks vote between the two, runner/tp/). `prepare(fb)` turns the
-batch's per-request adapter uids into the step's LoRABatch (a 0/1 mask by default; with `segmented`,
-the adapted token rows grouped by adapter, one stable sort per step) and gathers the batch's slots (cached while the adapter set stays the same). Deciding which requests may share a batch, and waiting for requests before
+batch's per-request adapter uids into the step's LoRABatch (by default the adapted token rows grouped by
+adapter, one stable sort per step; with `segmented` off, a 0/1 mask over every adapter) and gathers the batch's slots (cached while the adapter set stays the same). Deciding which requests may share a batch, and waiting for requests before
 an unload, are the scheduler's and the Engine's.
 """
 
@@ -123,9 +123,10 @@ class LoRAManager:
         self._batch_key: tuple | None = None  # (slots,) of the gathered batch buffers
         self.pool_epoch = 0
         self.pad_limit = 2.0  # padded rows allowed, as a multiple of the adapted ones, before the per-segment path
-        # The masked formulation is the default: on the CPU at decode batch 16 the segmented one measured
-        # 0.87-1.11x of it (bench/lora.py, load-dependent); its cost advantage needs more rows x adapters.
-        self.segmented = False
+        # The segmented formulation is the default: on the CPU at decode batch 16 over 4 adapters it measured
+        # 1.04-1.14x the masked one (bench/lora.py, three runs at load 0.8-1.3), whose cost also grows with
+        # the number of adapters in the batch. False selects the masked one (every row x every adapter).
+        self.segmented = True
 
     # ---- adapters ----------------------------------------------------------------------------
     def loaded_adapters(self) -> dict[str, str]:

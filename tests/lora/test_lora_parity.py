@@ -80,14 +80,14 @@ def test_mixed_batch_equals_each_alone(three, make_engine, max_per_batch):
     assert max(len(s) for s in seen) == min(3, max_per_batch)  # never more adapters in one step than allowed
 
 
-@pytest.mark.parametrize("formulation", ["segmented", "per-segment"])
+@pytest.mark.parametrize("formulation", ["masked", "segmented", "per-segment"])
 def test_every_lora_formulation_equals_peft(three, make_engine, formulation):
-    """The segmented formulation, padded and per segment, gives each request of a mixed batch (prefill of
-    unequal lengths, then decode) its own adapter's PeftModel output, as the masked default does."""
+    """Each formulation (the masked one, the segmented default padded and per segment) gives each request
+    of a mixed batch (prefill of unequal lengths, then decode) its own adapter's PeftModel output."""
     ckpt, adapters, refs = three
     engine = make_engine(ckpt, lora_paths={n: str(p) for n, p in adapters.items()})
     manager = engine.runner.lora_manager
-    manager.segmented = True
+    manager.segmented = formulation != "masked"
     if formulation == "per-segment":
         manager.pad_limit = 0.0  # never pad: one matmul per adapter segment
     names = ["b", None, "a", "c", "a"]
