@@ -27,7 +27,7 @@ from rollout.launch_server import ServerThread, free_port
 from rollout.server import ServerArgs, create_app
 from rollout.server.engine_client import EngineClient
 from tests.checkpoints import load_hf_model
-from tests.server.conftest import ENGINE_KW, TIMEOUT, Served, start_server
+from tests.server.conftest import ENGINE_KW, TIMEOUT, start_server
 
 # The in-process server's tests, run again here against the child-process server (this module's
 # `server`/`wserver` fixtures below replace conftest's for them).
@@ -50,16 +50,8 @@ START_TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def split(tiny_llama):
-    client = EngineClient.spawn({"model_path": str(tiny_llama), **ENGINE_KW}, start_timeout_s=START_TIMEOUT_S)
-    try:
-        args = ServerArgs(port=free_port(), served_model_name="tiny", chat_template="plain")
-        thread = ServerThread(create_app(client, args), args).start()
-        try:
-            yield Served(client, thread, str(tiny_llama))
-        finally:
-            thread.stop()
-    finally:
-        client.shutdown()
+    with start_server(tiny_llama, in_child=True, chat_template="plain") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
