@@ -41,6 +41,7 @@ from rollout.request import FinishReason, Req
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.scheduler_loop import run_scheduler_loop
+from rollout.sglang_generate_args import check_generate_args
 from rollout.step_gate import StepGate
 from rollout.tokenizer import TokenizerWrapper
 from rollout.weights_api import WeightsAPI
@@ -465,7 +466,7 @@ class Engine(WeightsAPI, LoRAAPI):
                  logprob_start_len: int | list[int] | None = None,
                  token_ids_logprob: list[int] | list[list[int]] | None = None,
                  return_original_logprob: bool | None = None, lora_path: str | list[str | None] | None = None,
-                 **unsupported):
+                 **sglang_args):
         """Blocking generation. One dict for a single prompt with n=1, else a list (n dicts per prompt).
         stream=True returns an iterator of chunk dicts (of every request of the call, each with "index").
         return_routed_experts=True (MoE, engine built with enable_return_routed_experts): the final
@@ -483,9 +484,11 @@ class Engine(WeightsAPI, LoRAAPI):
         truncated). return_original_logprob=True (default: the SGLANG_RETURN_ORIGINAL_LOGPROB environment
         variable, or logprobs_mode="raw_logprobs") gives the log-softmax of the raw logits.
         lora_path: the name of a loaded LoRA adapter for every prompt, or one name (or None, the base model)
-        per prompt (rollout/lora_api.py)."""
-        if unsupported:
-            raise TypeError(f"generate got unsupported argument(s) {sorted(unsupported)}")
+        per prompt (rollout/lora_api.py).
+        Other sglang.Engine.generate arguments (image_data, custom_logit_processor, return_hidden_states,
+        routed_dp_rank, ...) are taken at their neutral value and refused otherwise, naming the argument
+        (rollout/sglang_generate_args.py)."""
+        check_generate_args(sglang_args)
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                        rid, stream, return_routed_experts, logprob_start_len, token_ids_logprob,
                                        return_original_logprob, lora_path)
@@ -516,8 +519,9 @@ class Engine(WeightsAPI, LoRAAPI):
                              logprob_start_len: int | list[int] | None = None,
                              token_ids_logprob: list[int] | list[list[int]] | None = None,
                              return_original_logprob: bool | None = None,
-                             lora_path: str | list[str | None] | None = None):
+                             lora_path: str | list[str | None] | None = None, **sglang_args):
         """asyncio twin of generate: many coroutines share the engine, each awaiting its own results."""
+        check_generate_args(sglang_args, "async_generate")
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                        rid, stream, return_routed_experts, logprob_start_len, token_ids_logprob,
                                        return_original_logprob, lora_path)

@@ -23,6 +23,7 @@ from rollout.outputs import AsyncSink, AsyncStream, build_output, gather_final_o
 from rollout.request import FinishReason, Req
 from rollout.server import engine_deltas
 from rollout.server.engine_process import EngineProcessError
+from rollout.sglang_generate_args import check_generate_args
 
 logger = logging.getLogger("rollout.server.engine_client")
 
@@ -134,8 +135,9 @@ class RemoteGeneration:
                              logprob_start_len: int | list[int] | None = None,
                              token_ids_logprob: list[int] | list[list[int]] | None = None,
                              return_original_logprob: bool | None = None,
-                             lora_path: str | list[str | None] | None = None):
+                             lora_path: str | list[str | None] | None = None, **sglang_args):
         """Engine.async_generate, with the prompts tokenized here and the model in the engine process."""
+        check_generate_args(sglang_args, "async_generate")  # refused here, before anything is sent
         encoded = prompt_token_ids(self.tokenizer, prompt, input_ids)
         kwargs = dict(sampling_params=sampling_params, return_logprob=return_logprob,
                       top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,

@@ -50,6 +50,11 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+SGLANG_ONLY_FIELDS = ("audio_data", "video_data", "require_reasoning", "routed_experts_start_len", "bootstrap_host",
+                      "bootstrap_port", "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
+                      "disagg_prefill_dp_rank", "session_id", "cache_salt")
+
+
 class GenerateReqInput(Body):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -73,6 +78,21 @@ class GenerateReqInput(Body):
     priority: int | None = None
     return_bytes: bool | None = None
     return_entropy: bool | None = None
+    # More of SGLang's GenerateReqInput: taken at their neutral value, refused by name otherwise
+    # (rollout/sglang_generate_args.py); `Any` so the Engine, not pydantic, words the refusal.
+    audio_data: Any = None
+    video_data: Any = None
+    require_reasoning: Any = None
+    routed_experts_start_len: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    routed_dp_rank: Any = None
+    data_parallel_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    session_id: Any = None
+    cache_salt: Any = None
+    external_trace_header: Any = None
     # sglang-router re-serialises every /generate body with these: accepted, no effect here.
     model: str | None = None
     background: bool | None = None
@@ -81,7 +101,7 @@ class GenerateReqInput(Body):
     def passthrough(self) -> dict:
         names = ("logprob_start_len", "token_ids_logprob", "input_embeds", "image_data", "lora_path",
                  "custom_logit_processor", "return_hidden_states", "return_routed_experts", "session_params", "priority",
-                 "return_bytes", "return_entropy")
+                 "return_bytes", "return_entropy", *SGLANG_ONLY_FIELDS)
         # `is not`, not `in (None, False)`: 0 == False, and logprob_start_len=0 (score the whole prompt)
         # must go through.
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None and getattr(self, n) is not False}

@@ -176,12 +176,13 @@ def test_bad_input_gets_the_in_process_servers_400(split, oracle, tiny_llama):
     bodies = [dict(input_ids=[5, 99999]), dict(input_ids=[[5, 6], []]),
               dict(input_ids=[5, 6], rid=["a", "b"], stream=True),
               dict(input_ids=[5, 6], return_logprob=True, top_logprobs_num=10**6),
-              dict(input_ids=[5, 6], sampling_params=dict(stop_token_ids="x"))]
+              dict(input_ids=[5, 6], sampling_params=dict(stop_token_ids="x")),
+              dict(input_ids=[5, 6], image_data="cat.png"), dict(input_ids=[5, 6], routed_dp_rank=1)]
     with start_server(tiny_llama, engine=oracle) as inproc, inproc.client() as want_c, split.client() as got_c:
         for body in bodies:
             want, got = want_c.post("/generate", json=body), got_c.post("/generate", json=body)
             assert want.status_code == 400, want.text
-            assert (got.status_code, got.json()) == (want.status_code, want.json())
+            assert (got.status_code, got.json()) == (want.status_code, want.json()), got.text
         assert got_c.post("/generate", json=dict(input_ids=PROMPTS[0], sampling_params=GREEDY)).status_code == 200
 
 

@@ -108,3 +108,22 @@ def test_streamed_generate_sends_the_first_token_at_once(server):
                                                                         stream=True)) as r:
         lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
     assert lines[0]["output_ids"] == want[:1] and lines[-1]["output_ids"] == want
+
+
+def test_sglang_generate_fields_at_neutral_values_are_served_others_refused(client):
+    """/generate takes SGLang's other GenerateReqInput fields: at their neutral values (null, false,
+    rank 0) the output equals the plain request's; a value asking for an unimplemented feature is a
+    400 naming the field, and the server keeps serving."""
+    plain = dict(input_ids=PROMPT, sampling_params=dict(temperature=0, max_new_tokens=4, ignore_eos=True))
+    want = client.post("/generate", json=plain)
+    assert want.status_code == 200, want.text
+    neutral = dict(plain, image_data=None, audio_data=None, custom_logit_processor=None, return_hidden_states=False,
+                   routed_dp_rank=0, data_parallel_rank=None, bootstrap_host=None, session_id=None, cache_salt=None,
+                   require_reasoning=False, external_trace_header={"traceparent": "x"})
+    got = client.post("/generate", json=neutral)
+    assert got.status_code == 200, got.text
+    assert got.json()["output_ids"] == want.json()["output_ids"]
+    for field, value in [("image_data", "cat.png"), ("routed_dp_rank", 2), ("return_hidden_states", True)]:
+        r = client.post("/generate", json=dict(plain, **{field: value}))
+        assert r.status_code == 400 and field in r.text, (field, r.status_code, r.text)
+    assert client.post("/generate", json=plain).json()["output_ids"] == want.json()["output_ids"]

@@ -1,0 +1,94 @@
+"""sglang.Engine.generate's arguments this engine does not implement: neutral values port unchanged,
+others are refused by name and cost nothing.
+
+Oracles: the same engine's plain call (greedy, so outputs must be equal token for token) and the
+parameter list of SGLang's Engine.generate, written down here from its source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+from rollout import Engine
+from rollout.sglang_generate_args import IGNORED, UNIMPLEMENTED
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
+GREEDY = dict(temperature=0, max_new_tokens=6, ignore_eos=True)
+
+# sglang/srt/entrypoints/engine.py, Engine.generate's parameters (SGLang 0.5.x).
+SGLANG_GENERATE = (
+    "prompt", "sampling_params", "input_ids", "image_data", "audio_data", "video_data", "mm_hashes",
+    "mm_content_hashes", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+    "lora_path", "custom_logit_processor", "require_reasoning", "return_hidden_states", "return_routed_experts",
+    "routed_experts_start_len", "stream", "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
+    "disagg_prefill_dp_rank", "data_parallel_rank", "external_trace_header", "rid", "session_params", "priority",
+    "session_id", "cache_salt",
+)
+# What verl's and other wrappers pass when they forward every argument at its default.
+NEUTRAL_CALL = dict(image_data=None, audio_data=None, video_data=None, mm_hashes=None, mm_content_hashes=None,
+                    custom_logit_processor=None, require_reasoning=False, return_hidden_states=False,
+                    routed_experts_start_len=0, bootstrap_host=None, bootstrap_port=None, bootstrap_room=None,
+                    routed_dp_rank=None, disagg_prefill_dp_rank=None, data_parallel_rank=0,
+                    external_trace_header={"traceparent": "00-abc-def-01"}, session_params=None, priority=None,
+                    session_id=None, cache_salt=None)
+REFUSED = [
+    ("image_data", ["img.png", None], "multimodal"),
+    ("custom_logit_processor", '{"callable": "x"}', "custom logit processors"),
+    ("return_hidden_states", True, "hidden states"),
+    ("routed_dp_rank", 1, r"out of range \[0, 1\)"),
+    ("data_parallel_rank", 3, "dp_size=1"),
+    ("session_params", {"id": "s"}, "sessions"),
+    ("priority", 5, "priority scheduling"),
+    ("bootstrap_host", "10.0.0.1", "disaggregation"),
+    ("cache_salt", "tenant-a", "salt"),
+    ("routed_experts_start_len", 4, "first prompt position"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(module_engines, tiny_llama):
+    return module_engines(tiny_llama)
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def test_every_sglang_generate_parameter_is_accepted_by_name():
+    """Each parameter of SGLang's Engine.generate is a parameter of ours or a checked SGLang argument."""
+    ours = set(inspect.signature(Engine.generate).parameters) | set(UNIMPLEMENTED) | set(IGNORED)
+    assert [p for p in SGLANG_GENERATE if p not in ours] == []
+
+
+def test_neutral_values_give_the_plain_calls_outputs(engine):
+    """A call passing every unimplemented argument at its neutral value (None per prompt included)
+    generates exactly what the plain call does, sync and async."""
+    want = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    got = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, **NEUTRAL_CALL)
+    assert _ids(got) == _ids(want)
+    per_prompt = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, image_data=[None, None],
+                                 return_hidden_states=[False, False])
+    assert _ids(per_prompt) == _ids(want)
+    got_async = asyncio.run(engine.async_generate(input_ids=PROMPTS, sampling_params=GREEDY, **NEUTRAL_CALL))
+    assert _ids(got_async) == _ids(want)
+
+
+@pytest.mark.parametrize("name, value, why", REFUSED)
+def test_other_values_are_refused_by_name_and_the_engine_keeps_serving(engine, name, value, why):
+    """A value asking for an unimplemented feature is a ValueError naming the argument and the reason;
+    nothing was submitted, and the next call generates what it did before."""
+    want = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
+    with pytest.raises(ValueError, match=rf"{name}=.*refused: .*{why}"):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, **{name: value})
+    with pytest.raises(ValueError, match=rf"async_generate: {name}="):
+        asyncio.run(engine.async_generate(input_ids=PROMPTS[0], sampling_params=GREEDY, **{name: value}))
+    assert engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] == want
+
+
+def test_a_name_sglang_does_not_have_is_a_type_error(engine):
+    """A keyword neither engine knows is a TypeError naming it, as Python's own would be."""
+    with pytest.raises(TypeError, match="imgae_data"):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, imgae_data=None)
