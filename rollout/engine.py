@@ -95,7 +95,7 @@ class Engine(WeightsAPI, LoRAAPI):
         mc = self.runner.model_config
         self.eos_ids = self.tokenizer.eos_token_ids(mc.eos_token_ids, self.args.model_path)
         self.scheduler = Scheduler(self.runner, self.args.scheduler_config(), self.eos_ids, self.tokenizer.find_stop)
-        self.weight_version = getattr(self.args, "weight_version", "default")  # until the first update
+        self._set_weight_version(getattr(self.args, "weight_version", "default"))  # until the first update
         self._num_updates = 0
         self._rng = random.Random(self.args.random_seed)
         self._cv = StepGate()  # the step lock; `with self._cv:` is a control call (see rollout.step_gate)
@@ -588,7 +588,7 @@ class Engine(WeightsAPI, LoRAAPI):
         with self._cv:
             if abort_all_requests:
                 self._abort_reqs(self._in_flight(), "aborted by update_weight_version(abort_all_requests=True)")
-            self.weight_version = new_version
+            self._set_weight_version(new_version)
         return True, f"Weight version updated to {new_version}"
 
     def get_weights_checksum(self) -> dict:

@@ -69,6 +69,9 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "kv_cache_dtype": ("'auto' or a model dtype", "KV cache dtype"),
     "chunked_prefill_size": (">= 1", "prefill tokens per step"),
     "disable_radix_cache": ("bool", "no prefix cache"),
+    "enable_weight_version_kv_isolation": ("bool", "the prefix cache is keyed by the weight version a request was "
+                                           "admitted under: KV of one version is never reused under another, "
+                                           "even after an update with flush_cache=False"),
     "disable_overlap_schedule": ("bool or None", "True: no overlap schedule, each decode step is built only after "
                                  "the previous one finished (rollout.overlap); False: overlap on; None (default): on "
                                  "for CUDA, off on the CPU; outputs are the same either way"),

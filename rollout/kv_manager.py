@@ -14,6 +14,10 @@ Its row holds, by position (page size 1):
     [num_cached, num_computed)    slots owned by the request, KV computed
     [num_computed, num_allocated) slots owned by the request for a step not run yet (or one that failed)
 Without the radix cache num_cached is 0.
+
+Prefix-cache namespaces: KV is only reused under the adapter it was computed with (the LoRA uid) and,
+with weight-version isolation (`isolate_versions`), the weight version the request was admitted under:
+an entry of an older version is never matched again, and goes by LRU eviction like any other.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ class KVManager:
         self.tree = RadixCache(kv_pool.free) if enable_radix_cache else None
         self.stats = stats  # the scheduler's counters; this class adds num_evicted_tokens
         self.routed_experts: torch.Tensor | None = None  # [kv size + 1, num_layers, top_k] int32, host
+        self.isolation_version: str | None = None  # None: one namespace per adapter, across weight versions
+
+    def isolate_versions(self, weight_version: str) -> None:
+        """From now on requests admitted are keyed under `weight_version` (call on every version change)."""
+        self.isolation_version = weight_version
+
+    def _namespace(self, req: Req):
+        return req.lora_id if self.isolation_version is None else (req.lora_id, self.isolation_version)
 
     # ---- capacity ----------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -59,10 +71,11 @@ class KVManager:
         most `max_prefix` tokens (positions whose logits the request needs must be computed)."""
         req.req_pool_idx = self.req_pool.alloc()
         req.num_computed = 0
+        req.kv_namespace = self._namespace(req)
         if self.tree is not None:
             # Keep at least one token to compute: its logits give the next token.
             limit = req.seq_len - 1 if max_prefix is None else min(req.seq_len - 1, max_prefix)
-            slots, node = self.tree.match_prefix(req.fill_ids[:limit], req.lora_id)
+            slots, node = self.tree.match_prefix(req.fill_ids[:limit], req.kv_namespace)
             self.tree.inc_lock_ref(node)
             req.last_node = node
             if len(slots):
@@ -99,9 +112,9 @@ class KVManager:
             return
         row = self.req_pool.req_to_token[req.req_pool_idx, : req.num_computed].to("cpu")
         key = req.fill_ids[: req.num_computed]
-        already = self.tree.insert(key, row, req.lora_id)
+        already = self.tree.insert(key, row, req.kv_namespace)
         self.kv_pool.free(row[req.num_cached : already])  # computed twice: the tree keeps its copy
-        slots, node = self.tree.match_prefix(key, req.lora_id)
+        slots, node = self.tree.match_prefix(key, req.kv_namespace)
         self.req_pool.write(req.req_pool_idx, 0, slots.to(self.device))
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
@@ -116,7 +129,7 @@ class KVManager:
         row = self.req_pool.req_to_token[req.req_pool_idx, : req.num_allocated].to("cpu")
         computed = row[: req.num_computed]
         if self.tree is not None:
-            already = self.tree.insert(req.fill_ids[: req.num_computed], computed, req.lora_id)
+            already = self.tree.insert(req.fill_ids[: req.num_computed], computed, req.kv_namespace)
             self.kv_pool.free(computed[req.num_cached : already])
             if req.last_node is not None:
                 self.tree.dec_lock_ref(req.last_node)
@@ -155,7 +168,8 @@ class KVManager:
     def drop_lora_cache(self, lora_id: int) -> None:
         """An adapter was unloaded: free its prefix-cache entries (no request uses them any more)."""
         if self.tree is not None:
-            self.tree.drop_namespace(lora_id)
+            for ns in [ns for ns in self.tree.roots if ns == lora_id or (isinstance(ns, tuple) and ns[0] == lora_id)]:
+                self.tree.drop_namespace(ns)
 
     # ---- whole-pool operations ------------------------------------------------------------------
     def flush(self) -> bool:

@@ -57,6 +57,9 @@ class Req:
     # prefix cache and the runner's batch, so an adapter replaced under the same name is another adapter.
     lora_name: str | None = None
     lora_id: int | None = None
+    # The prefix-cache namespace of this admission (rollout.kv_manager): the adapter uid, or (uid, weight
+    # version admitted under) with weight-version KV isolation.
+    kv_namespace: Any = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)

@@ -56,6 +56,9 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     enable_return_routed_experts: bool = False  # MoE: keep each KV slot's routed experts for return_routed_experts
     in_batch_prefix_threshold: int = 16  # shared tokens that make a request wait for the cache
+    # SGLang's --enable-weight-version-kv-isolation: KV is cached per weight version (the one a request was
+    # admitted under), so a request never reuses KV computed under another version, whatever flush_cache says.
+    enable_weight_version_kv_isolation: bool = False
     # SGLang's name: True runs every step on the scheduler thread, one after the other (rollout.overlap).
     # None: on for CUDA, off on the CPU, where the forward worker and the scheduler share the GIL and the
     # cores, and overlap measured 0.78x (tiny) to 1.0x (40M) of the plain schedule (bench/overlap.py).
@@ -124,6 +127,8 @@ class Scheduler:
         req_pool = runner.req_to_token_pool
         self.kv = KVManager(req_pool, runner.token_to_kv_pool, runner.device, not config.disable_radix_cache,
                             self.stats)
+        if config.enable_weight_version_kv_isolation:
+            self.kv.isolate_versions("default")  # the engine sets the served version (set_weight_version)
         # MoE routed experts (return_routed_experts): the model captures every forward's routing, the KV
         # manager files it per KV slot, so prefix-cache hits return the prompt's rows too.
         self.recorder = getattr(getattr(runner, "model", None), "expert_recorder", None)
