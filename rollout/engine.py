@@ -49,6 +49,7 @@ from runner.openmp_pool import release_thread_pool
 from runner.tp import create_model_runner
 
 logger = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.02  # drain() looks at the requests in flight this often
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -611,6 +612,22 @@ class Engine(WeightsAPI, LoRAAPI):
         or paused in place); True otherwise (waiting or retracted requests hold none)."""
         with self._cv:
             return self.scheduler.flush_cache()
+
+    def drain(self, timeout: float | None = None) -> dict:
+        """SGLang's drain: wait until no request is in flight, or `timeout` seconds (None: no limit).
+        It neither pauses nor refuses new requests; one submitted meanwhile is waited for too.
+        Returns {"success": nothing left in flight, "remaining_requests": how many are}."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not timeout >= 0):
+            raise ValueError(f"drain timeout must be None or a number of seconds >= 0, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # No step lock: waiting under it would stop the very steps that finish the requests.
+        while (remaining := len(self._in_flight())) and self._thread.is_alive():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            time.sleep(DRAIN_POLL_S if left is None else min(left, DRAIN_POLL_S))
+        return {"success": remaining == 0, "remaining_requests": remaining}
 
     # ---- expert distribution (MoE models; SGLang's names) ------------------------------------------
     def _expert_recorder(self, what: str):

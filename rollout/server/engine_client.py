@@ -256,6 +256,7 @@ class EngineClient(RemoteGeneration):
     pause_generation = _remote("pause_generation")
     continue_generation = _remote("continue_generation")
     flush_cache = _remote("flush_cache")
+    drain = _remote("drain")
     get_server_info = _remote("get_server_info")
     update_weight_version = _remote("update_weight_version")
     get_weights_checksum = _remote("get_weights_checksum")

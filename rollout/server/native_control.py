@@ -1,6 +1,6 @@
 """SGLang's native control endpoints: cache, scheduling, memory and the MoE expert-distribution record.
 
-/flush_cache, /pause_generation (abort, retract or in_place), /continue_generation, /abort_request,
+/flush_cache, /pause_generation (abort, retract or in_place), /continue_generation, /drain, /abort_request,
 /release_memory_occupation and /resume_memory_occupation (refused with the server flag to restart with
 when the memory saver is off), and SGLang's three expert-distribution paths (a dense engine answers 400).
 Each engine call blocks on the engine lock, so it runs in the server's thread pool; the engine's error
@@ -11,6 +11,8 @@ What it does not do: generate or report (native.py), or touch weights (native_we
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -21,6 +23,7 @@ from rollout.server.common import JSONResponse, engine_error, error_response, ru
 from rollout.server.native import Body
 
 router = APIRouter()
+DRAIN_POLL_S = 0.05
 
 
 # ---- cache and scheduling control -------------------------------------------------------------
@@ -58,6 +61,32 @@ async def pause_generation(request: Request):
 async def continue_generation(request: Request):
     await run_blocking(request, request.app.state.engine.continue_generation)
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+
+class DrainReqInput(Body):
+    model_config = {**Body.model_config, "strict": False}  # timeout: JSON 5 and 5.0 alike
+    timeout: float | None = None
+
+
+@router.post("/drain")  # POST only, as SGLang
+async def drain(request: Request):
+    """Wait until no request is in flight or `timeout` seconds pass: {"success", "remaining_requests"}.
+    The wait is on the event loop, polling a non-blocking drain(0), so drains never hold the control pool's
+    threads (eight clients draining with no timeout must not lock out /abort_request); it ends early if
+    the client goes away."""
+    obj = await _optional_body(request, DrainReqInput)
+    engine = request.app.state.engine
+    deadline = None if obj.timeout is None else time.monotonic() + max(0.0, obj.timeout)
+    try:
+        while True:
+            out = await run_blocking(request, engine.drain, 0)
+            if out["success"] or (deadline is not None and time.monotonic() >= deadline):
+                return JSONResponse(out)
+            if await request.is_disconnected():
+                return Response(status_code=499)
+            await asyncio.sleep(DRAIN_POLL_S)
+    except Exception as e:
+        return engine_error(e)
 
 
 class AbortReq(Body):

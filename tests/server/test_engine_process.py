@@ -233,6 +233,20 @@ def test_weight_version_and_adapter_list_follow_the_child(client):
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
 
 
+def test_drain_reaches_the_child(client):
+    """/drain asks the engine process: idle, it succeeds at once; a request streaming in the child keeps
+    it from succeeding until the request is done."""
+    assert client.post("/drain", json={"timeout": 5}).json() == {"success": True, "remaining_requests": 0}
+    body = dict(input_ids=PROMPTS[0], sampling_params=dict(GREEDY, max_new_tokens=200), stream=True)
+    with client.stream("POST", "/generate", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)  # the first token: the request is in flight in the child
+        assert client.post("/drain", json={"timeout": 0}).json()["remaining_requests"] == 1
+        for _ in lines:
+            pass
+    assert client.post("/drain", json={}).json() == {"success": True, "remaining_requests": 0}
+
+
 def test_child_threads_match_in_process_engine(split):
     """The engine process runs as many torch threads as an Engine in the server's own process would."""
     assert split.engine.engine_num_threads == torch.get_num_threads()
