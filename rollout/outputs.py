@@ -44,6 +44,8 @@ def build_output(req: Req, tok: TokenizerWrapper, weight_version: str, final: bo
         "weight_version_start": req.weight_version_start,
         "weight_version_end": weight_version,
         "num_retractions": req.num_retractions,
+        # SGLang's spans: which weight version sampled which output tokens ([start, end) over output_ids).
+        "weight_versions": [{"start": s, "end": e, "version": v} for s, e, v in req.output_version_spans],
     }
     if text_error:
         meta["error"] = text_error

@@ -80,6 +80,9 @@ class Req:
     num_retractions: int = 0
     weight_version: str = "default"  # the engine's version when the final output was delivered
     weight_version_start: str = "default"  # ... when the request was submitted
+    # SGLang's meta_info["weight_versions"]: [start, end, version] runs over output_ids, the version of the
+    # weights each token was sampled from (a new run each time it changes); kept across retractions.
+    output_version_spans: list[list] = field(default_factory=list)
     sink: Any = None  # where the engine delivers outputs
     text: str = ""
     stop_scan_from: int = 0  # decoded characters already searched for stop strings (rollout.stop_match)

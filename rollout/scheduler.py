@@ -129,6 +129,9 @@ class Scheduler:
                             self.stats)
         if config.enable_weight_version_kv_isolation:
             self.kv.isolate_versions("default")  # the engine sets the served version (set_weight_version)
+        # The version of the weights the steps run with; set by the engine between steps (never mid-step),
+        # so a token's version is the one current when its step's output is processed.
+        self.weight_version = "default"
         # MoE routed experts (return_routed_experts): the model captures every forward's routing, the KV
         # manager files it per KV slot, so prefix-cache hits return the prompt's rows too.
         self.recorder = getattr(getattr(runner, "model", None), "expert_recorder", None)
@@ -545,6 +548,11 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------
     def _append_token(self, req: Req, sampled: _Sampled) -> None:
         req.output_ids.append(sampled.token)
+        spans, n = req.output_version_spans, len(req.output_ids)
+        if spans and spans[-1][2] == self.weight_version and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n - 1, n, self.weight_version])
         req.last_token_time = time.perf_counter()  # latency metrics (time to first token, inter-token)
         if len(req.output_ids) == 1:
             req.first_token_time = req.last_token_time

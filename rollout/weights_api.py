@@ -47,6 +47,7 @@ class WeightsAPI:
         """The one place the served version changes (under the engine lock, between steps): with
         weight-version KV isolation, requests admitted from now on cache their KV under it."""
         self.weight_version = weight_version
+        self.scheduler.weight_version = weight_version
         if self.args.scheduler_config().enable_weight_version_kv_isolation:
             self.scheduler.kv.isolate_versions(weight_version)
 

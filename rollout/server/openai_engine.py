@@ -57,7 +57,10 @@ def finish_of(meta: dict) -> tuple[str | None, Any]:
 
 def metadata_of(outs: list[dict]) -> dict:
     """SGLang's response `metadata`: the weight version that finished the request (its first choice)."""
-    return {"weight_version": outs[0]["meta_info"]["weight_version"] if outs else None}
+    if not outs:
+        return {"weight_version": None}
+    meta = outs[0]["meta_info"]
+    return {"weight_version": meta["weight_version"], "weight_versions": meta["weight_versions"]}
 
 
 def usage_of(outs: list[dict], n: int) -> dict:

@@ -54,8 +54,9 @@ def test_openai_responses_carry_metadata_weight_version(server):
         comp = oai.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
         chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                            temperature=0)
-    assert comp.model_extra["metadata"] == {"weight_version": "step-7"}
-    assert chat.metadata == {"weight_version": "step-7"}  # a declared field of the client's ChatCompletion
+    spans = [{"start": 0, "end": 2, "version": "step-7"}]  # SGLang's weight_versions over the 2 tokens
+    assert comp.model_extra["metadata"] == {"weight_version": "step-7", "weight_versions": spans}
+    assert chat.metadata == {"weight_version": "step-7", "weight_versions": spans}  # a declared field of ChatCompletion
 
 
 def test_get_model_info_reports_the_checkpoint_loaded_from_disk(server, client, tiny_llama, tmp_path):

@@ -1,0 +1,68 @@
+"""meta_info["weight_versions"] (SGLang's spans): which weight version sampled which output tokens.
+
+Oracles: the step count at which the test itself changes the version (at_step runs the change between
+two known steps, so the split position is known in advance), and the request's own completion_tokens.
+"""
+
+from __future__ import annotations
+
+from tests.rl_surface.conftest import at_step
+
+PROMPT = [5, 6, 7, 8, 9]
+SP = dict(temperature=0, max_new_tokens=10, ignore_eos=True)
+
+
+def _spans(out) -> list[tuple[int, int, str]]:
+    return [(s["start"], s["end"], s["version"]) for s in out["meta_info"]["weight_versions"]]
+
+
+def test_one_span_without_an_update(make_engine, tiny_llama):
+    """A request no update touches reports one span over all its tokens, in the served version."""
+    engine = make_engine(tiny_llama, weight_version="base-v0")
+    out = engine.generate(input_ids=PROMPT, sampling_params=SP)
+    assert _spans(out) == [(0, 10, "base-v0")] and out["meta_info"]["weight_version"] == "base-v0"
+
+
+def test_a_version_change_mid_request_splits_at_the_known_token(make_engine, tiny_llama):
+    """update_weight_version after the 3rd step (prefill + 2 decodes: 3 tokens) splits the spans at 3;
+    the runs are contiguous, cover completion_tokens, and the last one is meta_info's weight_version."""
+    engine = make_engine(tiny_llama, weight_version="a")
+    state = at_step(engine, 3, lambda: engine.update_weight_version("b"))
+    out = engine.generate(input_ids=PROMPT, sampling_params=SP)
+    assert state["done"].is_set() and "error" not in state
+    assert _spans(out) == [(0, 3, "a"), (3, 10, "b")]
+    assert out["meta_info"]["weight_version"] == "b" and out["meta_info"]["completion_tokens"] == 10
+
+
+def _update_in_place(engine, path, version):
+    """What an RL loop does between two steps of a rollout: pause in place, load weights, continue."""
+    engine.pause_generation(mode="in_place")
+    ok, msg, _ = engine.update_weights_from_disk(str(path), weight_version=version)
+    engine.continue_generation()
+    assert ok, msg
+
+
+def test_two_weight_updates_give_three_spans_and_streams_carry_them(make_engine, ckpt_factory):
+    """Two real updates (pause in place, update_weights_from_disk with a weight_version, continue) during
+    one streamed request give three spans split where they landed; every stream chunk's spans cover
+    exactly the tokens it has, contiguous, one run per version."""
+    a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
+    engine = make_engine(a, weight_version="v0")
+    second = {}
+
+    def first():
+        _update_in_place(engine, b, "v1")
+        second.update(at_step(engine, 3, lambda: _update_in_place(engine, a, "v2")))
+
+    state = at_step(engine, 2, first)
+    chunks = list(engine.generate(input_ids=PROMPT, sampling_params=SP, stream=True))
+    assert state["done"].is_set() and "error" not in state and "error" not in second
+    for c in chunks:
+        spans = _spans(c)
+        assert spans[0][0] == 0 and spans[-1][1] == len(c["output_ids"])
+        assert all(p[1] == q[0] and p[2] != q[2] for p, q in zip(spans, spans[1:]))
+    final = chunks[-1]
+    assert final["meta_info"]["finish_reason"]["type"] == "length"
+    # Each update lands after a known step count (2 steps, then 3 more: each step, the recompute of the
+    # retracted request included, samples one token).
+    assert _spans(final) == [(0, 2, "v0"), (2, 5, "v1"), (5, 10, "v2")]
