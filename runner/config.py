@@ -239,6 +239,9 @@ class RunnerConfig:
     tp_size: int = 1
     random_seed: int = 0
     cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/layers/prepack.py)
+    # SGLang's enable_fp32_lm_head: the vocabulary projection of a bf16/fp16 model in fp32 (hidden states and
+    # head weight upcast each step), so logits and logprobs are not rounded to the model dtype first.
+    enable_fp32_lm_head: bool = False
     # SGLang's names (see rollout/engine_args.py): dotted paths of fn(model, named_tensors) that
     # update_weights_from_tensor may name as its load_format; GB of weights kept on the host.
     custom_weight_loader: list[str] | None = None

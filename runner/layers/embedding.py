@@ -47,6 +47,7 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(nn.Module):
     packed = None  # see runner.layers.prepack
+    fp32 = False  # enable_fp32_lm_head: project in fp32 whatever the weight dtype (set by the runner)
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None, tp=None) -> None:
         super().__init__()
@@ -61,9 +62,15 @@ class LMHead(nn.Module):
                 self.weight.tp_slices = {None: (0, start, held, vocab_size)}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # see Linear.forward
+        # hidden: [num_tokens, hidden_size] -> logits [num_tokens, vocab] (fp32 with self.fp32)
+        if self.fp32 and self.weight.dtype != torch.float32:
+            # An upcast copy of the weight per call, never kept: it can never go stale after an update.
+            hidden, weight = hidden.float(), self.weight.float()
+            fn = batch_invariant.linear if batch_invariant.is_enabled() else F.linear
+            logits = fn(hidden, weight)
+        elif torch.compiler.is_compiling():  # see Linear.forward
             return opaque_linear(self, hidden)
-        if batch_invariant.is_enabled():  # fixed-shape row tiles (runner/batch_invariant.py)
+        elif batch_invariant.is_enabled():  # fixed-shape row tiles (runner/batch_invariant.py)
             logits = batch_invariant.linear(hidden, self.weight)
         elif self.packed is not None and hidden.dim() == 2:
             logits = packed_linear(hidden, self.packed)

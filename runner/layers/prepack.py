@@ -40,7 +40,9 @@ DECODE_BATCH_HINT = 16  # oneDNN picks the blocking for this M; other M values w
 
 
 def packable_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, Linear | LMHead) and m.weight.numel() >= MIN_PACK_NUMEL]
+    # An fp32 LM head of a bf16 model projects its upcast weight, never a packed bf16 shadow.
+    return [m for m in model.modules() if isinstance(m, Linear | LMHead) and m.weight.numel() >= MIN_PACK_NUMEL
+            and not (getattr(m, "fp32", False) and m.weight.dtype != torch.float32)]
 
 
 def _packed_pair(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
