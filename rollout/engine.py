@@ -113,7 +113,10 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI):
         self._posted_aborts: deque[tuple[list[Req], str]] = deque()  # aborts that nobody waits for
         self._load = {"num_running": 0, "num_waiting": 0, "num_used_tokens": 0}
         self._lora_unloading: set[int] = set()  # LoRA adapter uids waiting for their requests to unload
-        self._profiler = StepProfiler()  # start_profile / stop_profile; run by the scheduler thread
+        # start_profile / stop_profile: driven by the scheduler thread, run where the forwards run.
+        overlap = self.scheduler.overlap
+        self._profiler = StepProfiler(None if overlap is None else lambda fn: overlap.worker.submit(fn).result(),
+                                      step_ranges=overlap is None)
         if self.scheduler.overlap is not None:
             self.scheduler.overlap.hold_back = self._hold_back
         self._cv.on_acquire = self._at_step_boundary

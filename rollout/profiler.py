@@ -1,17 +1,20 @@
 """torch.profiler over the engine's steps: SGLang's start_profile / stop_profile.
 
 torch.profiler records the ops of the thread that started it only (measured: a profile started on
-one thread holds no aten op of another), so the profiler lives on the scheduler thread, which runs
-the model's steps. Control calls only post requests: `StepProfiler.service()`, called by the scheduler
+one thread holds no aten op of another), so the profiler lives on the thread that runs the model: the
+scheduler thread, or with the overlap schedule its forward worker (rollout/overlap.py), where every
+decode forward runs (and, on the CPU, every prefill). Control calls only post requests: `StepProfiler.service()`, called by the scheduler
 thread at every step boundary (and when it wakes), starts a requested profile (at once, or before the
 engine step `start_step`) and stops one that was asked to stop; `after_step()` counts profiled steps and
 stops by itself after `num_steps` (SGLang's semantics). A stopped profile is written as a Chrome trace,
-`<output_dir>/<profile_id>-TP-0.trace.json.gz` (chrome://tracing, Perfetto).
+`<output_dir>/<profile_id>-TP-0.trace.json.gz` (chrome://tracing, Perfetto). Without the overlap
+schedule each step is a range `engine_step_<n>` in the trace.
 
-What it does not do: profile what other threads run (control calls; the forward worker of the overlap
-schedule, whose CPU ops are missed while the GPU kernels are not, CUPTI being process-wide),
-tensor-parallel ranks 1..N-1 (other processes), per-stage traces (profile_by_stage is refused), or
-memory snapshots (activity "MEM").
+What it does not do: profile the CPU ops of other threads (control calls; with the overlap schedule on
+CUDA, prefills on the scheduler thread; their GPU kernels are traced, CUPTI being process-wide), mark
+step ranges under the overlap schedule (the steps run on the worker, behind the one launched ahead, so
+the window is shifted by that step), tensor-parallel ranks 1..N-1 (other processes), per-stage traces
+(profile_by_stage is refused), or memory snapshots (activity "MEM").
 """
 
 from __future__ import annotations
@@ -103,9 +106,13 @@ class _Session:
 
 class StepProfiler:
     """At most one profile at a time. `request_*` run on control threads; `service`, `after_step` and
-    `close` only on the scheduler thread, where the profiler runs."""
+    `close` only on the scheduler thread, which starts and stops the profiler through `host(fn)`: fn run
+    on the thread that runs the forwards (default: this one). `step_ranges`: that thread is the
+    scheduler thread, so each step's range can be recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, host=None, step_ranges: bool = True) -> None:
+        self._host = host or (lambda fn: fn())
+        self._step_ranges = step_ranges
         self._lock = threading.Lock()  # guards _session and last_outcome
         self._session: _Session | None = None
         self.num_steps_run = 0  # engine steps since start: start_step counts in these
@@ -145,7 +152,7 @@ class StepProfiler:
             try:
                 prof = torch.profiler.profile(activities=[ACTIVITIES[a] for a in c.activities],
                                               with_stack=c.with_stack, record_shapes=c.record_shapes)
-                prof.start()
+                self._host(prof.start)
             except Exception as e:  # noqa: BLE001 - another profiler on this thread, a Kineto failure
                 logger.exception("starting the profiler failed")
                 session.error = f"starting the profiler failed: {type(e).__name__}: {e}"
@@ -158,7 +165,7 @@ class StepProfiler:
         """Around each step: a trace range named engine_step_<n> while profiling (so a trace shows where
         each engine step begins and ends), else nothing."""
         session = self._session
-        if session is None or session.profiler is None:
+        if session is None or session.profiler is None or not self._step_ranges:
             return contextlib.nullcontext()
         return torch.profiler.record_function(f"engine_step_{self.num_steps_run}")
 
@@ -182,9 +189,9 @@ class StepProfiler:
             session.outcome = f"{why} before it started (start_step={session.config.start_step}); no trace written"
         else:
             path = session.config.trace_path
+            prof = session.profiler
             try:
-                session.profiler.stop()
-                session.profiler.export_chrome_trace(path)
+                self._host(lambda: (prof.stop(), prof.export_chrome_trace(path)))
                 session.outcome = f"{why}: {session.num_profiled} engine steps, trace written to {path}"
             except Exception as e:  # noqa: BLE001 - a full disk must not stop the scheduler
                 logger.exception("writing the profile failed")

@@ -119,3 +119,16 @@ def test_bad_profile_calls_are_refused_and_the_engine_keeps_serving(make_engine,
     out = engine.generate(input_ids=PROMPT, sampling_params=SP)
     engine.stop_profile()
     assert out["output_ids"] == hf_generate(hf_models(tiny_llama), PROMPT, SP["max_new_tokens"])[0]
+
+
+def test_overlap_schedule_profiles_the_forward_worker(make_engine, tiny_llama, tmp_path):
+    """With the overlap schedule the model's aten ops run on its forward worker, and the trace holds them
+    there (a profile on the scheduler thread would hold none)."""
+    engine = make_engine(tiny_llama, disable_overlap_schedule=False, **KW)
+    worker = engine.scheduler.overlap.worker._thread
+    engine.start_profile(output_dir=str(tmp_path))
+    engine.generate(input_ids=PROMPT, sampling_params=SP)
+    events = _trace(engine.stop_profile())
+    aten = [e for e in events if str(e.get("name", "")).startswith("aten::")]
+    assert {e["name"] for e in aten} & {"aten::linear", "aten::mm", "aten::addmm"}
+    assert {e["tid"] for e in aten} == {worker.native_id}
