@@ -74,12 +74,17 @@ def test_reset_refreshes_prepacked_shadows(ckpt_factory, monkeypatch):
         assert torch.allclose(torch.tensor(lps_a), torch.tensor(lps_b), atol=1e-5)
 
 
-def test_bad_actions_are_refused_and_change_nothing(ckpt_pair, reference_outputs):
-    """An unknown action and compare without a snapshot answer (False, reason naming it); the weights
-    and outputs stay as they were."""
+def test_bad_actions_are_refused_and_change_nothing(ckpt_pair, reference_outputs, monkeypatch):
+    """An unknown action, compare without a snapshot, and any action on a tensor-parallel engine answer
+    (False, reason naming it); the weights and outputs stay as they were."""
     a, _ = ckpt_pair()
     with make_engine(a) as engine:
         before = snapshot(engine)
+        with monkeypatch.context() as m:
+            m.setattr(engine.args, "tp_size", 2)  # the refusal reads only the option
+            for action in ("snapshot", "reset_tensors", "compare"):
+                ok, msg = engine.check_weights(action)
+                assert not ok and "tp_size=2" in msg
         ok, msg = engine.check_weights("compare")
         assert not ok and "no snapshot" in msg and "snapshot" in msg
         ok, msg = engine.check_weights("wipe")
