@@ -37,6 +37,7 @@ from rollout.engine_args import EngineArgs
 from rollout.lora_api import LoRAAPI
 from rollout.outputs import AsyncSink, AsyncStream, SyncSink, SyncStream, build_output, gather_final_outputs
 from rollout.pause_watchdog import PauseWatchdog, timeout_from_env
+from rollout.profiler import ProfilerAPI, StepProfiler
 from rollout.request import FinishReason, Req
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
@@ -44,6 +45,7 @@ from rollout.scheduler_loop import run_scheduler_loop
 from rollout.sglang_generate_args import check_generate_args
 from rollout.step_gate import StepGate
 from rollout.tokenizer import TokenizerWrapper
+from rollout.weight_checker_api import WeightCheckerAPI
 from rollout.weights_api import WeightsAPI
 from runner.openmp_pool import release_thread_pool
 from runner.tp import create_model_runner
@@ -84,7 +86,7 @@ def _version() -> str:
         return "0+unknown"
 
 
-class Engine(WeightsAPI, LoRAAPI):
+class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI):
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.args = EngineArgs.from_kwargs(model_path, **kwargs)
         pause_timeout_s = timeout_from_env()  # before anything is built: a bad value leaks nothing
@@ -112,6 +114,10 @@ class Engine(WeightsAPI, LoRAAPI):
         self._posted_aborts: deque[tuple[list[Req], str]] = deque()  # aborts that nobody waits for
         self._load = {"num_running": 0, "num_waiting": 0, "num_used_tokens": 0}
         self._lora_unloading: set[int] = set()  # LoRA adapter uids waiting for their requests to unload
+        # start_profile / stop_profile: driven by the scheduler thread, run where the forwards run.
+        overlap = self.scheduler.overlap
+        self._profiler = StepProfiler(None if overlap is None else lambda fn: overlap.worker.submit(fn).result(),
+                                      step_ranges=overlap is None)
         if self.scheduler.overlap is not None:
             self.scheduler.overlap.hold_back = self._hold_back
         self._cv.on_acquire = self._at_step_boundary
@@ -142,6 +148,7 @@ class Engine(WeightsAPI, LoRAAPI):
             logger.error("the scheduler thread did not stop within 30 s; the engine's memory is not freed")
             return
         self.scheduler.close()
+        self._weight_snapshot = None  # check_weights('snapshot')'s host copy
         self.runner.shutdown()  # frees every tensor, even while this Engine is still referenced
 
     def __enter__(self) -> Engine:

@@ -9,7 +9,8 @@ that caused them (see rollout.scheduler). Anything else that raises in an iterat
 here: every request in flight is finished as abort with the reason, the KV bookkeeping starts from
 clean pools, and the loop goes on serving. The thread ends only at `Engine.shutdown()`.
 
-It holds no state of its own; the engine owns the lock, the flags and the requests.
+It holds no state of its own; the engine owns the lock, the flags and the requests. The engine's
+StepProfiler (rollout.profiler) is driven from here, since a torch profile covers one thread.
 """
 
 from __future__ import annotations
@@ -45,10 +46,15 @@ def _one_iteration(engine) -> bool:
     with gate.scheduler_turn():
         gate.clear_wake()  # before looking for work: a submission after this wakes the wait below
         engine._take_submissions()
+        profiler = engine._profiler  # torch.profiler records this thread's ops only (rollout.profiler)
+        profiler.service()
         try:
             while not engine._shutdown and not gate.pending and engine._can_step():
+                profiler.service()
                 # Looked up each time, not bound once: tests wrap scheduler.step to act between steps.
-                _deliver_all(engine, engine.scheduler.step())
+                with profiler.step_scope():
+                    _deliver_all(engine, engine.scheduler.step())
+                profiler.after_step()
                 stepped = True
                 engine._take_submissions()
                 engine._publish_load()
@@ -56,6 +62,7 @@ def _one_iteration(engine) -> bool:
             engine.scheduler.cancel_ahead()  # the lock is only ever left at a step boundary
             engine._publish_load()
         if engine._shutdown:
+            profiler.close()
             return False
     if not stepped:
         # Idle: give back this thread's OpenMP pool, so a trainer's ops in the same process are not

@@ -274,3 +274,7 @@ class EngineClient(RemoteGeneration):
     start_expert_distribution_record = _remote("start_expert_distribution_record")
     stop_expert_distribution_record = _remote("stop_expert_distribution_record")
     dump_expert_distribution_record = _remote("dump_expert_distribution_record")
+    post_process_weights = _remote("post_process_weights")
+    check_weights = _remote("check_weights")
+    start_profile = _remote("start_profile")
+    stop_profile = _remote("stop_profile")

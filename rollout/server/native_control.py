@@ -2,7 +2,8 @@
 
 /flush_cache, /pause_generation (abort, retract or in_place), /continue_generation, /drain, /abort_request,
 /release_memory_occupation and /resume_memory_occupation (refused with the server flag to restart with
-when the memory saver is off), and SGLang's three expert-distribution paths (a dense engine answers 400).
+when the memory saver is off), SGLang's three expert-distribution paths (a dense engine answers 400), and
+/start_profile and /stop_profile (torch.profiler traces of the engine's steps, rollout/profiler.py).
 Each engine call blocks on the engine lock, so it runs in the server's thread pool; the engine's error
 becomes the 400 body.
 
@@ -19,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from rollout.server import security
 from rollout.server.common import JSONResponse, engine_error, error_response, run_blocking
 from rollout.server.native import Body
 
@@ -162,3 +164,41 @@ async def dump_expert_distribution_record(request: Request):
     record itself is more use, so this answers with it as JSON ({"logical_count": [layer][expert], ...})."""
     out = await _expert_record(request, "dump_expert_distribution_record")
     return out if isinstance(out, Response) else JSONResponse(out)
+
+
+# ---- torch profiler (SGLang's paths) ------------------------------------------------------------
+class ProfileReqInput(Body):
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    profile_by_stage: bool = False
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+
+
+@router.post("/start_profile")  # POST only: it changes state and writes files (security.py)
+async def start_profile(request: Request):
+    """Profile the engine's steps (rollout/profiler.py); 400 for bad arguments or a profile already running.
+    With --allowed-disk-roots, output_dir must lie under one of them."""
+    obj = await _optional_body(request, ProfileReqInput)
+    roots = request.app.state.server_args.allowed_disk_roots
+    if obj.output_dir is not None and security.disk_path_refusal(obj.output_dir, roots) is not None:
+        return error_response(f"start_profile refused: output_dir is not under --allowed-disk-roots {list(roots)}",
+                              400, param="output_dir")
+    try:
+        message = await run_blocking(request, request.app.state.engine.start_profile, **obj.model_dump())
+    except Exception as e:
+        return engine_error(e)
+    return JSONResponse({"success": True, "message": message})
+
+
+@router.post("/stop_profile")  # POST only: it changes state and writes files (security.py)
+async def stop_profile(request: Request):
+    """Stop the running profile and write its trace; 400 when none is running."""
+    await _optional_body(request, Body)  # `{}` or nothing
+    try:
+        message = await run_blocking(request, request.app.state.engine.stop_profile)
+    except Exception as e:
+        return engine_error(e)
+    return JSONResponse({"success": True, "message": message})

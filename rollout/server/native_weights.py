@@ -1,4 +1,5 @@
-"""SGLang's native weight endpoints: updates (disk, tensors, distributed groups), version, reads.
+"""SGLang's native weight endpoints: updates (disk, tensors, distributed groups), version, reads, and the
+weight checker and post-processing calls slime makes around a sync (/weights_checker, /post_process_weights).
 
 Same paths, bodies and answers as SGLang (`{"success", "message"[, "num_paused_requests"]}`, 200 or 400).
 Disk paths are checked against --allowed-disk-roots (security.py); tensor payloads are decoded where the
@@ -208,3 +209,29 @@ async def get_weights_checksum(request: Request):
     out = await run_blocking(request, request.app.state.engine.get_weights_checksum)
     out.setdefault("seconds", round(time.perf_counter() - t0, 6))
     return JSONResponse(out)
+
+
+# ---- weight checker and post-processing (slime's check-weight-update mode) ----------------------
+class PostProcessWeightsReqInput(Body):
+    restore_weights_before_load: bool = False
+    post_process_quantization: bool = False
+
+
+@router.post("/post_process_weights")
+async def post_process_weights(obj: PostProcessWeightsReqInput, request: Request):
+    """SGLang's post-processing after a sync (quantized re-packing): nothing to do here, said so (200)."""
+    res = await run_blocking(request, request.app.state.engine.post_process_weights,
+                             restore_weights_before_load=obj.restore_weights_before_load,
+                             post_process_quantization=obj.post_process_quantization)
+    return _result(res)
+
+
+class WeightsCheckerReqInput(Body):
+    action: str  # "snapshot" | "reset_tensors" | "compare"; the engine names the valid ones otherwise
+
+
+@router.post("/weights_checker")
+async def weights_checker(obj: WeightsCheckerReqInput, request: Request):
+    """SGLang's WeightChecker: {"success", "message"}, 400 for an unknown action, a compare without a
+    snapshot, a compare that finds differences (naming them), or a reset refused under running requests."""
+    return _result(await run_blocking(request, request.app.state.engine.check_weights, obj.action))

@@ -50,6 +50,7 @@ POST_ONLY_PATHS = frozenset({
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
     "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
     "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record",
+    "/post_process_weights", "/weights_checker", "/start_profile", "/stop_profile",
 })
 
 

@@ -1,0 +1,73 @@
+"""SGLang's weight checker, on one runner: snapshot every parameter, overwrite them all, compare exactly.
+
+The check-weight-update mode of RL frameworks (slime) proves a weight sync writes every tensor: snapshot
+the weights, overwrite each parameter with random values, run the sync, compare against the snapshot.
+`snapshot` copies the model's parameters (runner names, tied tensors once) to the host; `reset` draws
+new values for every parameter through the runner's one writer (routes.write), so the prepacked
+shadows and the cached checksums follow, and a reset that fails half-way marks the weights invalid;
+`compare` checks each parameter against the snapshot with torch.equal, one parameter at a time, so it
+never holds more than the snapshot plus one parameter's host copy.
+
+What it does not do: LoRA adapter weights (not model parameters), tensor-parallel ranks (the Engine
+refuses tp_size > 1), or anything about requests and caches (the Engine's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runner.weights import routes
+from runner.weights.loader import WeightsCorruptedError, WeightWriter
+
+MIN_RESET_STD = 0.01  # a constant parameter (a norm's ones) still gets values that differ from it
+
+
+@torch.no_grad()
+def snapshot(runner) -> dict[str, torch.Tensor]:
+    """A host copy of every model parameter, by runner parameter name."""
+    routes.require_weights_resident(runner)
+    return {name: p.detach().to("cpu", copy=True) for name, p in runner.name_map.params.items()}
+
+
+@torch.no_grad()
+def reset(runner, seed: int) -> int:
+    """Overwrite every parameter with random values of its own mean and spread (at least MIN_RESET_STD),
+    drawn on its device from `seed`. Returns how many parameters were written."""
+    routes.require_weights_resident(runner)
+    params = runner.name_map.params
+    gen = torch.Generator(device=runner.device).manual_seed(seed)
+
+    def fill(writer: WeightWriter) -> None:
+        # No undo snapshot (it would be a second copy of the model): a reset that fails half-way has
+        # destroyed the weights either way, so routes.write marks them invalid and generate refuses.
+        for name, p in params.items():
+            writer.written.add(name)
+            try:
+                as_float = p.float()
+                std = max(float(as_float.std()) if p.numel() > 1 else 0.0, MIN_RESET_STD)
+                p.copy_(torch.empty_like(as_float).normal_(float(as_float.mean()), std, generator=gen))
+            except Exception as e:
+                raise WeightsCorruptedError(f"reset_tensors failed at {name!r} ({type(e).__name__}: {e})",
+                                            set(writer.written)) from e
+
+    return routes.write(runner, fill, repack_all=True)
+
+
+@torch.no_grad()
+def compare(runner, reference: dict[str, torch.Tensor]) -> tuple[list[str], int]:
+    """-> (the parameter names whose value, shape or dtype differs from `reference`, or that only one
+    side has; how many parameters were compared)."""
+    routes.require_weights_resident(runner)
+    params = runner.name_map.params
+    differ = sorted(set(reference) ^ set(params))
+    for name, p in params.items():
+        ref = reference.get(name)
+        if ref is None:
+            continue
+        if ref.dtype != p.dtype or ref.shape != p.shape:
+            differ.append(name)
+            continue
+        # On the CPU the parameter itself; on a device one parameter's host copy at a time.
+        if not torch.equal(p.detach().to("cpu"), ref):
+            differ.append(name)
+    return differ, len(params)
