@@ -40,7 +40,7 @@ FORWARDED = frozenset({
     "destroy_weights_update_group", "get_weights_by_name", "start_expert_distribution_record",
     "stop_expert_distribution_record", "dump_expert_distribution_record", "update_weight_version",
     "get_weights_checksum", "load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter",
-    "check_weights", "post_process_weights", "start_profile", "stop_profile",
+    "check_weights", "weights_checksums", "post_process_weights", "start_profile", "stop_profile",
 })
 
 

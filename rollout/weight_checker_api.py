@@ -4,7 +4,9 @@ Mixed into Engine, beside WeightsAPI. `check_weights(action)` is SGLang's Weight
 check-weight-update mode drives: "snapshot" keeps a host copy of every parameter, "reset_tensors"
 overwrites every parameter with random values (a weight write like any update: between steps, refused
 under running requests unless paused, prefix cache flushed, weight_version bumped, prepacked shadows
-refreshed), "compare" checks the parameters against the snapshot exactly and names those that differ.
+refreshed), "compare" checks the parameters against the snapshot exactly and names those that differ
+(with each one's max_abs_err), "checksum" hashes every parameter (`weights_checksums`: SGLang's per-rank
+answer, 16 hex digits per tensor).
 The tensor work is runner/weights/checker.py's.
 
 `post_process_weights` is SGLang's hook for re-packing quantized weights after a sync. This engine has
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from runner.weights import checker
 
-CHECK_ACTIONS = ("snapshot", "reset_tensors", "compare")
+CHECK_ACTIONS = ("snapshot", "reset_tensors", "compare", "checksum")
 MAX_NAMED = 10  # parameter names listed in a failed compare's message
 
 
@@ -31,7 +33,7 @@ class WeightCheckerAPI:
         """SGLang's weights checker: action "snapshot" | "reset_tensors" | "compare" -> (success, message)."""
         what = f"check_weights({action!r})"
         if action not in CHECK_ACTIONS:
-            return False, f"{what}: unknown action; choose one of {list(CHECK_ACTIONS)}"
+            return False, f"{what}: Unsupported action; choose one of {list(CHECK_ACTIONS)}"
         tp = getattr(self.args, "tp_size", 1)
         if tp > 1:
             return False, (f"{what}: not supported with tp_size={tp} (each rank holds a slice of the weights); "
@@ -43,6 +45,12 @@ class WeightCheckerAPI:
                 msg = (f"{what}: every parameter overwritten with random values; prefix cache flushed; "
                        f"weight_version={self.weight_version}")
             return ok, msg
+        if action == "checksum":
+            try:
+                ranks = self.weights_checksums()
+            except Exception as e:  # weights released, engine shut down: the (bool, str) contract
+                return False, f"{what} failed: {e}"
+            return True, f"{what}: {len(ranks[0]['checksums'])} parameters hashed"
         with self._cv:
             try:
                 if action == "snapshot":
@@ -57,10 +65,18 @@ class WeightCheckerAPI:
             except Exception as e:  # weights released, engine shut down: the (bool, str) contract
                 return False, f"{what} failed: {e}"
         if differ:
-            more = f" and {len(differ) - MAX_NAMED} more" if len(differ) > MAX_NAMED else ""
-            return False, (f"{what}: {len(differ)} of {total} parameters differ from the snapshot: "
-                           f"{differ[:MAX_NAMED]}{more}")
+            more = f"; and {len(differ) - MAX_NAMED} more" if len(differ) > MAX_NAMED else ""
+            listed = "; ".join(f"{name} ({why})" for name, why in differ[:MAX_NAMED])
+            return False, f"{what}: {len(differ)} of {total} parameters differ from the snapshot: {listed}{more}"
         return True, f"{what}: all {total} parameters equal the snapshot"
+
+    def weights_checksums(self) -> list[dict]:
+        """SGLang's "checksum" action: one entry per rank (one here, tp_size 1) with {"checksums": {parameter
+        name: 16 hex digits}, "parallelism_info": ranks and sizes}, taken between steps (never mid-update)."""
+        with self._cv:
+            sums = checker.checksums(self.runner)
+        info = dict(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)
+        return [{"checksums": sums, "parallelism_info": info}]
 
     def post_process_weights(self, restore_weights_before_load: bool = False,
                              post_process_quantization: bool = False) -> tuple[bool, str]:

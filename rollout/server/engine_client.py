@@ -276,5 +276,6 @@ class EngineClient(RemoteGeneration):
     dump_expert_distribution_record = _remote("dump_expert_distribution_record")
     post_process_weights = _remote("post_process_weights")
     check_weights = _remote("check_weights")
+    weights_checksums = _remote("weights_checksums")
     start_profile = _remote("start_profile")
     stop_profile = _remote("stop_profile")

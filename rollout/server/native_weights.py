@@ -227,11 +227,20 @@ async def post_process_weights(obj: PostProcessWeightsReqInput, request: Request
 
 
 class WeightsCheckerReqInput(Body):
-    action: str  # "snapshot" | "reset_tensors" | "compare"; the engine names the valid ones otherwise
+    action: str  # "snapshot" | "reset_tensors" | "compare" | "checksum"; the engine names the valid ones otherwise
 
 
 @router.post("/weights_checker")
 async def weights_checker(obj: WeightsCheckerReqInput, request: Request):
     """SGLang's WeightChecker: {"success", "message"}, 400 for an unknown action, a compare without a
     snapshot, a compare that finds differences (naming them), or a reset refused under running requests."""
-    return _result(await run_blocking(request, request.app.state.engine.check_weights, obj.action))
+    engine = request.app.state.engine
+    if obj.action == "checksum" and getattr(engine.args, "tp_size", 1) == 1:
+        # SGLang's answer carries the hashes: {"success", "message", "ranks": [{"checksums", "parallelism_info"}]}
+        try:
+            ranks = await run_blocking(request, engine.weights_checksums)
+        except Exception as e:
+            return engine_error(e)
+        return JSONResponse({"success": True, "message": f"{len(ranks[0]['checksums'])} parameters hashed",
+                             "ranks": ranks})
+    return _result(await run_blocking(request, engine.check_weights, obj.action))

@@ -54,20 +54,39 @@ def reset(runner, seed: int) -> int:
 
 
 @torch.no_grad()
-def compare(runner, reference: dict[str, torch.Tensor]) -> tuple[list[str], int]:
-    """-> (the parameter names whose value, shape or dtype differs from `reference`, or that only one
-    side has; how many parameters were compared)."""
+def compare(runner, reference: dict[str, torch.Tensor]) -> tuple[list[tuple[str, str]], int]:
+    """-> ((name, what differs) for each parameter whose value, shape or dtype differs from `reference`,
+    or that only one side has, in name order; how many parameters were compared). A value difference
+    reads "max_abs_err=<float>" (SGLang's wording)."""
     routes.require_weights_resident(runner)
     params = runner.name_map.params
-    differ = sorted(set(reference) ^ set(params))
+    differ = [(n, "missing from the snapshot" if n in params else "no longer a parameter")
+              for n in sorted(set(reference) ^ set(params))]
     for name, p in params.items():
         ref = reference.get(name)
         if ref is None:
             continue
         if ref.dtype != p.dtype or ref.shape != p.shape:
-            differ.append(name)
+            differ.append((name, f"{p.dtype} {tuple(p.shape)} against the snapshot's {ref.dtype} {tuple(ref.shape)}"))
             continue
         # On the CPU the parameter itself; on a device one parameter's host copy at a time.
-        if not torch.equal(p.detach().to("cpu"), ref):
-            differ.append(name)
-    return differ, len(params)
+        cur = p.detach().to("cpu")
+        if not torch.equal(cur, ref):
+            differ.append((name, f"max_abs_err={(cur.double() - ref.double()).abs().max().item():.6g}"))
+    return sorted(differ), len(params)
+
+
+@torch.no_grad()
+def checksums(runner) -> dict[str, str]:
+    """Runner parameter name -> 16 hex digits (BLAKE2b-64 of dtype, shape and bytes): SGLang's per-tensor
+    "checksum" action. Parameters only: non-persistent buffers (rotary tables) are not weights."""
+    import hashlib
+
+    routes.require_weights_resident(runner)
+    out = {}
+    for name, p in sorted(runner.name_map.params.items()):
+        t = p.detach().to("cpu").contiguous()
+        h = hashlib.blake2b(f"{t.dtype}|{tuple(t.shape)}|".encode(), digest_size=8)
+        h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())  # a copy: never pin the storage
+        out[name] = h.hexdigest()
+    return out

@@ -62,8 +62,8 @@ def test_weights_checker_refuses_bad_bodies(served):
     with served.client() as c:
         before = _greedy(c)
         r = c.post("/weights_checker", json={"action": "wipe"})
-        assert r.status_code == 400 and "'wipe'" in r.json()["message"]
-        assert all(a in r.json()["message"] for a in ("snapshot", "reset_tensors", "compare"))
+        assert r.status_code == 400 and "'wipe'" in r.json()["message"] and "Unsupported" in r.json()["message"]
+        assert all(a in r.json()["message"] for a in ("snapshot", "reset_tensors", "compare", "checksum"))
         assert c.post("/weights_checker", json={}).status_code == 400
         assert c.post("/weights_checker", json={"action": "compare", "x": 1}).status_code == 400
         assert c.get("/weights_checker").status_code == 405
@@ -125,3 +125,71 @@ def test_profile_routes_refuse_bad_requests(served, tmp_path):
         assert r.status_code == 400 and "already running" in r.json()["error"]["message"]
         assert c.post("/stop_profile").status_code == 200
         assert _greedy(c) == before
+
+
+def _push(c, named) -> None:
+    from rollout.server.tensor_codec import encode_named_tensors
+
+    r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [encode_named_tensors(named)],
+                                                     "flush_cache": True})
+    assert r.status_code == 200 and r.json()["success"], r.text
+
+
+def test_compare_names_the_fused_parameter_an_hf_name_wrote_with_its_max_abs_err(served):
+    """SGLang's e2e flow: snapshot, push layer 0's up_proj full of 1.5 under its HF name: compare is 400
+    naming the fused gate_up_proj it landed in, with max_abs_err = max |1.5 - the checkpoint's up_proj|
+    (read from the safetensors file); pushing identical bytes twice around a snapshot keeps compare 200."""
+    import torch
+
+    from tests.rl_surface.conftest import read_state_dict
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    up = read_state_dict(served.path)[name]
+    with served.client() as c:
+        assert c.post("/weights_checker", json={"action": "snapshot"}).status_code == 200
+        _push(c, [(name, torch.full_like(up, 1.5))])
+        r = c.post("/weights_checker", json={"action": "compare"})
+        body = r.json()
+        assert r.status_code == 400 and not body["success"]
+        m = re.search(r"model\.layers\.0\.mlp\.gate_up_proj\.weight \(max_abs_err=([0-9.e+-]+)\)", body["message"])
+        assert m, body["message"]
+        assert float(m.group(1)) == pytest.approx((1.5 - up.double()).abs().max().item(), rel=1e-5)
+        assert "1 of" in body["message"]  # only the tensor written
+        _push(c, [(name, torch.full_like(up, 0.25))])
+        assert c.post("/weights_checker", json={"action": "snapshot"}).status_code == 200
+        _push(c, [(name, torch.full_like(up, 0.25))])
+        r = c.post("/weights_checker", json={"action": "compare"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert c.post("/update_weights_from_disk", json={"model_path": served.path}).json()["success"]
+
+
+def test_checksum_action_hashes_every_parameter_stably(served):
+    """action "checksum": one rank with SGLang's parallelism_info keys and a 16-hex hash per parameter
+    (no rotary buffers); the same across calls; after an update only the written tensor's hash changes,
+    and model.norm.weight's hash is BLAKE2b-64 of the checkpoint's own bytes."""
+    import hashlib
+
+    import torch
+
+    from tests.rl_surface.conftest import read_state_dict
+
+    sd = read_state_dict(served.path)
+    with served.client() as c:
+        first = c.post("/weights_checker", json={"action": "checksum"}).json()
+        assert first["success"] and len(first["ranks"]) == 1
+        rank = first["ranks"][0]
+        assert set(rank["parallelism_info"]) == {"tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size",
+                                                 "rank", "size"}
+        sums = rank["checksums"]
+        assert all(re.fullmatch(r"[0-9a-f]{16}", h) for h in sums.values())
+        assert not any(k in n for n in sums for k in ("cos", "sin", "inv_freq", "rotary"))
+        assert c.post("/weights_checker", json={"action": "checksum"}).json()["ranks"] == first["ranks"]
+        norm = sd["model.norm.weight"]
+        h = hashlib.blake2b(f"{norm.dtype}|{tuple(norm.shape)}|".encode(), digest_size=8)
+        h.update(norm.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        assert sums["model.norm.weight"] == h.hexdigest()
+        _push(c, [("model.layers.1.mlp.up_proj.weight", torch.full_like(sd["model.layers.1.mlp.up_proj.weight"], 0.5))])
+        after = c.post("/weights_checker", json={"action": "checksum"}).json()["ranks"][0]["checksums"]
+        assert [n for n in sums if sums[n] != after[n]] == ["model.layers.1.mlp.gate_up_proj.weight"]
+        assert c.post("/update_weights_from_disk", json={"model_path": served.path}).json()["success"]
+        assert c.post("/weights_checker", json={"action": "checksum"}).json()["ranks"][0]["checksums"] == sums
