@@ -71,6 +71,8 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "disable_radix_cache": ("bool", "no prefix cache"),
     "enable_fp32_lm_head": ("bool", "the LM head of a bf16/fp16 model projects in fp32 (hidden states and head "
                                     "weight upcast each step): logits and logprobs not rounded to the model dtype"),
+    "enable_prefill_weight_versions": ("bool", "meta_info['prefill_weight_versions']: the weight version each "
+                                       "prompt position's KV was computed under (prefix-cache hits included)"),
     "enable_weight_version_kv_isolation": ("bool", "the prefix cache is keyed by the weight version a request was "
                                            "admitted under: KV of one version is never reused under another, "
                                            "even after an update with flush_cache=False"),

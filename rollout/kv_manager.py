@@ -39,6 +39,7 @@ class KVManager:
         self.stats = stats  # the scheduler's counters; this class adds num_evicted_tokens
         self.routed_experts: torch.Tensor | None = None  # [kv size + 1, num_layers, top_k] int32, host
         self.isolation_version: str | None = None  # None: one namespace per adapter, across weight versions
+        self.slot_versions: torch.Tensor | None = None  # enable_slot_versions: [kv size + 1] int32, host
 
     def isolate_versions(self, weight_version: str) -> None:
         """From now on requests admitted are keyed under `weight_version` (call on every version change)."""
@@ -164,6 +165,34 @@ class KVManager:
         n = min(req.num_computed, req.seq_len - 1)
         slots = self.req_pool.req_to_token[req.req_pool_idx, :n].cpu()
         return self.routed_experts[slots]  # advanced indexing: a copy, safe after the slots are reused
+
+    # ---- weight version per KV slot (prefill_weight_versions) ----------------------------------------
+    def enable_slot_versions(self) -> None:
+        """Keep, per KV slot, the weight version its KV was computed under (an id into `version_names`):
+        (kv size + 1) int32 on the host."""
+        self.slot_versions = torch.full((self.kv_pool.size + 1,), -1, dtype=torch.int32)
+        self.version_names: list[str] = []
+        self._version_ids: dict[str, int] = {}
+
+    def write_slot_versions(self, locs: torch.Tensor, weight_version: str) -> None:
+        vid = self._version_ids.get(weight_version)
+        if vid is None:
+            vid = self._version_ids[weight_version] = len(self.version_names)
+            self.version_names.append(weight_version)
+        self.slot_versions[locs.cpu()] = vid
+
+    def prompt_version_spans(self, req: Req) -> list[list]:
+        """[start, end, version] runs over req's prompt positions whose KV exists, in order."""
+        n = min(req.num_computed, len(req.prompt_ids))
+        ids = self.slot_versions[self.req_pool.req_to_token[req.req_pool_idx, :n].cpu()].tolist()
+        spans: list[list] = []
+        for pos, vid in enumerate(ids):
+            name = self.version_names[vid] if vid >= 0 else None
+            if spans and spans[-1][2] == name:
+                spans[-1][1] = pos + 1
+            else:
+                spans.append([pos, pos + 1, name])
+        return spans
 
     def drop_lora_cache(self, lora_id: int) -> None:
         """An adapter was unloaded: free its prefix-cache entries (no request uses them any more)."""

@@ -47,6 +47,8 @@ def build_output(req: Req, tok: TokenizerWrapper, weight_version: str, final: bo
         # SGLang's spans: which weight version sampled which output tokens ([start, end) over output_ids).
         "weight_versions": [{"start": s, "end": e, "version": v} for s, e, v in req.output_version_spans],
     }
+    if req.prefill_version_spans is not None:
+        meta["prefill_weight_versions"] = [{"start": s, "end": e, "version": v} for s, e, v in req.prefill_version_spans]
     if text_error:
         meta["error"] = text_error
     if final:

@@ -83,6 +83,9 @@ class Req:
     # SGLang's meta_info["weight_versions"]: [start, end, version] runs over output_ids, the version of the
     # weights each token was sampled from (a new run each time it changes); kept across retractions.
     output_version_spans: list[list] = field(default_factory=list)
+    # enable_prefill_weight_versions: the same runs over the prompt (the version each position's KV was
+    # computed under, cache hits included), set as the request finishes; None when not asked for.
+    prefill_version_spans: list[list] | None = None
     sink: Any = None  # where the engine delivers outputs
     text: str = ""
     stop_scan_from: int = 0  # decoded characters already searched for stop strings (rollout.stop_match)

@@ -59,6 +59,9 @@ class SchedulerConfig:
     # SGLang's --enable-weight-version-kv-isolation: KV is cached per weight version (the one a request was
     # admitted under), so a request never reuses KV computed under another version, whatever flush_cache says.
     enable_weight_version_kv_isolation: bool = False
+    # SGLang's --enable-prefill-weight-versions: meta_info["prefill_weight_versions"], the weight version each
+    # prompt position's KV was computed under (kept per KV slot, so prefix-cache hits report theirs).
+    enable_prefill_weight_versions: bool = False
     # SGLang's name: True runs every step on the scheduler thread, one after the other (rollout.overlap).
     # None: on for CUDA, off on the CPU, where the forward worker and the scheduler share the GIL and the
     # cores, and overlap measured 0.78x (tiny) to 1.0x (40M) of the plain schedule (bench/overlap.py).
@@ -132,6 +135,8 @@ class Scheduler:
         # The version of the weights the steps run with; set by the engine between steps (never mid-step),
         # so a token's version is the one current when its step's output is processed.
         self.weight_version = "default"
+        if config.enable_prefill_weight_versions:
+            self.kv.enable_slot_versions()
         # MoE routed experts (return_routed_experts): the model captures every forward's routing, the KV
         # manager files it per KV slot, so prefix-cache hits return the prompt's rows too.
         self.recorder = getattr(getattr(runner, "model", None), "expert_recorder", None)
@@ -206,6 +211,8 @@ class Scheduler:
         req.finished_reason = reason
         if req.return_routed_experts and req.req_pool_idx is not None:
             req.routed_experts = self.kv.routed_experts_of(req)
+        if self.kv.slot_versions is not None and req.req_pool_idx is not None:
+            req.prefill_version_spans = self.kv.prompt_version_spans(req)
         if self.overlap is None or not self.overlap.defer_release(req):  # else freed after the step in flight
             self.kv.release(req)
         if req in self.running:
@@ -489,6 +496,8 @@ class Scheduler:
         out = self.runner.sample(logits_out, fb)
         ids = out.next_token_ids.tolist()  # the one device->host read (two with logprobs)
         logprobs = [None] * len(ids) if out.logprobs is None else out.logprobs.tolist()
+        if self.kv.slot_versions is not None:  # every slot this forward computed, under the current version
+            self.kv.write_slot_versions(fb.out_cache_loc, self.weight_version)
         if self.kv.routed_experts is not None and self.recorder.last_routed_experts is not None:
             # [num_tokens, num_layers, top_k] in the batch's token order, as out_cache_loc
             self.kv.write_routed_experts(fb.out_cache_loc, self.recorder.last_routed_experts)

@@ -13,7 +13,8 @@ A delta is a tuple (kept small: one step of 64 streams is one message):
 - fields: (cached_tokens, num_retractions, the engine's weight version, the request's, finished_reason,
   stop_at, error, the output tokens' weight-version spans);
 - times (final only): (created, first token, last token, finished, routed experts as a numpy array or
-  None); perf_counter values of the engine process, compared only with each other.
+  None, prefill weight-version spans or None); perf_counter values of the engine process, compared only
+  with each other.
 
 What it does not do: send anything, or decide when (engine_process.py batches; engine_client.py reads).
 """
@@ -50,7 +51,7 @@ def encode(call_id: int, req: Req, final: bool, sent: tuple, engine_version: str
     if final:
         routed = req.routed_experts
         times = (req.created_time, req.first_token_time, req.last_token_time, req.finished_time,
-                 None if routed is None else routed.numpy())
+                 None if routed is None else routed.numpy(), req.prefill_version_spans)
     return (call_id, req.index, final, tails, inputs, fields, times), now_sent
 
 
@@ -62,7 +63,7 @@ def abort_delta(call_id: int, req: Req, message: str, engine_version: str) -> tu
     """A final delta that ends the request as abort with `message` (its outputs as the server has them)."""
     fields = (req.cached_tokens, req.num_retractions, engine_version, engine_version,
               FinishReason("abort", message=message), None, message, _spans(req))
-    times = (req.created_time, req.first_token_time, req.last_token_time, time.perf_counter(), None)
+    times = (req.created_time, req.first_token_time, req.last_token_time, time.perf_counter(), None, None)
     return call_id, req.index, True, (None, None, None, None), None, fields, times
 
 
@@ -81,7 +82,8 @@ def apply(req: Req, delta: tuple) -> None:
     # A chunk reports the version served now, a final output the one it finished under (as in-process).
     req.weight_version = final_version if final else engine_version
     if final:
-        req.created_time, req.first_token_time, req.last_token_time, req.finished_time, routed = times
+        req.created_time, req.first_token_time, req.last_token_time, req.finished_time, routed, prefill = times
+        req.prefill_version_spans = prefill
         if routed is not None:
             import torch
 

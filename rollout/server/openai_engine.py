@@ -60,7 +60,10 @@ def metadata_of(outs: list[dict]) -> dict:
     if not outs:
         return {"weight_version": None}
     meta = outs[0]["meta_info"]
-    return {"weight_version": meta["weight_version"], "weight_versions": meta["weight_versions"]}
+    out = {"weight_version": meta["weight_version"], "weight_versions": meta["weight_versions"]}
+    if "prefill_weight_versions" in meta:
+        out["prefill_weight_versions"] = meta["prefill_weight_versions"]
+    return out
 
 
 def usage_of(outs: list[dict], n: int) -> dict:

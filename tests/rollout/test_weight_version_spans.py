@@ -66,3 +66,44 @@ def test_two_weight_updates_give_three_spans_and_streams_carry_them(make_engine,
     # Each update lands after a known step count (2 steps, then 3 more: each step, the recompute of the
     # retracted request included, samples one token).
     assert _spans(final) == [(0, 2, "v0"), (2, 5, "v1"), (5, 10, "v2")]
+
+
+def _prefill(out) -> list[tuple[int, int, str]]:
+    return [(s["start"], s["end"], s["version"]) for s in out["meta_info"]["prefill_weight_versions"]]
+
+
+def test_prefill_spans_report_the_version_each_prompt_position_was_computed_under(make_engine, tiny_llama):
+    """enable_prefill_weight_versions: a fresh prompt is one span in the served version; a longer prompt
+    sharing it after a relabel reads the cached positions (cached_tokens of them, the oracle) as the old
+    version and the rest as the new; without the option there is no such key."""
+    assert "prefill_weight_versions" not in make_engine(tiny_llama).generate(
+        input_ids=PROMPT, sampling_params=SP)["meta_info"]
+    engine = make_engine(tiny_llama, enable_prefill_weight_versions=True, weight_version="a")
+    long_prompt = PROMPT * 4
+    first = engine.generate(input_ids=long_prompt, sampling_params=SP)
+    assert _prefill(first) == [(0, len(long_prompt), "a")]
+    engine.update_weight_version("b")
+    second = engine.generate(input_ids=long_prompt + [11, 12, 13], sampling_params=SP)
+    k = second["meta_info"]["cached_tokens"]
+    assert k >= len(long_prompt) - 1
+    assert _prefill(second) == [(0, k, "a"), (k, len(long_prompt) + 3, "b")]
+
+
+def test_a_request_retracted_across_an_update_reports_its_recomputed_prompt(make_engine, ckpt_factory):
+    """Paused (retract), updated from disk with a new version, continued: the prompt was recomputed, so its
+    prefill span is the new version's alone, while the output spans split at the update."""
+    a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
+    engine = make_engine(a, enable_prefill_weight_versions=True, weight_version="v0")
+
+    def update():
+        engine.pause_generation(mode="retract")
+        ok, msg, _ = engine.update_weights_from_disk(str(b), weight_version="v1")
+        engine.continue_generation()
+        assert ok, msg
+
+    state = at_step(engine, 3, update)
+    out = engine.generate(input_ids=PROMPT, sampling_params=SP)
+    assert state["done"].is_set() and "error" not in state
+    assert _prefill(out) == [(0, len(PROMPT), "v1")]
+    assert _spans(out) == [(0, 3, "v0"), (3, 10, "v1")]
+    assert out["meta_info"]["num_retractions"] == 1

@@ -128,3 +128,15 @@ def test_sglang_generate_fields_at_neutral_values_are_served_others_refused(clie
         r = client.post("/generate", json=dict(plain, **{field: value}))
         assert r.status_code == 400 and field in r.text, (field, r.status_code, r.text)
     assert client.post("/generate", json=plain).json()["output_ids"] == want.json()["output_ids"]
+
+
+def test_weight_version_spans_cross_the_engine_process_pipe(tiny_llama):
+    """With the engine in its own process, /generate's final meta_info carries the output spans and (with
+    --enable-prefill-weight-versions) the prompt spans, equal to what the engine computed: one run each
+    in the served version, covering completion_tokens and prompt_tokens."""
+    with start_server(tiny_llama, engine_kw=dict(enable_prefill_weight_versions=True, weight_version="w0"),
+                      in_child=True) as s, s.client() as c:
+        body = dict(input_ids=PROMPT, sampling_params=dict(temperature=0, max_new_tokens=4, ignore_eos=True))
+        meta = c.post("/generate", json=body).json()["meta_info"]
+    assert meta["weight_versions"] == [{"start": 0, "end": 4, "version": "w0"}]
+    assert meta["prefill_weight_versions"] == [{"start": 0, "end": len(PROMPT), "version": "w0"}]
