@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hashlib
 import importlib.metadata
 import logging
@@ -619,6 +620,20 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI):
         or paused in place); True otherwise (waiting or retracted requests hold none)."""
         with self._cv:
             return self.scheduler.flush_cache()
+
+    def get_model_info(self) -> dict:
+        """What the engine serves now (SGLang's get_model_info): the checkpoint last loaded (the launch path
+        until an update_weights_from_disk succeeds) and the current weight version."""
+        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": self.weight_version,
+                "load_format": getattr(self.args, "load_format", None), "reasoning_parser": None,
+                "tool_call_parser": None}
+
+    def freeze_gc(self) -> None:
+        """SGLang's freeze_gc: move every object alive now to the permanent generation (gc.freeze), so
+        later collections skip them; call after warm-up. The engine lives in this process."""
+        gc.collect()
+        gc.freeze()
 
     def drain(self, timeout: float | None = None) -> dict:
         """SGLang's drain: wait until no request is in flight, or `timeout` seconds (None: no limit).

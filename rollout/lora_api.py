@@ -16,6 +16,7 @@ freed with it. Return values are SGLang's LoRAUpdateOutput: success, error_messa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -95,6 +96,15 @@ class LoRAAPI:
         finally:
             with self._reqs_lock:
                 self._lora_unloading.discard(uid)
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAUpdateOutput:
+        """load_lora_adapter for an event loop (SGLang's): the blocking call runs in a worker thread."""
+        return await asyncio.to_thread(self.load_lora_adapter, lora_name, lora_path, pinned)
+
+    async def async_unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> LoRAUpdateOutput:
+        """unload_lora_adapter for an event loop: it may wait for requests on the adapter, which the loop
+        itself may be serving, so it never blocks the loop."""
+        return await asyncio.to_thread(self.unload_lora_adapter, lora_name, timeout_s)
 
     # ---- requests ------------------------------------------------------------------------------
     def _lora_names(self, lora_path, num: int) -> list[str | None]:

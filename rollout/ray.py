@@ -41,6 +41,7 @@ FORWARDED = frozenset({
     "stop_expert_distribution_record", "dump_expert_distribution_record", "update_weight_version",
     "get_weights_checksum", "load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter",
     "check_weights", "weights_checksums", "post_process_weights", "start_profile", "stop_profile",
+    "get_model_info", "freeze_gc", "drain",
 })
 
 

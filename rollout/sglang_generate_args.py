@@ -44,6 +44,7 @@ UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "session_id": ((None,), _SESSION),
     "priority": ((None,), "priority scheduling is not supported (SGLang's --enable-priority-scheduling)"),
     "cache_salt": ((None,), "per-request prefix-cache salts are not supported"),
+    "kv_router_hint": ((None,), "KV router hints (SGLang's HiCache storage backends) are not supported"),
     "return_bytes": ((None, False), "returning output bytes is not supported"),
     "return_entropy": ((None, False), "returning entropies is not supported"),
 }

@@ -257,6 +257,8 @@ class EngineClient(RemoteGeneration):
     continue_generation = _remote("continue_generation")
     flush_cache = _remote("flush_cache")
     drain = _remote("drain")
+    get_model_info = _remote("get_model_info")
+    freeze_gc = _remote("freeze_gc")
     get_server_info = _remote("get_server_info")
     update_weight_version = _remote("update_weight_version")
     get_weights_checksum = _remote("get_weights_checksum")

@@ -52,7 +52,7 @@ class Body(BaseModel):
 
 SGLANG_ONLY_FIELDS = ("audio_data", "video_data", "require_reasoning", "routed_experts_start_len", "bootstrap_host",
                       "bootstrap_port", "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
-                      "disagg_prefill_dp_rank", "session_id", "cache_salt")
+                      "disagg_prefill_dp_rank", "session_id", "cache_salt", "kv_router_hint")
 
 
 class GenerateReqInput(Body):
@@ -92,6 +92,7 @@ class GenerateReqInput(Body):
     disagg_prefill_dp_rank: Any = None
     session_id: Any = None
     cache_salt: Any = None
+    kv_router_hint: Any = None
     external_trace_header: Any = None
     # sglang-router re-serialises every /generate body with these: accepted, no effect here.
     model: str | None = None
@@ -257,10 +258,13 @@ async def health_generate(request: Request):
 @router.get("/get_model_info")
 async def get_model_info(request: Request):
     engine = request.app.state.engine
+    # Built here from what an EngineClient caches too (no engine call): the same keys as Engine.get_model_info.
     return JSONResponse({"model_path": getattr(engine, "model_path", engine.args.model_path),
                          "tokenizer_path": getattr(engine, "tokenizer_path", engine.args.model_path),
                          "is_generation": True, "preferred_sampling_params": None,
-                         "weight_version": engine.weight_version})
+                         "weight_version": engine.weight_version,
+                         "load_format": getattr(engine.args, "load_format", None), "reasoning_parser": None,
+                         "tool_call_parser": None})
 
 
 @router.get("/get_server_info")

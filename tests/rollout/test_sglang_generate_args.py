@@ -25,7 +25,7 @@ SGLANG_GENERATE = (
     "lora_path", "custom_logit_processor", "require_reasoning", "return_hidden_states", "return_routed_experts",
     "routed_experts_start_len", "stream", "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
     "disagg_prefill_dp_rank", "data_parallel_rank", "external_trace_header", "rid", "session_params", "priority",
-    "session_id", "cache_salt",
+    "session_id", "cache_salt", "kv_router_hint",  # the last one: async_generate's
 )
 # What verl's and other wrappers pass when they forward every argument at its default.
 NEUTRAL_CALL = dict(image_data=None, audio_data=None, video_data=None, mm_hashes=None, mm_content_hashes=None,

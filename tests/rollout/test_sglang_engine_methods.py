@@ -1,0 +1,64 @@
+"""The smaller sglang.Engine methods RL code calls: get_model_info, freeze_gc, async_load_lora_adapter /
+async_unload_lora_adapter.
+
+Oracles: the checkpoint paths the test loads, gc's own freeze count, and the same engine's output from
+the synchronous calls (and with no adapter) for the async ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+from tests.lora_adapters import make_adapter
+from tests.server.conftest import start_server
+
+PROMPT = [5, 6, 7, 8, 9]
+GREEDY = dict(temperature=0, max_new_tokens=8, ignore_eos=True)
+
+
+def test_get_model_info_follows_disk_updates_and_matches_http(make_engine, ckpt_factory):
+    """get_model_info names the launch checkpoint, then the one update_weights_from_disk loaded, with the
+    current weight version; /get_model_info answers the same dict."""
+    a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
+    engine = make_engine(a, weight_version="w0")
+    info = engine.get_model_info()
+    assert (info["model_path"], info["weight_version"], info["is_generation"]) == (str(a), "w0", True)
+    assert engine.update_weights_from_disk(str(b), weight_version="w1")[0]
+    info = engine.get_model_info()
+    assert (info["model_path"], info["weight_version"]) == (str(b), "w1")
+    with start_server(a, engine=engine) as s, s.client() as c:
+        assert c.get("/get_model_info").json() == info
+
+
+def test_freeze_gc_freezes_and_the_engine_keeps_serving(make_engine, tiny_llama):
+    """After freeze_gc gc reports frozen objects, and greedy output is what it was."""
+    engine = make_engine(tiny_llama)
+    want = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+    try:
+        engine.freeze_gc()
+        assert gc.get_freeze_count() > 0
+        assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == want
+    finally:
+        gc.unfreeze()
+
+
+def test_async_lora_load_and_unload_equal_the_sync_calls(make_engine, tiny_llama, tmp_path):
+    """An adapter loaded with async_load_lora_adapter generates what the same adapter loaded synchronously
+    does (and not what the base does); async_unload_lora_adapter frees the name for a sync reload."""
+    adapter = make_adapter(tiny_llama, tmp_path / "ad", seed=3)
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=8, lora_target_modules=["all"])
+    base = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+
+    async def load_generate_unload():
+        out = await engine.async_load_lora_adapter("ad", str(adapter))
+        assert out.success, out.error_message
+        got = await engine.async_generate(input_ids=PROMPT, sampling_params=GREEDY, lora_path="ad")
+        out = await engine.async_unload_lora_adapter("ad")
+        assert out.success, out.error_message
+        return got["output_ids"]
+
+    via_async = asyncio.run(load_generate_unload())
+    assert engine.load_lora_adapter("ad", str(adapter)).success
+    via_sync = engine.generate(input_ids=PROMPT, sampling_params=GREEDY, lora_path="ad")["output_ids"]
+    assert via_async == via_sync != base
