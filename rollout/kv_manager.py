@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from rollout.radix_cache import RadixCache
-from rollout.request import Req
+from rollout.request import Req, extend_runs
 from runner.memory.kv_pool import ReqToTokenPool, TokenToKVPool
 
 
@@ -187,11 +187,7 @@ class KVManager:
         ids = self.slot_versions[self.req_pool.req_to_token[req.req_pool_idx, :n].cpu()].tolist()
         spans: list[list] = []
         for pos, vid in enumerate(ids):
-            name = self.version_names[vid] if vid >= 0 else None
-            if spans and spans[-1][2] == name:
-                spans[-1][1] = pos + 1
-            else:
-                spans.append([pos, pos + 1, name])
+            extend_runs(spans, pos, self.version_names[vid] if vid >= 0 else None)
         return spans
 
     def drop_lora_cache(self, lora_id: int) -> None:

@@ -33,6 +33,15 @@ class FinishReason:
         return d
 
 
+def extend_runs(runs: list[list], pos: int, value) -> None:
+    """Add position `pos` with `value` to [start, end, value] runs (weight-version spans): it lengthens the
+    last run when that one ends at `pos` with the same value, else starts a new one."""
+    if runs and runs[-1][2] == value and runs[-1][1] == pos:
+        runs[-1][1] = pos + 1
+    else:
+        runs.append([pos, pos + 1, value])
+
+
 @dataclass(eq=False)  # identity semantics: `req in queue` must not compare every field
 class Req:
     rid: str

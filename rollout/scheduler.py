@@ -34,7 +34,7 @@ import torch
 from rollout.batch import SamplingInfoCache, decode_batch, extend_batch, prompt_logprob_rows
 from rollout.kv_manager import KVManager
 from rollout.overlap import OverlapDecoder
-from rollout.request import FinishReason, Req
+from rollout.request import FinishReason, Req, extend_runs
 from runner.sampler import prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -130,11 +130,9 @@ class Scheduler:
         req_pool = runner.req_to_token_pool
         self.kv = KVManager(req_pool, runner.token_to_kv_pool, runner.device, not config.disable_radix_cache,
                             self.stats)
-        if config.enable_weight_version_kv_isolation:
-            self.kv.isolate_versions("default")  # the engine sets the served version (set_weight_version)
         # The version of the weights the steps run with; set by the engine between steps (never mid-step),
         # so a token's version is the one current when its step's output is processed.
-        self.weight_version = "default"
+        self.set_weight_version("default")
         if config.enable_prefill_weight_versions:
             self.kv.enable_slot_versions()
         # MoE routed experts (return_routed_experts): the model captures every forward's routing, the KV
@@ -200,6 +198,13 @@ class Scheduler:
             self._finish(req, reason)
             return True
         return False
+
+    def set_weight_version(self, weight_version: str) -> None:
+        """The engine's served version changed (under its lock, between steps): new tokens carry it and, with
+        weight-version KV isolation, requests admitted from now on cache their KV under it."""
+        self.weight_version = weight_version
+        if self.config.enable_weight_version_kv_isolation:
+            self.kv.isolate_versions(weight_version)
 
     # ---- decisions that move requests between queues (the KV work is self.kv's) ------------
     def _admit(self, req: Req) -> None:
@@ -557,11 +562,7 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------
     def _append_token(self, req: Req, sampled: _Sampled) -> None:
         req.output_ids.append(sampled.token)
-        spans, n = req.output_version_spans, len(req.output_ids)
-        if spans and spans[-1][2] == self.weight_version and spans[-1][1] == n - 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n - 1, n, self.weight_version])
+        extend_runs(req.output_version_spans, len(req.output_ids) - 1, self.weight_version)
         req.last_token_time = time.perf_counter()  # latency metrics (time to first token, inter-token)
         if len(req.output_ids) == 1:
             req.first_token_time = req.last_token_time

@@ -44,12 +44,9 @@ class WeightsAPI:
         self._set_weight_version(weight_version if weight_version is not None else str(self._num_updates))
 
     def _set_weight_version(self, weight_version: str) -> None:
-        """The one place the served version changes (under the engine lock, between steps): with
-        weight-version KV isolation, requests admitted from now on cache their KV under it."""
+        """The one place the served version changes (under the engine lock, between steps)."""
         self.weight_version = weight_version
-        self.scheduler.weight_version = weight_version
-        if self.args.scheduler_config().enable_weight_version_kv_isolation:
-            self.scheduler.kv.isolate_versions(weight_version)
+        self.scheduler.set_weight_version(weight_version)
 
     # ---- memory ------------------------------------------------------------------------------
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
