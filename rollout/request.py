@@ -117,6 +117,10 @@ class Req:
         snap.output_top_logprobs = list(self.output_top_logprobs)
         snap.output_token_ids_logprobs = list(self.output_token_ids_logprobs)
         snap.input_logprobs = dict(self.input_logprobs)
+        # The runs are [start, end, version] lists the scheduler lengthens in place: copy each one.
+        snap.output_version_spans = [list(r) for r in self.output_version_spans]
+        if self.prefill_version_spans is not None:
+            snap.prefill_version_spans = [list(r) for r in self.prefill_version_spans]
         return snap
 
     @property

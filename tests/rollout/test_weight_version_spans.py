@@ -107,3 +107,24 @@ def test_a_request_retracted_across_an_update_reports_its_recomputed_prompt(make
     assert _prefill(out) == [(0, len(PROMPT), "v1")]
     assert _spans(out) == [(0, 3, "v0"), (3, 10, "v1")]
     assert out["meta_info"]["num_retractions"] == 1
+
+
+def test_a_stream_snapshot_keeps_its_spans_when_the_request_grows():
+    """Req.snapshot() (what a stream chunk is built from on the caller's thread) copies the span runs:
+    tokens the scheduler appends afterwards, in the same version or a new one, do not reach the snapshot."""
+    from rollout.request import Req, extend_runs
+    from rollout.sampling_params import SamplingParams
+
+    req = Req(rid="r", prompt_ids=PROMPT, sampling_params=SamplingParams(), seed=0, prefill_version_spans=[])
+    for pos, version in enumerate(["a", "a", "b"]):
+        req.output_ids.append(pos)
+        extend_runs(req.output_version_spans, pos, version)
+    extend_runs(req.prefill_version_spans, 0, "a")
+    snap = req.snapshot()
+    for pos, version in [(3, "b"), (4, "c")]:  # the scheduler goes on: the last run grows, then a new one
+        req.output_ids.append(pos)
+        extend_runs(req.output_version_spans, pos, version)
+    extend_runs(req.prefill_version_spans, 1, "a")
+    assert snap.output_version_spans == [[0, 2, "a"], [2, 3, "b"]] and len(snap.output_ids) == 3
+    assert snap.prefill_version_spans == [[0, 1, "a"]]
+    assert req.output_version_spans == [[0, 2, "a"], [2, 4, "b"], [4, 5, "c"]]
