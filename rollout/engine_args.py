@@ -125,6 +125,10 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
                        "their own addresses"),
     "nccl_port": ("None or int", "no-op: TP ranks rendezvous on a free loopback port"),
     "quantization": ("None", "no quantized kernels"),
+    "enable_dp_attention": ("bool; True only with dp_size=1", "no-op: with one data-parallel rank, DP attention "
+                            "is plain attention"),
+    "schedule_policy": ("'fcfs'", "waiting requests are admitted in arrival order (SGLang's 'lpm', 'random', ... "
+                        "are refused)"),
     "json_model_override_args": ("None, '', '{}'", "config.json is used as it is"),
     "enable_metrics": ("bool", "no-op: the HTTP server always serves /metrics"),
     # The HTTP server's own flags (rollout.launch_server); an in-process Engine drops them.
@@ -163,12 +167,14 @@ class SGLangCompatConfig:
     dist_init_addr: str | None = None
     nccl_port: int | None = None
     quantization: str | None = None
+    enable_dp_attention: bool = False
+    schedule_policy: str = "fcfs"
     json_model_override_args: str | None = "{}"
     weight_version: str = "default"
 
     def __post_init__(self) -> None:
         for name in ("trust_remote_code", "skip_server_warmup", "disable_piecewise_cuda_graph",
-                     "enable_draft_weights_cpu_backup", "enable_metrics"):
+                     "enable_draft_weights_cpu_backup", "enable_metrics", "enable_dp_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         for name, why in (("dp_size", "one Engine is one data-parallel rank; start several with "
@@ -186,6 +192,9 @@ class SGLangCompatConfig:
         if self.quantization is not None:
             raise _refuse("quantization", self.quantization, "None", "no quantized kernels; load a bf16/fp16/fp32 "
                           "checkpoint")
+        if self.schedule_policy != "fcfs":
+            raise _refuse("schedule_policy", self.schedule_policy, "'fcfs'",
+                          "waiting requests are admitted in arrival order")
         if self.json_model_override_args not in (None, "", "{}"):
             raise _refuse("json_model_override_args", self.json_model_override_args, "None, '' or '{}'",
                           "config.json is used as it is; edit the checkpoint's config.json instead")

@@ -4,8 +4,9 @@ Mixed into Engine. It handles the requests around a weight update, never the wei
 the runner owns every route in (tensors, buckets, disk, the distributed groups) and one loader behind
 them. Every call takes the engine lock, so it runs between scheduler steps; a distributed update
 receives its bytes first, without the lock, so a silent trainer never stalls serving. Rules: nothing
-is released or updated under running requests unless generation is paused (paused requests are
-retracted and recompute their KV afterwards, under whatever weights are then loaded); a failed
+is released or updated under running requests unless generation is paused or the update is `online`
+(then the requests in flight are retracted and recompute their KV afterwards, under whatever weights
+are then loaded, and go on without a pause); a failed
 update returns (False, reason) and changes nothing (or, if it could not be undone, leaves the
 weights marked invalid so generate refuses); a successful one flushes the prefix cache and bumps
 `weight_version`.
@@ -28,13 +29,14 @@ logger = logging.getLogger(__name__)
 
 class WeightsAPI:
     # ---- guards ------------------------------------------------------------------------------
-    def _require_quiescent(self, what: str) -> int:
-        """Raise unless no request is in flight or generation is paused (then retract them); returns
-        how many paused requests were retracted (SGLang's num_paused_requests)."""
+    def _require_quiescent(self, what: str, online: bool = False) -> int:
+        """Raise unless no request is in flight, generation is paused or `online` (then retract them);
+        returns how many requests were retracted (SGLang's num_paused_requests)."""
         n = self.scheduler.num_in_flight()
-        if n and not self._paused:
-            raise RuntimeError(f"{what} refused: {n} request(s) in flight; call pause_generation() first "
-                               f"(or wait for them to finish)")
+        if n and not (self._paused or online):
+            raise RuntimeError(f"{what} refused: {n} request(s) in flight; call pause_generation() first, "
+                               f"pass online=True (they are retracted and go on under the new weights), "
+                               f"or wait for them to finish")
         if n:
             self.scheduler.retract_all()
         return n
@@ -67,44 +69,47 @@ class WeightsAPI:
             self._cv.notify_all()
 
     # ---- weights -----------------------------------------------------------------------------
-    def _update(self, what: str, fn, flush_cache: bool, weight_version: str | None) -> tuple[bool, str, int]:
+    def _update(self, what: str, fn, flush_cache: bool, weight_version: str | None,
+                online: bool = False) -> tuple[bool, str, int]:
         """-> (success, message, num_paused_requests)."""
         with self._cv:
             num_paused = 0
             try:
-                num_paused = self._require_quiescent(what)
+                num_paused = self._require_quiescent(what, online)
                 n = fn()
             except Exception as e:  # any failure is reported, never raised: the (bool, str) contract
                 logger.warning("%s failed: %s", what, e)
                 if not self.runner.weights_valid:  # not undone: never reuse KV computed from a mix
                     self.scheduler.flush_cache()
                 return False, f"{what} failed: {e}", num_paused
-            # Paused requests were retracted into the prefix cache with KV of the old weights: never
-            # keep that cache across an update, whatever flush_cache says.
-            if flush_cache or self._paused:
+            # Retracted requests left KV of the old weights in the prefix cache: never keep that cache
+            # across an update, whatever flush_cache says.
+            if flush_cache or self._paused or num_paused:
                 self.scheduler.flush_cache()
             self._bump_version(weight_version)
             self._cv.notify_all()
             return True, f"{what}: loaded {n} tensors; weight_version={self.weight_version}", num_paused
 
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
-                                   weight_version: str | None = None) -> tuple[bool, str]:
+                                   weight_version: str | None = None, online: bool = False) -> tuple[bool, str]:
         """named_tensors: list of (HF name, tensor) with load_format None; with "flattened_bucket" a
         bucket dict {"flattened_tensor", "metadata"} (or a list of them) from weight_sync.bucket; with
         "direct" (runner parameter name, whole tensor) pairs; with one of the engine's
-        custom_weight_loader paths, whatever that function fn(model, named_tensors) takes."""
+        custom_weight_loader paths, whatever that function fn(model, named_tensors) takes.
+        online=True: requests in flight (generation not paused) are retracted at this step boundary and
+        go on under the new weights, instead of the update being refused."""
         # KV computed from the old weights must not be reused: an update without flush is only
         # safe when nothing is cached, so it is forced if requests were retracted.
         return self._update("update_weights_from_tensor",
                             lambda: self.runner.update_weights_from_tensor(named_tensors, load_format),
-                            flush_cache, weight_version)[:2]
+                            flush_cache, weight_version, online)[:2]
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 weight_version: str | None = None, flush_cache: bool = True
+                                 weight_version: str | None = None, flush_cache: bool = True, online: bool = False
                                  ) -> tuple[bool, str, int]:
         """Load the HF checkpoint at `model_path`. -> (success, message, num_paused_requests), SGLang's
-        shape: the last is how many paused requests were retracted around the update (they go on
-        under the new weights after continue_generation)."""
+        shape: the last is how many requests were retracted around the update (they go on under the new
+        weights, after continue_generation if paused). online=True: as update_weights_from_tensor's."""
         if load_format == "delta":  # a delta file (weight_sync/disk.py DiskTarget.sync_delta)
             try:  # read before taking the engine lock: a slow file system stalls only this call
                 blob = _read_delta_file(model_path)
@@ -112,7 +117,7 @@ class WeightsAPI:
                 return False, f"update_weights_from_disk failed: {e}", 0
             return self._update("update_weights_from_disk",
                                 lambda: self.runner.update_weights_from_tensor(blob, "delta"),
-                                flush_cache, weight_version)
+                                flush_cache, weight_version, online)
         if load_format not in (None, "auto", "safetensors"):
             return (False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported; "
                            f"choose None, 'auto', 'safetensors' or 'delta'", 0)
@@ -126,7 +131,7 @@ class WeightsAPI:
             except WeightUpdateError as e:
                 return False, f"update_weights_from_disk failed: {e}", 0
         result = self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(source),
-                              flush_cache, weight_version)
+                              flush_cache, weight_version, online)
         if result[0]:  # SGLang reports the checkpoint now served as the model path (/get_model_info)
             self.model_path = str(model_path)
         return result

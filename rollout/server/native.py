@@ -94,10 +94,26 @@ class GenerateReqInput(Body):
     cache_salt: Any = None
     kv_router_hint: Any = None
     external_trace_header: Any = None
+    # Beside sampling_params, as some SGLang clients post it (SGLang's RL tests): applied to every
+    # prompt's sampling params that lack it; a different value there is refused.
+    max_new_tokens: int | None = None
     # sglang-router re-serialises every /generate body with these: accepted, no effect here.
     model: str | None = None
     background: bool | None = None
     no_logs: bool | None = None
+
+    def merged_sampling_params(self):
+        """sampling_params with the top-level max_new_tokens folded in; ValueError on a contradiction."""
+        if self.max_new_tokens is None:
+            return self.sampling_params
+        sps = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params or {}]
+        out = []
+        for sp in sps:
+            if sp.get("max_new_tokens", self.max_new_tokens) != self.max_new_tokens:
+                raise ValueError(f"max_new_tokens={self.max_new_tokens} beside sampling_params contradicts "
+                                 f"sampling_params.max_new_tokens={sp['max_new_tokens']}: pass one")
+            out.append({**sp, "max_new_tokens": self.max_new_tokens})
+        return out if isinstance(self.sampling_params, list) else out[0]
 
     def passthrough(self) -> dict:
         names = ("logprob_start_len", "token_ids_logprob", "input_embeds", "image_data", "lora_path",
@@ -185,6 +201,10 @@ async def generate(obj: GenerateReqInput, request: Request):
     engine = request.app.state.engine
     if (obj.text is None) == (obj.input_ids is None):
         return error_response("pass exactly one of text or input_ids", 400, param="text")
+    try:
+        obj.sampling_params = obj.merged_sampling_params()
+    except ValueError as e:
+        return error_response(str(e), 400, param="max_new_tokens")
     prompts = obj.text if obj.text is not None else obj.input_ids
     num_prompts = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
     if isinstance(obj.text, list):

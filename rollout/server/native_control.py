@@ -38,7 +38,25 @@ async def flush_cache(request: Request):
 
 
 class PauseGenerationReqInput(Body):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: Literal["abort", "retract", "in_place"] | None = None  # None: from the flags below, else "abort"
+    # Older SGLang clients' spelling of the mode: retract_all -> "retract", abort_all -> "abort", only
+    # false ones -> "in_place" (nothing aborted or retracted).
+    abort_all: bool | None = None
+    retract_all: bool | None = None
+
+    def resolved_mode(self) -> str:
+        """The mode asked for; ValueError when the fields contradict each other."""
+        if self.abort_all and self.retract_all:
+            raise ValueError("abort_all and retract_all are both true: pass one (or mode)")
+        flags = None
+        if self.abort_all or self.retract_all:
+            flags = "abort" if self.abort_all else "retract"
+        elif self.abort_all is False or self.retract_all is False:
+            flags = "in_place"
+        if self.mode is not None and flags is not None and flags != self.mode:
+            raise ValueError(f"mode={self.mode!r} contradicts abort_all={self.abort_all}, "
+                             f"retract_all={self.retract_all} (which mean {flags!r})")
+        return self.mode or flags or "abort"
 
 
 async def _optional_body(request: Request, model: type[BaseModel]):
@@ -53,7 +71,11 @@ async def _optional_body(request: Request, model: type[BaseModel]):
 async def pause_generation(request: Request):
     obj = await _optional_body(request, PauseGenerationReqInput)
     try:
-        await run_blocking(request, request.app.state.engine.pause_generation, mode=obj.mode)
+        mode = obj.resolved_mode()
+    except ValueError as e:
+        return error_response(str(e), 400, param="mode")
+    try:
+        await run_blocking(request, request.app.state.engine.pause_generation, mode=mode)
     except Exception as e:
         return engine_error(e)
     return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})

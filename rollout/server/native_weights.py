@@ -55,6 +55,9 @@ class UpdateWeightFromDiskReqInput(Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     flush_cache: bool = True
+    # True: requests in flight are retracted and go on under the new weights (no pause needed);
+    # False: an update with requests running and generation not paused is refused (400).
+    online: bool = False
 
 
 @router.post("/update_weights_from_disk")
@@ -65,7 +68,8 @@ async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: R
         return JSONResponse({"success": False, "message": refused, "num_paused_requests": 0}, status_code=400)
     await _abort_all_first(request, obj.abort_all_requests)
     res = await run_blocking(request, engine.update_weights_from_disk, obj.model_path, load_format=obj.load_format,
-                             weight_version=obj.weight_version, flush_cache=obj.flush_cache)
+                             weight_version=obj.weight_version, flush_cache=obj.flush_cache,
+                             **({"online": True} if obj.online else {}))  # other engines' signatures lack it
     # SGLang always reports how many requests were paused across the update.
     return _result(res if len(res) > 2 else (*res, 0))
 
@@ -76,6 +80,7 @@ class UpdateWeightsFromTensorReqInput(Body):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+    force: bool = False  # as /update_weights_from_disk's `online`: update now, retracting requests in flight
 
 
 @router.post("/update_weights_from_tensor")
@@ -88,7 +93,7 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
                               f"expected 1 or tp_size={tp}", 400, param="serialized_named_tensors")
     try:  # decoded where the engine runs (its own process by default): the tensors never cross a pipe
         res = await run_on_engine(request, decode_and_update, obj.serialized_named_tensors[0], obj.load_format,
-                                  obj.flush_cache, obj.weight_version, obj.abort_all_requests)
+                                  obj.flush_cache, obj.weight_version, obj.abort_all_requests, obj.force)
     except PayloadError as e:
         return error_response(str(e), 400, param="serialized_named_tensors")
     return _result(res)

@@ -127,23 +127,24 @@ def decode_payload(serialized: str, load_format: str | None) -> tuple[object, st
 
 
 def decode_and_update(engine, serialized: str, load_format: str | None, flush_cache: bool,
-                      weight_version: str | None, abort_all_requests: bool):
+                      weight_version: str | None, abort_all_requests: bool, online: bool = False):
     """/update_weights_from_tensor next to the engine: decode (PayloadError if malformed: then nothing
-    else happens), abort every request if asked, update."""
+    else happens), abort every request if asked, update (`online`: retracting requests in flight)."""
     try:
         payload, load_format = decode_payload(serialized, load_format)
     except (ValueError, RuntimeError) as e:
         raise PayloadError(str(e)) from None
     if abort_all_requests:
         engine.abort_request(abort_all=True)
-    return update_and_release(engine, payload, load_format, flush_cache, weight_version)
+    return update_and_release(engine, payload, load_format, flush_cache, weight_version, online)
 
 
-def update_and_release(engine, payload, load_format, flush_cache, weight_version):
+def update_and_release(engine, payload, load_format, flush_cache, weight_version, online: bool = False):
     """The update, then (CUDA IPC) a synchronize, so nothing still reads a sender's memory once we reply."""
     try:
+        kw = {"online": True} if online else {}  # only when asked: other engines' signatures lack it
         return engine.update_weights_from_tensor(payload, load_format=load_format, flush_cache=flush_cache,
-                                                 weight_version=weight_version)
+                                                 weight_version=weight_version, **kw)
     finally:
         flats = [b["flattened_tensor"] for b in payload if isinstance(b, dict)] if isinstance(payload, list) else []
         if any(t.is_cuda for t in flats if isinstance(t, torch.Tensor)):

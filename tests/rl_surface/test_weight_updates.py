@@ -227,6 +227,35 @@ def test_update_refused_while_requests_run_unless_paused(ckpt_pair):
         assert_same_tensors(before, engine)
 
 
+@pytest.mark.parametrize("route", ["disk", "tensor"])
+def test_online_update_retracts_running_requests_which_go_on_under_new_weights(ckpt_pair, route):
+    """online=True mid-request (not paused): the update lands, the request is retracted, its first k tokens
+    are A's greedy ones and the rest a fresh engine on B's greedy continuation of prompt + those k tokens."""
+    a, b = ckpt_pair("llama")
+    prompt, n = [5, 6, 7], 24
+    sp = dict(temperature=0, max_new_tokens=n, ignore_eos=True)
+    with make_engine(b) as fresh_b:
+        with make_engine(a) as engine:
+            reference_a = engine.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+            update = (lambda: engine.update_weights_from_disk(str(b), online=True)) if route == "disk" else \
+                (lambda: (*engine.update_weights_from_tensor(list(read_state_dict(b).items()), online=True), None))
+            state = at_step(engine, 5, update)  # mid-request
+            out = engine.generate(input_ids=prompt, sampling_params=sp)
+            assert state["done"].is_set() and "error" not in state, state
+            ok, msg, num_paused = state["result"]
+            assert ok, msg
+            assert num_paused in (1, None)  # the disk route reports it (SGLang's shape); the tensor one does not
+            spans = out["meta_info"]["weight_versions"]
+            assert [s["version"] for s in spans] == ["default", engine.weight_version] and spans[0]["start"] == 0
+            k = spans[0]["end"]
+            assert 0 < k < n and out["meta_info"]["finish_reason"]["type"] == "length"
+            assert out["meta_info"]["num_retractions"] == 1
+            assert out["output_ids"][:k] == reference_a[:k]
+        rest = fresh_b.generate(input_ids=prompt + out["output_ids"][:k],
+                                sampling_params={**sp, "max_new_tokens": n - k})["output_ids"]
+        assert out["output_ids"][k:] == rest
+
+
 def test_update_from_disk_accepts_config_fields_that_keep_shapes(ckpt_pair, reference_outputs, tmp_path):
     """A config that differs only in fields that do not change shapes (dtype, extra keys) is accepted."""
     a, b = ckpt_pair("llama")
