@@ -69,6 +69,7 @@ FRAMEWORK_KWARGS = dict(
     dp_size=1, pp_size=1, ep_size=1, nnodes=1, node_rank=0, base_gpu_id=0, gpu_id_step=1,
     dist_init_addr=None, nccl_port=None, quantization=None, json_model_override_args="{}",
     mm_attention_backend="fa3", enable_draft_weights_cpu_backup=True, enable_metrics=False,
+    enable_dp_attention=True, schedule_policy="fcfs",
     port=30000, host="127.0.0.1", max_running_requests=None, dtype=None, load_format="auto",
     random_seed=42, enable_memory_saver=True, mem_fraction_static=0.6, enable_weights_cpu_backup=False,
 )
@@ -99,6 +100,7 @@ def test_every_name_in_the_table_is_an_option():
     ("gpu_id_step", 0, "an int >= 1"), ("base_gpu_id", -1, "an int >= 0"),
     ("load_format", "remote_instance", "'auto', 'safetensors' or 'dummy'"),
     ("cpu_offload_gb", -1, ">= 0"),
+    ("schedule_policy", "random", "supported: 'fcfs'"),
 ])
 def test_unsupported_values_are_refused_naming_option_and_supported_values(tiny_llama, name, value, supported):
     """A value that would mean something this engine does not do is refused before anything is built,
@@ -128,9 +130,11 @@ def test_launch_server_takes_sglangs_flags(tiny_llama):
 
     server, kw = parse_args(["--model-path", str(tiny_llama), "--trust-remote-code", "--skip-server-warmup",
                              "--dp-size", "1", "--base-gpu-id", "0", "--port", "31000",
-                             "--custom-weight-loader", DIRECT_LOADER, "--weight-version", "v0"])
+                             "--custom-weight-loader", DIRECT_LOADER, "--weight-version", "v0",
+                             "--enable-dp-attention", "--schedule-policy", "fcfs"])  # SGLang's RL tests pass these
     args = EngineArgs.from_kwargs(**kw)
     assert server.port == 31000 and args.trust_remote_code and args.skip_server_warmup
+    assert args.enable_dp_attention and args.schedule_policy == "fcfs"
     assert args.custom_weight_loader == [DIRECT_LOADER] and args.weight_version == "v0"
 
 

@@ -161,12 +161,20 @@ def test_pause_continue_abort_flush(server, client):
     _abort_while_running(server, client, abort_all)
     assert client.post("/abort_request", json={"rid": "never-seen"}).status_code == 200  # a no-op, as SGLang
     assert client.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
+    for contradiction in ({"abort_all": True, "retract_all": True}, {"mode": "abort", "retract_all": True}):
+        r = client.post("/pause_generation", json=contradiction)
+        assert r.status_code == 400 and "retract_all" in r.json()["error"]["message"], r.text
     assert client.post("/generate", json=dict(input_ids=PROMPTS[1], sampling_params=GREEDY)).status_code == 200
 
 
-@pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_pause_modes_resume_to_same_tokens(server, client, mode):
-    """pause (retract | in_place) mid-request then continue: it finishes with exactly the unpaused greedy tokens."""
+@pytest.mark.parametrize("mode,pause_body", [
+    ("retract", {"mode": "retract"}), ("in_place", {"mode": "in_place"}),
+    # older SGLang clients' flags (SGLang's test_update_weights_from_tensor posts the first)
+    ("retract", {"abort_all": False, "retract_all": True}), ("in_place", {"abort_all": False, "retract_all": False}),
+], ids=["retract", "in_place", "retract_all-flag", "no-flags-in_place"])
+def test_pause_modes_resume_to_same_tokens(server, client, mode, pause_body):
+    """pause (retract | in_place, by mode or by the legacy flags) mid-request then continue: it finishes with
+    exactly the unpaused greedy tokens, retracted iff the mode is retract."""
     body = dict(input_ids=PROMPTS[2], sampling_params=dict(temperature=0, max_new_tokens=300, ignore_eos=True))
     want = client.post("/generate", json=body).json()["output_ids"]
     engine = server.engine
@@ -177,7 +185,7 @@ def test_pause_modes_resume_to_same_tokens(server, client, mode):
         with server.client() as c, c.stream("POST", "/generate", json={**body, "stream": True}) as r:
             events = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
             last = json.loads(next(events))  # a token came out: the request is running
-            assert client.post("/pause_generation", json={"mode": mode}).status_code == 200
+            assert client.post("/pause_generation", json=pause_body).status_code == 200
             try:
                 info = engine.get_server_info()
                 caught = info["num_in_flight"] == 1
@@ -194,6 +202,20 @@ def test_pause_modes_resume_to_same_tokens(server, client, mode):
             assert (last["meta_info"]["num_retractions"] >= 1) == (mode == "retract")
             return
     pytest.fail(f"the request finished before pause_generation(mode={mode!r}) landed, 3 times")
+
+
+def test_generate_top_level_max_new_tokens(server, client):
+    """max_new_tokens beside sampling_params (as SGLang's RL tests post it) caps every prompt's output exactly
+    as the same value inside sampling_params does; a contradicting value is a 400 naming it."""
+    inside = client.post("/generate", json=dict(input_ids=PROMPTS[:2], sampling_params=dict(
+        temperature=0, max_new_tokens=5, ignore_eos=True))).json()
+    beside = client.post("/generate", json=dict(input_ids=PROMPTS[:2], max_new_tokens=5, sampling_params=dict(
+        temperature=0, ignore_eos=True))).json()
+    assert [o["output_ids"] for o in beside] == [o["output_ids"] for o in inside]
+    assert [o["meta_info"]["completion_tokens"] for o in beside] == [5, 5]
+    r = client.post("/generate", json=dict(input_ids=PROMPTS[0], max_new_tokens=5,
+                                           sampling_params=dict(max_new_tokens=3)))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_new_tokens", r.text
 
 
 def test_stream_coalesces_for_a_reader_that_falls_behind(server):

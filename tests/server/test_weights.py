@@ -107,6 +107,43 @@ def test_update_from_tensor_plain_and_bucketed(wclient, ckpts, expected):
     assert _observe(wclient) == expected[1]
 
 
+def _update_mid_stream(wserver, wclient, update) -> tuple[dict, httpx.Response]:
+    """Stream a long greedy request and post `update(client)` once its first token arrived (it runs);
+    -> (its last chunk, the update's response). Under load it may finish first: then try again (bounded)."""
+    body = dict(input_ids=[5, 6, 7], stream=True, sampling_params=dict(temperature=0, max_new_tokens=300,
+                                                                      ignore_eos=True))
+    for _ in range(3):
+        with wserver.client() as c, c.stream("POST", "/generate", json=body) as r:
+            events = (line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]")
+            last = json.loads(next(events))
+            res = update(wclient)
+            for event in events:
+                last = json.loads(event)
+        if len(last["meta_info"]["weight_versions"]) == 2:
+            return last, res
+        assert res.status_code in (200, 400), res.text  # it landed after the request ended
+    pytest.fail("the request finished before the update landed, 3 times")
+
+
+@pytest.mark.parametrize("route", ["disk-online", "tensor-force"])
+def test_online_update_mid_request(wserver, wclient, ckpts, expected, route):
+    """/update_weights_from_disk {"online": true} and /update_weights_from_tensor {"force": true} (SGLang's RL
+    tests' fields) land while a request runs unpaused: it is retracted and finishes (not aborted) with two
+    weight-version spans, and the server then serves exactly B."""
+    if route == "disk-online":
+        def update(c):
+            return c.post("/update_weights_from_disk", json={"model_path": str(ckpts[1]), "online": True})
+    else:
+        blob = encode_named_tensors(read_state_dict(ckpts[1]))
+
+        def update(c):
+            return c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [blob], "force": True})
+    last, res = _update_mid_stream(wserver, wclient, update)
+    assert res.status_code == 200 and res.json()["success"], res.text
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and last["meta_info"]["num_retractions"] == 1
+    assert _observe(wclient) == expected[1]
+
+
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_update_from_distributed(wserver, wclient, ckpts, expected, load_format):
     """init group over HTTP (master_port an int, or a numeric string as SGLang's clients send), trainer
