@@ -101,7 +101,8 @@ class WeightsAPI:
         # KV computed from the old weights must not be reused: an update without flush is only
         # safe when nothing is cached, so it is forced if requests were retracted.
         return self._update("update_weights_from_tensor",
-                            lambda: self.runner.update_weights_from_tensor(named_tensors, load_format),
+                            lambda: self.runner.update_weights_from_tensor(_serialized_buckets(named_tensors, load_format),
+                                                                           load_format),
                             flush_cache, weight_version, online)[:2]
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
@@ -191,6 +192,26 @@ class WeightsAPI:
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         with self._cv:
             return self.runner.get_weights_by_name(name, truncate_size)
+
+
+def _serialized_buckets(named_tensors, load_format):
+    """SGLang's Engine takes flattened buckets serialized, one string per TP rank: here each string is the
+    wire encoding (weight_sync.wire.encode_bucket, base64 safetensors); every rank's copy must be the same
+    (the runner slices for its ranks itself), so the first is decoded. Anything else passes unchanged."""
+    if load_format != "flattened_bucket" or isinstance(named_tensors, dict):
+        return named_tensors
+    strings = [named_tensors] if isinstance(named_tensors, str) else named_tensors
+    if not isinstance(strings, list | tuple) or not strings or not all(isinstance(x, str) for x in strings):
+        return named_tensors
+    if len(set(strings)) != 1:
+        raise WeightUpdateError(f"{len(strings)} serialized buckets differ: give one per TP rank, every one the "
+                                f"same full bucket (the engine slices it for its ranks)")
+    from rollout.server.tensor_codec import decode_buckets  # the wire decoder (no server dependency)
+
+    try:
+        return decode_buckets(strings[0], "named_tensors[0]")
+    except (ValueError, RuntimeError) as e:
+        raise WeightUpdateError(str(e)) from None
 
 
 def _read_delta_file(path) -> bytes:

@@ -80,6 +80,26 @@ def test_update_from_one_flattened_bucket(ckpt_pair, reference_outputs, arch, ti
         assert run(engine) == reference_outputs(b)
 
 
+def test_update_from_serialized_buckets_one_per_rank(ckpt_pair, reference_outputs):
+    """SGLang's Engine shape for load_format="flattened_bucket": a list of serialized buckets (one per TP
+    rank, the same) == fresh engine on B; copies that differ are (False, reason) and change nothing."""
+    from weight_sync.wire import encode_bucket
+
+    a, b = ckpt_pair("llama")
+    buckets = list(iter_buckets(read_state_dict(b), bucket_bytes=1 << 30))
+    other = list(iter_buckets(read_state_dict(a), bucket_bytes=1 << 30))
+    with make_engine(a) as engine:
+        before = snapshot(engine)
+        ok, msg = engine.update_weights_from_tensor([encode_bucket(buckets[0]), encode_bucket(other[0])],
+                                                    load_format="flattened_bucket")
+        assert not ok and "differ" in msg, msg
+        assert_same_tensors(before, engine)
+        ok, msg = engine.update_weights_from_tensor(named_tensors=[encode_bucket(buckets[0])] * 2,
+                                                    load_format="flattened_bucket")
+        assert ok, msg
+        assert run(engine) == reference_outputs(b)
+
+
 def test_update_split_in_many_buckets(ckpt_pair, reference_outputs):
     """Small buckets sent one call each (flush only on the last), or all in one call, == fresh engine."""
     a, b = ckpt_pair("llama")
