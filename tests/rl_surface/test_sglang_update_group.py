@@ -89,3 +89,18 @@ def test_numeric_string_port_joins_and_a_bad_port_is_named(tiny_llama):
         destroy_weight_update_group(res["g"])
         assert engine.destroy_weights_update_group("g")[0]
         assert engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})["output_ids"]
+
+
+def test_nccl_on_a_cpu_engine_is_refused_before_connecting(tiny_llama):
+    """init_weights_update_group(backend="nccl") on a CPU engine is (False, reason naming gloo), and no
+    connection reaches the trainer's address (it would wait there for this rank until its timeout)."""
+    with socket.socket() as listener, make_engine(tiny_llama) as engine:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        ok, msg = engine.init_weights_update_group("127.0.0.1", str(port), 1, 2, "g", backend="nccl", timeout_s=30)
+        assert not ok and "backend='nccl'" in msg and "gloo" in msg, msg
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+        assert engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})["output_ids"]
