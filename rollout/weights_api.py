@@ -142,6 +142,12 @@ class WeightsAPI:
                                   ) -> tuple[bool, str]:
         """Join the trainer's weight-broadcast group (the trainer is rank 0; this engine is rank_offset).
         backend None: nccl on CUDA, gloo on the CPU. Runs without the engine lock: serving goes on."""
+        device = getattr(self.runner, "device", None)
+        if backend == "nccl" and getattr(device, "type", "cuda") != "cuda":
+            # Refused before connecting: a join that reached the trainer's store and then failed to
+            # build the group would leave the trainer waiting for this rank until its timeout.
+            return False, (f"init_weights_update_group failed: backend='nccl' needs a CUDA engine; this one runs "
+                           f"on {device}: join with backend='gloo' (or None), and use gloo on the trainer too")
         try:
             self.runner.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
                                                   backend, timeout_s)

@@ -307,11 +307,6 @@ class ModelRunner:
         backend None: nccl on CUDA, gloo otherwise."""
         if backend is None:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if backend == "nccl" and self.device.type != "cuda":
-            # Refused before connecting: a join that reached the trainer's store and then failed to
-            # build the group would leave the trainer waiting for this rank until its timeout.
-            raise ValueError(f"backend='nccl' needs a CUDA engine; this one runs on {self.device}: join with "
-                             f"backend='gloo' (or None), and use gloo on the trainer's side too")
         try:
             self.update_groups.join(master_address, master_port, rank_offset, world_size, group_name, backend,
                                     timeout_s)
