@@ -45,6 +45,8 @@ UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "priority": ((None,), "priority scheduling is not supported (SGLang's --enable-priority-scheduling)"),
     "cache_salt": ((None,), "per-request prefix-cache salts are not supported"),
     "kv_router_hint": ((None,), "KV router hints (SGLang's HiCache storage backends) are not supported"),
+    # GenerateReqInput's (the /generate body; SGLang's weight-version tests post it as null)
+    "extra_key": ((None,), "per-request prefix-cache namespaces are not supported"),
     "return_bytes": ((None, False), "returning output bytes is not supported"),
     "return_entropy": ((None, False), "returning entropies is not supported"),
 }

@@ -52,7 +52,7 @@ class Body(BaseModel):
 
 SGLANG_ONLY_FIELDS = ("audio_data", "video_data", "require_reasoning", "routed_experts_start_len", "bootstrap_host",
                       "bootstrap_port", "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
-                      "disagg_prefill_dp_rank", "session_id", "cache_salt", "kv_router_hint")
+                      "disagg_prefill_dp_rank", "session_id", "cache_salt", "kv_router_hint", "extra_key")
 
 
 class GenerateReqInput(Body):
@@ -93,6 +93,7 @@ class GenerateReqInput(Body):
     session_id: Any = None
     cache_salt: Any = None
     kv_router_hint: Any = None
+    extra_key: Any = None
     external_trace_header: Any = None
     # Beside sampling_params, as some SGLang clients post it (SGLang's RL tests): applied to every
     # prompt's sampling params that lack it; a different value there is refused.

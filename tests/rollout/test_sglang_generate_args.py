@@ -44,6 +44,7 @@ REFUSED = [
     ("priority", 5, "priority scheduling"),
     ("bootstrap_host", "10.0.0.1", "disaggregation"),
     ("cache_salt", "tenant-a", "salt"),
+    ("extra_key", "tenant-a", "namespaces"),
     ("routed_experts_start_len", 4, "first prompt position"),
 ]
 

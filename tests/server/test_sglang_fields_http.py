@@ -120,11 +120,12 @@ def test_sglang_generate_fields_at_neutral_values_are_served_others_refused(clie
     assert want.status_code == 200, want.text
     neutral = dict(plain, image_data=None, audio_data=None, custom_logit_processor=None, return_hidden_states=False,
                    routed_dp_rank=0, data_parallel_rank=None, bootstrap_host=None, session_id=None, cache_salt=None,
-                   require_reasoning=False, external_trace_header={"traceparent": "x"})
+                   require_reasoning=False, external_trace_header={"traceparent": "x"}, extra_key=None)
     got = client.post("/generate", json=neutral)
     assert got.status_code == 200, got.text
     assert got.json()["output_ids"] == want.json()["output_ids"]
-    for field, value in [("image_data", "cat.png"), ("routed_dp_rank", 2), ("return_hidden_states", True)]:
+    for field, value in [("image_data", "cat.png"), ("routed_dp_rank", 2), ("return_hidden_states", True),
+                         ("extra_key", "tenant-a")]:
         r = client.post("/generate", json=dict(plain, **{field: value}))
         assert r.status_code == 400 and field in r.text, (field, r.status_code, r.text)
     assert client.post("/generate", json=plain).json()["output_ids"] == want.json()["output_ids"]
