@@ -159,16 +159,21 @@ async def completions(req: CompletionRequest, request: Request):
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------
-def _content_text(content) -> str:
+def _content_text(content, where: str) -> str:
+    """A message's content (`where`: "messages[i].content") as one string; a part is {"type": "text", "text": str}."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
         if part.get("type") != "text":
-            raise ValueError(f"message content part of type {part.get('type')!r} is not supported (text only)")
-        parts.append(part.get("text", ""))
+            raise ValueError(f"{where}[{j}]: message content part of type {part.get('type')!r} is not supported "
+                             f"(text only)")
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}[{j}].text must be a string, got {type(text).__name__}")
+        parts.append(text)
     return "".join(parts)
 
 
@@ -181,7 +186,7 @@ def render_chat(engine, messages: list[dict], chat_template: ChatTemplate | str 
     if not isinstance(chat_template, ChatTemplate):
         chat_template = resolve_chat_template(chat_template, tok)
     template = chat_template.require()
-    msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
+    msgs = [{**m, "content": _content_text(m.get("content"), f"messages[{i}].content")} for i, m in enumerate(messages)]
     text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
     return {"input_ids": tok.encode(text, add_special_tokens=False)}
 

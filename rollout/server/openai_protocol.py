@@ -16,11 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.server.common import Body
+
 MAX_TOP_LOGPROBS = 20
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Body):
