@@ -29,6 +29,8 @@ def lone_surrogate_at(value, path: str = "") -> str | None:
     broken until the value changes). Lists of ints (token ids) are skipped: their types are checked by
     the models."""
     if isinstance(value, str):
+        if value.isascii():  # the common case (base64 weight payloads of GBs): a scan, no copy
+            return None
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
