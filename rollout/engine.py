@@ -65,13 +65,16 @@ def prompt_token_ids(tokenizer: TokenizerWrapper, prompt, input_ids) -> tuple[li
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompt must be a string or a list of strings")
         return [tokenizer.encode(p) for p in prompts], single
-    single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+    # isinstance first: a tensor or an array has no truth value (its own "ambiguous" error, naming nothing)
+    single = isinstance(input_ids, list) and bool(input_ids) and all(isinstance(t, int) for t in input_ids)
     ids_list = [input_ids] if single else input_ids
     if not isinstance(ids_list, list) or not all(
         isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
         for ids in ids_list
     ):
-        raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+        got = "" if isinstance(input_ids, list) else f", got {type(input_ids).__name__}" + (
+            " (convert it with .tolist())" if hasattr(input_ids, "tolist") else "")
+        raise ValueError(f"input_ids must be a list of ints or a list of lists of ints{got}")
     return ids_list, single
 
 

@@ -24,6 +24,14 @@ _GREEDY_BELOW = 1e-6  # temperatures under this are greedy
 # |bias| / temperature stays below 1e12 (float32's max is 3.4e38): finite however many tokens are biased.
 MAX_LOGIT_BIAS = 1e6
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+# SGLang sampling params not implemented here. None (their default, what a client dumping every field sends)
+# is dropped, as SGLang ignores it; any other value is refused naming what it asks for.
+_CONSTRAINED = "constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported"
+_UNIMPLEMENTED = {"json_schema": _CONSTRAINED, "regex": _CONSTRAINED, "ebnf": _CONSTRAINED,
+                  "structural_tag": _CONSTRAINED,
+                  "custom_params": "custom logit processors (and their custom_params) are not supported",
+                  "stream_interval": "a per-request stream_interval is not supported (every token is streamed; "
+                                     "a slow reader gets the newest snapshot)"}
 
 
 @dataclass
@@ -62,6 +70,10 @@ class SamplingParams:
                 if params.get("seed") is not None:
                     raise ValueError("sampling params seed and sampling_seed are the same field: pass one")
                 params = {k: v for k, v in params.items() if k != "sampling_seed"} | {"seed": params["sampling_seed"]}
+            for name in sorted(set(params) & set(_UNIMPLEMENTED)):
+                if params[name] is not None:
+                    raise ValueError(f"sampling param {name}={params[name]!r} is refused: {_UNIMPLEMENTED[name]}")
+            params = {k: v for k, v in params.items() if k not in _UNIMPLEMENTED}
             unknown = sorted(set(params) - known)
             if unknown:
                 raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")

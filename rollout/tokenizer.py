@@ -40,6 +40,11 @@ class TokenizerWrapper:
                              "pass input_ids instead of prompt")
         if not isinstance(text, str):  # else the tokenizer's own "TextEncodeInput must be Union[...]"
             raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+        try:  # JSON's "\\ud800" decodes to a lone surrogate, which the tokenizer refuses with a TypeError
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt is not valid Unicode text: lone surrogate U+{ord(text[e.start]):04X} at "
+                             f"character {e.start} (encode the text as UTF-8, or pass input_ids)") from None
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int], req: Req | None = None) -> str | None:

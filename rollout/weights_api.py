@@ -72,6 +72,8 @@ class WeightsAPI:
     def _update(self, what: str, fn, flush_cache: bool, weight_version: str | None,
                 online: bool = False) -> tuple[bool, str, int]:
         """-> (success, message, num_paused_requests)."""
+        if weight_version is not None and not isinstance(weight_version, str):  # checked before any weight moves
+            return False, f"{what} failed: weight_version must be a string or None, got {weight_version!r}", 0
         with self._cv:
             num_paused = 0
             try:
@@ -111,6 +113,9 @@ class WeightsAPI:
         """Load the HF checkpoint at `model_path`. -> (success, message, num_paused_requests), SGLang's
         shape: the last is how many requests were retracted around the update (they go on under the new
         weights, after continue_generation if paused). online=True: as update_weights_from_tensor's."""
+        if not isinstance(model_path, str | os.PathLike):
+            return (False, f"update_weights_from_disk failed: model_path must be a checkpoint directory (a str), "
+                           f"got {type(model_path).__name__}", 0)
         if load_format == "delta":  # a delta file (weight_sync/disk.py DiskTarget.sync_delta)
             try:  # read before taking the engine lock: a slow file system stalls only this call
                 blob = _read_delta_file(model_path)

@@ -40,6 +40,8 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
         loc = [str(x) for x in err.get("loc", ())]
         if loc and loc[0] == "body":
             loc = loc[1:]
+        if err.get("type") == "lone_surrogate":
+            return err["msg"], str(err.get("ctx", {}).get("where", "body")).split(".")[0].split("[")[0]
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", "body"
         if not loc:  # the body itself is not an object (a list, a string, a number, null)
@@ -70,10 +72,13 @@ def _union_errors(errors: list[dict]) -> tuple[str, str] | None:
         return None
     field = locs[0][0]
     shapes = " | ".join(dict.fromkeys(loc[1] for loc in locs))
-    got = next((e.get("input") for e, loc in zip(errors, locs) if len(loc) == 2), None)
+    # A branch that failed at the top level holds the field's value; when every branch failed deeper (a
+    # list with one bad element) there is none, and the element's error says what came.
+    tops = [e.get("input") for e, loc in zip(errors, locs) if len(loc) == 2]
+    got = f"; got {_json_type(tops[0])}" if tops else ""
     deepest = max(zip(errors, locs), key=lambda p: len(p[1]))
     detail = f" (in {field}[{']['.join(deepest[1][2:])}]: {deepest[0].get('msg')})" if len(deepest[1]) > 2 else ""
-    return f"{field}: must be {shapes}; got {_json_type(got)}{detail}", field
+    return f"{field}: must be {shapes}{got}{detail}", field
 
 
 def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:

@@ -18,6 +18,53 @@ except ImportError:  # pragma: no cover - the stdlib path below is the fallback
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
+
+
+def lone_surrogate_at(value, path: str = "") -> str | None:
+    """The path ("messages[0].content") of the first string in a decoded JSON value that holds a lone
+    UTF-16 surrogate, or None. JSON's "\\ud800" escape decodes to one; it cannot be encoded as UTF-8, so a
+    tokenizer, a file path or a /metrics label built from it fails deep inside (a 500, or a /metrics
+    broken until the value changes). Lists of ints (token ids) are skipped: their types are checked by
+    the models."""
+    if isinstance(value, str):
+        if value.isascii():  # the common case (base64 weight payloads of GBs): a scan, no copy
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list) and not (value and type(value[0]) is int):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and lone_surrogate_at(key) is not None:
+            return f"{path}.{key!r}" if path else repr(key)
+        where = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
+        found = lone_surrogate_at(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+class Body(BaseModel):
+    """A request body: strict types, unknown keys refused, no string with a lone surrogate."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise PydanticCustomError("lone_surrogate", "{where}: a string holds a lone UTF-16 surrogate (a \\ud800-"
+                                      "\\udfff escape not in a pair): not valid Unicode text", {"where": where})
+        return data
 
 
 def _finite(x):

@@ -180,7 +180,10 @@ async def prepare_prompts(request: Request, text, input_ids):
         return refusal
     if request.app.state.engine.tokenizer.tokenizer is None:
         return text, input_ids
-    ids = await tokenize(request, prompts)
+    try:
+        ids = await tokenize(request, prompts)
+    except ValueError:  # text the tokenizer refuses (a lone surrogate): the engine names it
+        return text, input_ids
     if not all(ids):
         return text, input_ids
     return None, ids[0] if isinstance(text, str) else ids

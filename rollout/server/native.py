@@ -29,10 +29,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 
 from rollout.server import limits
 from rollout.server.common import (
+    Body,
     JSONResponse,
     dumpb,
     engine_error,
@@ -44,10 +44,6 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 HEALTH_CHECK_TIMEOUT_S = 20.0
 DISCONNECT_POLL_S = 0.5
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 SGLANG_ONLY_FIELDS = ("audio_data", "video_data", "require_reasoning", "routed_experts_start_len", "bootstrap_host",

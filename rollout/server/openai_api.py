@@ -159,30 +159,48 @@ async def completions(req: CompletionRequest, request: Request):
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------
-def _content_text(content) -> str:
+def _content_text(content, where: str) -> str:
+    """A message's content (`where`: "messages[i].content") as one string; a part is {"type": "text", "text": str}."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
         if part.get("type") != "text":
-            raise ValueError(f"message content part of type {part.get('type')!r} is not supported (text only)")
-        parts.append(part.get("text", ""))
+            raise ValueError(f"{where}[{j}]: message content part of type {part.get('type')!r} is not supported "
+                             f"(text only)")
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}[{j}].text must be a string, got {type(text).__name__}")
+        parts.append(text)
     return "".join(parts)
 
 
-def render_chat(engine, messages: list[dict], chat_template: ChatTemplate | str | None) -> dict:
+# apply_chat_template's own arguments: set here, never by a request's chat_template_kwargs
+_RENDER_ARGS = ("conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
+                "tools", "documents", "return_dict", "return_tensors", "tokenizer_kwargs")
+
+
+def render_chat(engine, messages: list[dict], chat_template: ChatTemplate | str | None,
+                template_kwargs: dict | None = None, continue_final_message: bool = False) -> dict:
     """-> {"input_ids": ids}: the messages through the server's chat template (see chat_template.py),
-    tokenized. Raises NoChatTemplate when there is none."""
+    tokenized; `template_kwargs` are the template's variables (SGLang's chat_template_kwargs) and
+    `continue_final_message` leaves the last message open (no generation prompt after it). Raises
+    NoChatTemplate when there is none."""
+    clash = sorted(set(template_kwargs or ()) & set(_RENDER_ARGS))
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {clash}: the server sets them")
     tok = engine.tokenizer.tokenizer
     if tok is None:
         raise ValueError("chat completions need a tokenizer; this engine has none")
     if not isinstance(chat_template, ChatTemplate):
         chat_template = resolve_chat_template(chat_template, tok)
     template = chat_template.require()
-    msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
-    text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
+    msgs = [{**m, "content": _content_text(m.get("content"), f"messages[{i}].content")} for i, m in enumerate(messages)]
+    text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                   add_generation_prompt=not continue_final_message,
+                                   continue_final_message=continue_final_message, **(template_kwargs or {}))
     return {"input_ids": tok.encode(text, add_special_tokens=False)}
 
 
@@ -207,7 +225,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if bad is not None:
         return bad
     try:
-        rendered = render_chat(engine, [m.model_dump() for m in req.messages], request.app.state.chat_template)
+        rendered = render_chat(engine, [m.model_dump() for m in req.messages], request.app.state.chat_template,
+                               req.chat_template_kwargs, req.continue_final_message)
     except NoChatTemplate as e:
         return error_response(str(e), 400, param="--chat-template")
     except Exception as e:  # a template error is the request's content

@@ -16,11 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.server.common import Body
+
 MAX_TOP_LOGPROBS = 20
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Body):
@@ -101,3 +99,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: Any = None
+    # SGLang's chat extras: variables for the template (Qwen3's enable_thinking), and rendering the last
+    # (assistant) message open, so the model continues it instead of starting a new turn.
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False

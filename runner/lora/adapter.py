@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from runner.lora.config import AdapterConfig
@@ -33,7 +34,10 @@ def read_adapter_dir(path: str | Path) -> tuple[AdapterConfig, dict[str, torch.T
     if not file.is_file():
         raise ValueError(f"LoRA adapter {str(path)!r} has no adapter_model.safetensors (pickled adapter_model.bin "
                          f"is not read; save with safe_serialization=True)")
-    return config, load_file(str(file))
+    try:
+        return config, load_file(str(file))
+    except (SafetensorError, OSError) as e:  # safetensors' own error (a truncated or corrupt file) names no file
+        raise ValueError(f"{file} is not a valid safetensors file: {e}") from None
 
 
 def stage_adapter(config: AdapterConfig, tensors: dict[str, torch.Tensor], modules: dict[tuple[int, str], LoRAModule],

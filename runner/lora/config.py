@@ -129,7 +129,11 @@ class AdapterConfig:
         if not file.is_file():
             raise ValueError(f"LoRA adapter {str(path)!r} has no adapter_config.json (a PEFT save_pretrained "
                              f"directory is expected)")
-        return cls.from_dict(json.loads(file.read_text()))
+        try:
+            raw = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} is not a valid JSON file: {e}") from None
+        return cls.from_dict(raw)
 
 
 def infer_options(sources: list[LoRASource], max_lora_rank: int | None,

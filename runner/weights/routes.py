@@ -222,6 +222,9 @@ def get_weights_by_name(runner, name: str, truncate_size: int = 100) -> list:
 def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
     if isinstance(named_tensors, dict):
         named_tensors = list(named_tensors.items())
+    if not hasattr(named_tensors, "__iter__") or isinstance(named_tensors, str | bytes):  # a generator is fine
+        raise WeightUpdateError(f"named_tensors must be a list of (name, tensor) pairs or a dict, got "
+                                f"{type(named_tensors).__name__}")
     items = list(named_tensors)
     if not all(isinstance(x, tuple | list) and len(x) == 2 for x in items):
         raise WeightUpdateError("named_tensors must be a list of (name, tensor) pairs or a dict")

@@ -6,6 +6,7 @@ requests using it; release/resume keeps adapters with a CPU backup (and drops th
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 
 import pytest
@@ -94,11 +95,18 @@ def _bad_cases(a):
     return cases
 
 
-def test_bad_adapters_are_refused_and_change_nothing(env, make_engine):
+def test_bad_adapters_are_refused_and_change_nothing(env, make_engine, tmp_path):
     """Each bad adapter is refused naming its problem; loaded adapters and every output stay the same."""
     ckpt, a, b, refs = env
     engine = _lora_engine(make_engine, ckpt)
     assert engine.load_lora_adapter("b", str(b)).success
+    for broken, write in (("adapter_config.json", lambda d: b"{not json"), ("adapter_model.safetensors",
+                                                                            lambda d: d[: len(d) // 2])):
+        bad = shutil.copytree(a, tmp_path / broken)
+        (bad / broken).write_bytes(write((bad / broken).read_bytes()))
+        res = engine.load_lora_adapter("new", str(bad))
+        assert not res.success and f"{bad / broken} is not a valid" in res.error_message, res.error_message
+        assert res.loaded_adapters == {"b": str(b)}
     for case, (tensors, config, needle) in _bad_cases(a).items():
         res = engine.load_lora_adapter_from_tensors("new", tensors, config)
         assert not res.success and needle in res.error_message, (case, res.error_message)

@@ -58,6 +58,7 @@ TENSOR_CASES = {
     "not a tensor": lambda sd: (_valid_first(sd, NORM, sd[NORM].tolist()), [NORM, "torch.Tensor"]),
     "duplicate name": lambda sd: ([*sd.items(), (Q, sd[Q])], [Q, "twice"]),
     "not pairs": lambda sd: ([Q], ["(name, tensor)"]),
+    "None": lambda sd: (None, ["named_tensors must be", "got NoneType"]),
 }
 
 
@@ -331,6 +332,20 @@ def test_bad_checkpoint_changes_nothing(setup, tmp_path, ckpt_factory, make_bad)
     engine, b, _, _, _ = setup
     path, expected = make_bad(b, tmp_path, ckpt_factory)
     _check_refused(setup, engine.update_weights_from_disk(str(path)), expected)
+
+
+@pytest.mark.parametrize("call", ["tensor", "disk", "disk path None"])
+def test_mistyped_update_argument_changes_nothing(setup, call):
+    """A valid update with a non-string weight_version, or a model_path that is not a path: (False, naming the
+    argument), nothing loaded or relabelled."""
+    engine, b, sd, _, _ = setup
+    if call == "tensor":
+        res, expected = engine.update_weights_from_tensor(list(sd.items()), weight_version=5), ["weight_version", "5"]
+    elif call == "disk":
+        res, expected = engine.update_weights_from_disk(str(b), weight_version=5), ["weight_version", "5"]
+    else:
+        res, expected = engine.update_weights_from_disk(None), ["model_path", "NoneType"]
+    _check_refused(setup, res, expected)
 
 
 def test_valid_update_still_works_after_refusals(setup, reference_outputs):

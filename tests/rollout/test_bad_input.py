@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tests.checkpoints import VOCAB_SIZE
 from tests.rollout.oracle import hf_generate, random_prompts
@@ -55,6 +56,8 @@ BAD_CALLS = {
     "negative token id": (dict(input_ids=[-1] + PROMPT), ValueError, "vocabulary"),
     "token id not an int": (dict(input_ids=[1.0, 2.0]), ValueError, "input_ids"),
     "bool token id": (dict(input_ids=[True, 5]), ValueError, "input_ids"),
+    "input_ids as a tensor": (dict(input_ids=torch.tensor(PROMPT)), ValueError, "input_ids must be .* got Tensor"),
+    "prompt with a lone surrogate": (dict(prompt="ok \ud800"), ValueError, r"lone surrogate U\+D800 at character 3"),
     "empty prompt": (dict(input_ids=[[]]), ValueError, "empty"),
     "empty batch": (dict(input_ids=[]), ValueError, "empty"),
     "prompt longer than the context": (dict(input_ids=[5] * 128), ValueError, "context"),

@@ -34,6 +34,12 @@ CASES = [
     ("/update_weights_from_disk", {}, "model_path"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1"}, "master_port"),
     ("/pause_generation", {"mode": "sideways"}, "mode"),
+    # JSON's lone-surrogate escape decodes to a str no tokenizer, path or /metrics label can encode
+    ("/generate", b'{"text": "a\\ud800b"}', "text: a string holds a lone UTF-16 surrogate"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ["ok", "\\udfff"]}', "prompt[1]"),
+    ("/update_weights_from_disk", b'{"model_path": "/tmp/\\ud800"}', "model_path"),
+    ("/update_weight_version", b'{"new_version": "v\\ud800"}', "new_version"),
+    ("/generate", b'{"input_ids": [5], "sampling_params": {"stop": ["\\ud800"]}}', "sampling_params.stop[0]"),
 ]
 
 
@@ -49,6 +55,35 @@ def test_bad_request_is_4xx_naming_the_field(client, path, body, needle):
     assert needle in err["message"], err
     assert err["code"] == 400
     assert client.post("/generate", json=GOOD).status_code == 200
+
+
+def test_surrogate_refusal_changes_nothing(server, client):
+    """A refused lone-surrogate version relabels nothing, and /metrics (whose labels carry the version) still renders."""
+    version = server.engine.weight_version
+    r = client.post("/update_weight_version", content=b'{"new_version": "\\ud800"}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and server.engine.weight_version == version
+    assert client.get("/metrics").status_code == 200
+
+
+def test_union_error_names_the_bad_element_not_a_null(client):
+    """A list with one mistyped element: the error points at the element and claims no value that was not sent."""
+    r = client.post("/generate", json={"input_ids": [5, 1.5]})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "input_ids[1]" in msg and "null" not in msg, msg
+
+
+def test_chat_content_part_errors_name_the_part(server):
+    """A chat content part that is not text, or whose text is not a string, is a 400 naming messages[i].content[j]."""
+    with start_server(server.path, engine=server.engine, chat_template="plain") as s, s.client() as c:
+        for part, needle in (({"type": "text", "text": 5}, "messages[1].content[0].text must be a string"),
+                             ({"type": "image_url"}, "messages[1].content[0]: message content part of type")):
+            messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": [part]}]
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]})
+        assert r.status_code == 200
 
 
 def test_wrong_method_and_path(client):

@@ -99,6 +99,23 @@ def _chat_on_plain_template(server, oai):
     assert streamed == c.message.content
 
 
+def test_chat_template_kwargs_and_continue_final_message(server):
+    """SGLang's chat_template_kwargs reach the template and continue_final_message leaves the last message open (the
+    hand-written prompt, generated as the Engine does on it); a kwarg naming one of the server's own is a 400."""
+    template = ("{% if greeting %}[{{ greeting }}]{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                "</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, it is"}]
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "chat_template_kwargs": {"greeting": "yo"}, "continue_final_message": True}
+    with start_server(server.path, engine=server.engine, chat_template=template) as s, s.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        want = _engine(server, "[yo]<user>Hi</><assistant>Sure, it is", max_new_tokens=5, temperature=0, ignore_eos=True)
+        assert r.json()["choices"][0]["message"]["content"] == want["text"]
+        r = c.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": True}})
+        assert r.status_code == 400 and "chat_template_kwargs may not set ['tokenize']" in r.json()["error"]["message"]
+
+
 def test_chat_template_is_the_tokenizers(server):
     """With a chat template, the prompt is exactly the tokenizer's apply_chat_template output, tokenized."""
     tok = server.engine.tokenizer.tokenizer
