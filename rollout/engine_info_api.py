@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from rollout.weights_api import weight_version_problem
+
 DRAIN_POLL_S = 0.02  # drain() looks at the requests in flight this often
 
 
@@ -33,6 +35,9 @@ class EngineInfoAPI:
         if not isinstance(new_version, str) or not isinstance(abort_all_requests, bool):
             raise TypeError(f"update_weight_version takes new_version: str and abort_all_requests: bool, "
                             f"got {new_version!r}, {abort_all_requests!r}")
+        problem = weight_version_problem(new_version)
+        if problem:
+            raise ValueError(f"update_weight_version: {problem}")
         with self._cv:
             if abort_all_requests:
                 self._abort_reqs(self._in_flight(), "aborted by update_weight_version(abort_all_requests=True)")

@@ -72,8 +72,9 @@ class WeightsAPI:
     def _update(self, what: str, fn, flush_cache: bool, weight_version: str | None,
                 online: bool = False) -> tuple[bool, str, int]:
         """-> (success, message, num_paused_requests)."""
-        if weight_version is not None and not isinstance(weight_version, str):  # checked before any weight moves
-            return False, f"{what} failed: weight_version must be a string or None, got {weight_version!r}", 0
+        problem = weight_version_problem(weight_version) if weight_version is not None else None
+        if problem:  # checked before any weight moves
+            return False, f"{what} failed: {problem}", 0
         with self._cv:
             num_paused = 0
             try:
@@ -203,6 +204,18 @@ class WeightsAPI:
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         with self._cv:
             return self.runner.get_weights_by_name(name, truncate_size)
+
+
+def weight_version_problem(version) -> str | None:
+    """Why `version` cannot label the weights, or None. It goes into every output, /metrics and JSON
+    bodies, so it must be a string that encodes as UTF-8 (a lone surrogate from a JSON body does not)."""
+    if not isinstance(version, str):
+        return f"weight_version must be a string or None, got {version!r}"
+    try:
+        version.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"weight_version {version!r} is not valid UTF-8 text (character {e.start} is a lone surrogate)"
+    return None
 
 
 def _serialized_buckets(named_tensors, load_format):

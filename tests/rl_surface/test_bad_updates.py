@@ -334,12 +334,19 @@ def test_bad_checkpoint_changes_nothing(setup, tmp_path, ckpt_factory, make_bad)
     _check_refused(setup, engine.update_weights_from_disk(str(path)), expected)
 
 
-@pytest.mark.parametrize("call", ["tensor", "disk", "disk path None"])
+@pytest.mark.parametrize("call", ["tensor", "disk", "disk path None", "surrogate version", "relabel surrogate"])
 def test_mistyped_update_argument_changes_nothing(setup, call):
-    """A valid update with a non-string weight_version, or a model_path that is not a path: (False, naming the
-    argument), nothing loaded or relabelled."""
+    """A valid update with a non-string or non-UTF-8 weight_version, or a model_path that is not a path: refused
+    naming the argument, nothing loaded or relabelled."""
     engine, b, sd, _, _ = setup
-    if call == "tensor":
+    if call == "surrogate version":
+        res, expected = engine.update_weights_from_disk(str(b), weight_version="v\ud800"), ["weight_version",
+                                                                                            "surrogate"]
+    elif call == "relabel surrogate":
+        with pytest.raises(ValueError, match="weight_version .* lone surrogate"):
+            engine.update_weight_version("v\ud800")
+        res, expected = (False, "weight_version lone surrogate"), ["weight_version"]
+    elif call == "tensor":
         res, expected = engine.update_weights_from_tensor(list(sd.items()), weight_version=5), ["weight_version", "5"]
     elif call == "disk":
         res, expected = engine.update_weights_from_disk(str(b), weight_version=5), ["weight_version", "5"]
