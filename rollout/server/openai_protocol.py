@@ -39,6 +39,10 @@ class SamplingFields(Body):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI bookkeeping a client may send: nothing is stored or billed here, so they change no output.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # SGLang's extra keys
     top_k: int = -1
     min_p: float = 0.0
@@ -103,3 +107,9 @@ class ChatCompletionRequest(SamplingFields):
     # (assistant) message open, so the model continues it instead of starting a new turn.
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    # Tool calls and reasoning are not parsed here (the text comes back whole), so these are neutral at any
+    # value but reasoning_effort, which reasoning models' templates read: only unset is served.
+    parallel_tool_calls: bool | None = None
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    reasoning_effort: None = None

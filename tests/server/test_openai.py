@@ -116,6 +116,22 @@ def test_chat_template_kwargs_and_continue_final_message(server):
         assert r.status_code == 400 and "chat_template_kwargs may not set ['tokenize']" in r.json()["error"]["message"]
 
 
+def test_openai_bookkeeping_fields_change_nothing(server):
+    """metadata, store, service_tier, parallel_tool_calls and SGLang's separate/stream_reasoning are served, with the
+    same text as without them; a reasoning_effort (read by reasoning templates) is a 400 naming it."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True}
+    extras = {"metadata": {"run": "7"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True,
+              "separate_reasoning": False, "stream_reasoning": False}
+    with start_server(server.path, engine=server.engine, chat_template="plain") as s, s.client() as c:
+        plain = c.post("/v1/chat/completions", json=body)
+        r = c.post("/v1/chat/completions", json={**body, **extras})
+        assert plain.status_code == r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+        r = c.post("/v1/chat/completions", json={**body, "reasoning_effort": "high"})
+        assert r.status_code == 400 and "reasoning_effort" in r.text
+
+
 def test_chat_template_is_the_tokenizers(server):
     """With a chat template, the prompt is exactly the tokenizer's apply_chat_template output, tokenized."""
     tok = server.engine.tokenizer.tokenizer
