@@ -1,4 +1,5 @@
-"""Helpers shared by the route modules: JSON out, errors in one shape, blocking engine calls off the loop.
+"""Helpers shared by the route modules: JSON out, errors in one shape, blocking engine calls off the loop,
+and `Body`, the base of every request model (it refuses strings that are not valid Unicode, naming the field).
 
 Every error body is `{"error": {"message", "type", "param", "code"}}` (the OpenAI shape; SGLang's native
 routes send `{"error": {"message"}}`, a subset), with `param` naming the offending field when known.
