@@ -80,6 +80,9 @@ def prompt_token_ids(tokenizer: TokenizerWrapper, prompt, input_ids) -> tuple[li
 
 
 
+WAITING_ABORT_MESSAGE = "Abort in waiting queue"  # abort_request's message for requests not running (SGLang's)
+
+
 class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI):
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.args = EngineArgs.from_kwargs(model_path, **kwargs)
@@ -550,7 +553,12 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI):
                 victims = [r for r in in_flight if r.rid.startswith(rid)]
             else:
                 return 0
-            return self._abort_reqs(victims, "aborted by abort_request" + (" (abort_all)" if abort_all else ""))
+            message = "aborted by abort_request" + (" (abort_all)" if abort_all else "")
+            # SGLang's wording for a request that was not running (never admitted, or retracted back to
+            # the queue, its partial output kept): clients tell the two apart by it.
+            waiting = [r for r in victims if self.scheduler.is_waiting(r) or r in self._inbox]
+            return (self._abort_reqs(waiting, WAITING_ABORT_MESSAGE)
+                    + self._abort_reqs([r for r in victims if not any(r is w for w in waiting)], message))
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Stop generating until continue_generation(). SGLang's modes:

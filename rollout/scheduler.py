@@ -199,6 +199,10 @@ class Scheduler:
             return True
         return False
 
+    def is_waiting(self, req: Req) -> bool:
+        """In the waiting queue: not admitted yet, or retracted back to it (not the chunked prefill)."""
+        return req is not self.chunked_req and any(r is req for r in self.waiting)
+
     def set_weight_version(self, weight_version: str) -> None:
         """The engine's served version changed (under its lock, between steps): new tokens carry it and, with
         weight-version KV isolation, requests admitted from now on cache their KV under it."""

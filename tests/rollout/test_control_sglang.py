@@ -93,6 +93,25 @@ def test_abort_all_returns_partial_rollouts(engine, refs):
     assert _kv_rows_held(engine) == 0
 
 
+def test_abort_all_of_retracted_requests_says_waiting_queue(engine, refs):
+    """Requests retracted to the waiting queue (pause "retract" after step 5), then abort_request(abort_all): each
+    finishes as SGLang's "Abort in waiting queue" with the 5 tokens it had, the uninterrupted run's first 5."""
+    def control():
+        engine.pause_generation(mode="retract")
+        return engine.abort_request(abort_all=True)
+
+    result, h = _run_batch(engine, control, at_step=5)
+    try:
+        outs = _join(h, result)
+    finally:
+        engine.continue_generation()
+    assert h["state"]["result"] == 4
+    for out, ref in zip(outs, refs):
+        assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+        _assert_prefix_of(out, ref, 5)
+    assert _kv_rows_held(engine) == 0
+
+
 def test_abort_by_rid_matches_prefix_and_unknown_ids_are_no_ops(engine, refs):
     """As SGLang: an id not in flight aborts nothing (returns 0, no error); an id in flight aborts every
     request whose id starts with it ("job" takes "job_1" and "jobless"); the others are unchanged."""
