@@ -39,16 +39,12 @@ from rollout.server.common import (
     error_response,
     run_blocking,
 )
+from rollout.sglang_generate_args import UNIMPLEMENTED
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
 HEALTH_CHECK_TIMEOUT_S = 20.0
 DISCONNECT_POLL_S = 0.5
-
-
-SGLANG_ONLY_FIELDS = ("audio_data", "video_data", "require_reasoning", "routed_experts_start_len", "bootstrap_host",
-                      "bootstrap_port", "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
-                      "disagg_prefill_dp_rank", "session_id", "cache_salt", "kv_router_hint", "extra_key")
 
 
 class GenerateReqInput(Body):
@@ -113,9 +109,9 @@ class GenerateReqInput(Body):
         return out if isinstance(self.sampling_params, list) else out[0]
 
     def passthrough(self) -> dict:
-        names = ("logprob_start_len", "token_ids_logprob", "input_embeds", "image_data", "lora_path",
-                 "custom_logit_processor", "return_hidden_states", "return_routed_experts", "session_params", "priority",
-                 "return_bytes", "return_entropy", *SGLANG_ONLY_FIELDS)
+        # The Engine's own options, then every SGLang argument it takes only at a neutral value (it words refusals).
+        names = ("logprob_start_len", "token_ids_logprob", "lora_path", "return_routed_experts",
+                 *(n for n in UNIMPLEMENTED if n in type(self).model_fields))
         # `is not`, not `in (None, False)`: 0 == False, and logprob_start_len=0 (score the whole prompt)
         # must go through.
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None and getattr(self, n) is not False}
