@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from bench import machine
 from bench.throughput import PRESETS, write_preset
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -46,19 +47,31 @@ def linear_shapes(cfg: dict) -> tuple[list[tuple[int, int]], tuple[int, int]]:
 
 
 def floor_step(cfg: dict, batch: int, dtype: torch.dtype):
-    """A callable running the chain of every prepacked linear of one decode step."""
+    """A callable running the chain of every linear of one decode step as the engine runs it: oneDNN-
+    prepacked (in the shadow dtype runner/layers/prepack.py picks: fp32 for bf16 on a CPU without
+    native bf16, casts included), or dense `F.linear` where nothing is packed."""
+    from runner.layers.ops import packed_linear
+    from runner.layers.prepack import DECODE_BATCH_HINT, pack_dtype
+
+    shadow = pack_dtype(torch.device("cpu"), dtype)
     layer, head = linear_shapes(cfg)
     gen = torch.Generator().manual_seed(0)
-    ops = []  # (packed weight, input) per linear, distinct weights per layer so nothing stays in cache
+    ops = []  # (weight, input) per linear, distinct weights per layer so nothing stays in cache
     for shape in layer * cfg["num_hidden_layers"] + [head]:
         w = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
         x = torch.randn(batch, shape[1], generator=gen).to(dtype)
-        ops.append((torch.ops.mkldnn._reorder_linear_weight(w, batch), x))
+        if shadow is not None:
+            w = (torch.ops.mkldnn._reorder_linear_weight(w.to(shadow), DECODE_BATCH_HINT), None)
+        ops.append((w, x))
 
     def step() -> None:
         for w, x in ops:
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            if shadow is not None:
+                packed_linear(x, w)
+            else:
+                torch.nn.functional.linear(x, w)
 
+    step.packed = shadow is not None
     return step
 
 
@@ -184,9 +197,12 @@ def main(argv=None) -> dict:
         cfg = json.loads((model_dir / "config.json").read_text())
         res = dict(model=str(args.model or args.preset), dtype=args.dtype, batch=args.batch, temperature=args.temperature,
                    threads=torch.get_num_threads(), load_avg_1m_start=os.getloadavg()[0])
+        print(machine.line(), flush=True)
+        res.update(machine.describe())
         floor = floor_step(cfg, args.batch, _DTYPES[args.dtype])
         res["floor_ms"] = _median_ms(floor, max(5, args.steps // 2))
-        print(f"floor (prepacked linears, [{args.batch}, hidden]): {res['floor_ms']:.2f} ms/step", flush=True)
+        kind = "prepacked" if floor.packed else "dense"
+        print(f"floor ({kind} linears, [{args.batch}, hidden]): {res['floor_ms']:.2f} ms/step", flush=True)
         for mode in args.modes.split(","):
             loop = DecodeLoop(model_dir, args.dtype, args.batch, args.prompt_len, args.steps, mode == "captured", {},
                               args.temperature)

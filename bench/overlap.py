@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from bench import machine
 from bench.throughput import PRESETS, make_prompts, vocab_size_of, write_preset
 
 
@@ -43,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=5, help="timed on/off pairs")
+    p.add_argument("--cuda-graph-bs", type=int, nargs="*", default=None, help="capture (compile) the CPU "
+                   "decode step at these batch sizes, on both engines (runner/graphs/cpu_graph_runner.py)")
     p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in seconds for "
                    "the whole run (default: Python's 0.005); how long a thread waiting for the GIL lets the "
                    "holder run, see bench/gil_convoy.py")
@@ -64,7 +67,7 @@ def main(argv=None) -> dict:
     seq_len = args.prompt_len + args.output_len
     kwargs = dict(device="cpu", dtype=args.dtype, max_running_requests=max(num_seqs, 16),
                   context_length=seq_len + 16, max_total_tokens=num_seqs * (seq_len + 1) + 1024,
-                  show_progress=False)
+                  show_progress=False, cuda_graph_bs=args.cuda_graph_bs)
     sp = dict(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True, n=args.n, seed=1)
     engines = {"on": Engine(str(model_dir), disable_overlap_schedule=False, **kwargs),
                "off": Engine(str(model_dir), disable_overlap_schedule=True, **kwargs)}
@@ -72,6 +75,7 @@ def main(argv=None) -> dict:
     print(f"workload: preset={args.preset} dtype={args.dtype} batch={args.batch} n={args.n} "
           f"prompt_len={args.prompt_len} output_len={args.output_len} torch_threads={torch.get_num_threads()} "
           f"cpus={os.cpu_count()} switch_interval={sys.getswitchinterval()}", flush=True)
+    print(machine.line(), flush=True)
     try:
         for e in engines.values():  # warm-up: first-call allocations and lazy inits are not timed
             e.generate(input_ids=prompts[:2], sampling_params={**sp, "max_new_tokens": 8})

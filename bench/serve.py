@@ -34,6 +34,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import machine  # noqa: E402
 from rollout.launch_server import free_port  # noqa: E402
 
 
@@ -199,6 +200,7 @@ def main() -> None:
                         "median of the pairs' ratios (a neighbour's burst of load then hits both sides of a pair)")
     args = p.parse_args()
     reqs = workload(args)
+    print(machine.line(), flush=True)
     port = free_port()
     extra = args.engine_args.split()
     # Quiet server: stdout is read only until "ready", so an access line per request would fill the pipe

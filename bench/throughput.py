@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from bench import vllm_peer  # noqa: E402
+from bench import machine, vllm_peer  # noqa: E402
 
 PRESETS = {
     # Qwen2-like, small enough that per-step overhead, not matmuls, dominates. head_dim 32: vLLM's CPU
@@ -330,6 +330,7 @@ def main(argv=None) -> dict:
                         prompt_len=args.prompt_len, output_len=args.output_len, n=args.n,
                         temperature=args.temperature, repeat=args.repeat, torch_threads=torch.get_num_threads())
         print("workload:", json.dumps(workload), flush=True)
+        print(machine.line(), flush=True)
         rows: dict[str, dict] = {}
         common = (model_dir, args.dtype, prompts, args.n, args.output_len, args.temperature, warmup)
         floor = None

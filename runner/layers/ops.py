@@ -44,6 +44,9 @@ def packed_linear(x: torch.Tensor, packed) -> torch.Tensor:
     if isinstance(packed, GatedPacked):  # the whole gate|up output, for callers that need it (LoRA)
         return torch.cat([packed_linear(x, packed.gate), packed_linear(x, packed.up)], dim=-1)
     weight, bias = packed
+    if weight.dtype != x.dtype:  # an fp32 shadow of bf16 weights (runner/layers/prepack.py): round once
+        return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).contiguous(), weight, bias, "none", [],
+                                                  "").to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
@@ -54,10 +57,11 @@ def packed_silu_and_mul(x: torch.Tensor, packed: GatedPacked) -> torch.Tensor:
     machine a region waits for both threads, so every one avoided matters). Rounds once per
     projection instead of after each op, so it differs from silu_and_mul by bf16 rounding only.
     x: [num_tokens, hidden] -> [num_tokens, inter]."""
-    x = x.contiguous()
     (gw, gb), (uw, ub) = packed
+    dtype = x.dtype
+    x = x.to(gw.dtype).contiguous()  # an fp32 shadow of bf16 weights: the SiLU and product in fp32 too
     gate = torch.ops.mkldnn._linear_pointwise(x, gw, gb, "swish", [], "")
-    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, uw, ub, "mul")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, uw, ub, "mul").to(dtype)
 
 
 def register_opaque(module: nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""The CPU fp32 prepacked-linear fast path is an accelerator only: outputs match the plain path, and
+"""The CPU prepacked-linear fast path (fp32, bf16 native or as an fp32 shadow) is an accelerator only: outputs match the plain path, and
 no weight write can leave a stale packed copy behind."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from rollout import Engine
 from runner.layers import prepack
+from runner.layers.ops import GatedPacked
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 SP = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -64,39 +65,78 @@ def test_updates_and_release_never_leave_stale_packs(ckpt_factory):
         assert torch.allclose(_run(packed)[1], _run(plain)[1], atol=1e-5)
 
 
-def test_bf16_prepacked_matches_plain_bf16(ckpt_factory):
-    """bf16 is prepacked too (AVX512-BF16/AMX CPUs): its logits stay within bf16 rounding of F.linear's."""
+@pytest.fixture(params=["native", "fp32-shadow"])
+def bf16_shadow(request, monkeypatch):
+    """Both bf16 routes: native oneDNN bf16 (where this CPU has it) and the fp32 shadow of AVX2-only CPUs
+    (forced here on any CPU)."""
+    if request.param == "native":
+        if not prepack.native_bf16():
+            pytest.skip("this CPU has no native oneDNN bf16 (AVX512-BF16, AMX or AVX-NE-CONVERT)")
+        return torch.bfloat16
+    monkeypatch.setattr(prepack, "native_bf16", lambda: False)
+    return torch.float32
+
+
+def test_bf16_prepacked_matches_plain_bf16(ckpt_factory, bf16_shadow):
+    """bf16 is prepacked too (native, or as an fp32 shadow): its logits stay within bf16 rounding of
+    F.linear's, and the shadow has the dtype prepack.pack_dtype names."""
     from tests.runner.driver import RunnerDriver, make_runner
 
-    if not prepack.is_supported(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("this CPU has no oneDNN bf16 support")
     path = ckpt_factory("qwen2")
     logits = []
     for packed in (True, False):
         runner = make_runner(path, dtype="bfloat16", cpu_prepack=packed)
         assert all(_packed_runner(runner)) == packed
+        if packed:
+            pairs = [p for m in prepack.packable_modules(runner.model)
+                     for p in (m.packed if isinstance(m.packed, GatedPacked) else [m.packed])]
+            assert {w.dtype for w, _ in pairs} == {bf16_shadow}
         drv = RunnerDriver(runner)
         logits.append(drv.extend([drv.new_request()], [PROMPTS[2]], return_all_logits=True).all_logits)
+    assert logits[0].dtype == logits[1].dtype
     assert (logits[0] - logits[1]).abs().max() < 0.1  # logits have std ~2.4; bf16 has 8 mantissa bits
     assert logits[0].abs().max() > 1.0  # not trivially equal
+
+
+def test_fp32_shadow_of_bf16_is_exact_fp32_math_rounded_once(monkeypatch):
+    """With an fp32 shadow a bf16 linear equals the float64 product of the bf16 values, rounded to bf16
+    (at most one bf16 ulp off), and returns bf16."""
+    from runner.layers.linear import Linear
+
+    monkeypatch.setattr(prepack, "native_bf16", lambda: False)
+    gen = torch.Generator().manual_seed(0)
+    lin = Linear(64, 48, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(48, 64, generator=gen))
+        lin.bias.copy_(torch.randn(48, generator=gen))
+    prepack.pack(lin)
+    assert lin.packed[0].dtype == torch.float32 and lin.packed[1].dtype == torch.float32
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)[:, ::1]
+    got = lin(x)
+    want = (x.double() @ lin.weight.double().T + lin.bias.double()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 48)
+    ulp = want.double().abs() * 2.0 ** -7  # bf16: 8 significant bits
+    assert ((got.double() - want.double()).abs() <= ulp + 1e-6).all()
+    assert not torch.equal(got, torch.zeros_like(got))
 
 
 def _packed_runner(runner) -> list[bool]:
     return [m.packed is not None for m in prepack.packable_modules(runner.model)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_mlp_epilogues_match_silu_and_mul(dtype):
+@pytest.mark.parametrize("dtype,native", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_gated_mlp_epilogues_match_silu_and_mul(dtype, native, monkeypatch):
     """A prepacked gate|up runs SiLU-and-mul in its linears' epilogues: equal to silu(x Wg^T) * (x Wu^T)
     in float64 to fp32 rounding (fp32) or bf16 rounding (bf16), and its whole output is still gate|up."""
     import torch.nn.functional as F
 
     from runner.layers.activation import gated_silu_and_mul
     from runner.layers.linear import MergedLinear
-    from runner.layers.ops import GatedPacked
 
-    if dtype == torch.bfloat16 and not prepack.is_supported(torch.device("cpu"), dtype):
-        pytest.skip("this CPU has no oneDNN bf16 support")
+    if dtype == torch.bfloat16 and native and not prepack.native_bf16():
+        pytest.skip("this CPU has no native oneDNN bf16 support")
+    if not native:
+        monkeypatch.setattr(prepack, "native_bf16", lambda: False)  # the fp32 shadow of AVX2-only CPUs
     gen = torch.Generator().manual_seed(0)
     hidden, inter = 64, 96
     proj = MergedLinear(hidden, {0: inter, 1: inter}).to(dtype)
