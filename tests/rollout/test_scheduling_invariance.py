@@ -45,7 +45,9 @@ def _assert_same(outs: list[dict], refs: list[dict]) -> None:
         assert out["output_ids"] == ref["output_ids"], f"request {i}"
         lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         ref_lps = [lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]]
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=0, msg=f"request {i}")
+        # rtol: fp32 reduction order differs with the batch a row runs in (AVX2 kernels pick by M)
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, i=i: f"request {i}: {m}")
         assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
 
 
