@@ -51,7 +51,7 @@ def floor_step(cfg: dict, batch: int, dtype: torch.dtype):
     prepacked (in the shadow dtype runner/layers/prepack.py picks: fp32 for bf16 on a CPU without
     native bf16, casts included), or dense `F.linear` where nothing is packed."""
     from runner.layers.ops import packed_linear
-    from runner.layers.prepack import DECODE_BATCH_HINT, pack_dtype
+    from runner.layers.prepack import pack_dtype, packed_pair
 
     shadow = pack_dtype(torch.device("cpu"), dtype)
     layer, head = linear_shapes(cfg)
@@ -61,7 +61,7 @@ def floor_step(cfg: dict, batch: int, dtype: torch.dtype):
         w = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
         x = torch.randn(batch, shape[1], generator=gen).to(dtype)
         if shadow is not None:
-            w = (torch.ops.mkldnn._reorder_linear_weight(w.to(shadow), DECODE_BATCH_HINT), None)
+            w = packed_pair(w, None)
         ops.append((w, x))
 
     def step() -> None:

@@ -1,7 +1,7 @@
 """What machine a benchmark figure was taken on: the CPU's model name, the vector ISA torch dispatches to
 (AVX2, AVX512, AVX512-BF16/AMX via oneDNN) and the core count, printed next to every figure.
 
-Figures from an AVX2 CPU and from an AVX512-BF16 one are not comparable (bf16 linears are emulated on
+Figures from an AVX2 CPU and from an AVX512-BF16 one are not comparable (bf16 linears run as an fp32 shadow on
 the first and native on the second), so each benchmark's first line names the machine. It reads
 /proc/cpuinfo where present and torch's own capability probe; it measures nothing.
 """
@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from runner.layers.prepack import pack_dtype
 
 
 def cpu_model() -> str:
@@ -29,11 +31,11 @@ def cpu_model() -> str:
 def describe() -> dict:
     """{"cpu": model name, "isa": torch's CPU capability, "bf16_native": oneDNN bf16 available, "cpus": n}."""
     return dict(cpu=cpu_model(), isa=torch.backends.cpu.get_cpu_capability(),
-                bf16_native=bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                bf16_native=pack_dtype(torch.device("cpu"), torch.bfloat16) == torch.bfloat16,
                 cpus=os.cpu_count())
 
 
 def line() -> str:
     d = describe()
-    return (f"machine: {d['cpu']}, {d['isa']}, bf16 linears {'native' if d['bf16_native'] else 'emulated'}, "
+    return (f"machine: {d['cpu']}, {d['isa']}, bf16 linears {'native' if d['bf16_native'] else 'as an fp32 shadow'}, "
             f"{d['cpus']} cpus")

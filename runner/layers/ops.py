@@ -44,10 +44,9 @@ def packed_linear(x: torch.Tensor, packed) -> torch.Tensor:
     if isinstance(packed, GatedPacked):  # the whole gate|up output, for callers that need it (LoRA)
         return torch.cat([packed_linear(x, packed.gate), packed_linear(x, packed.up)], dim=-1)
     weight, bias = packed
-    if weight.dtype != x.dtype:  # an fp32 shadow of bf16 weights (runner/layers/prepack.py): round once
-        return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).contiguous(), weight, bias, "none", [],
-                                                  "").to(x.dtype)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    # An fp32 shadow of bf16 weights (runner/layers/prepack.py) upcasts x and rounds once; else no-op casts.
+    y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).contiguous(), weight, bias, "none", [], "")
+    return y.to(x.dtype)
 
 
 def packed_silu_and_mul(x: torch.Tensor, packed: GatedPacked) -> torch.Tensor:

@@ -62,7 +62,7 @@ def packable_modules(model: nn.Module) -> list[nn.Module]:
             and not (getattr(m, "fp32", False) and m.weight.dtype != torch.float32)]
 
 
-def _packed_pair(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+def packed_pair(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     # The shadow's dtype may differ from the weight's (an fp32 shadow of bf16): packed_linear casts then.
     dtype = pack_dtype(weight.device, weight.dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), DECODE_BATCH_HINT)
@@ -78,11 +78,11 @@ def pack(module: nn.Module) -> None:
         halves = []
         for shard in (0, 1):
             start, size = module.weight.shard_offsets[shard]
-            halves.append(_packed_pair(module.weight.narrow(0, start, size),
+            halves.append(packed_pair(module.weight.narrow(0, start, size),
                                        None if bias is None else bias.narrow(0, start, size)))
         module.packed = GatedPacked(*halves)
         return
-    module.packed = _packed_pair(module.weight, bias)
+    module.packed = packed_pair(module.weight, bias)
 
 
 def unpack(module: nn.Module) -> None:
