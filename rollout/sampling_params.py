@@ -16,6 +16,7 @@ context length". `stop_regex` patterns are searched in the decoded output, like 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 
 from rollout import stop_match
@@ -32,6 +33,22 @@ _UNIMPLEMENTED = {"json_schema": _CONSTRAINED, "regex": _CONSTRAINED, "ebnf": _C
                   "custom_params": "custom logit processors (and their custom_params) are not supported",
                   "stream_interval": "a per-request stream_interval is not supported (every token is streamed; "
                                      "a slow reader gets the newest snapshot)"}
+
+
+def as_int(x) -> int | None:
+    """x as an int when it is int-like (see `_is_int_like`), else None. The server's size limits read n
+    and max_new_tokens through this, so 1e6 as a float is counted, not skipped."""
+    return int(x) if _is_int_like(x) else None
+
+
+def _is_int_like(x) -> bool:
+    """An int, a numpy/torch-style integer scalar, or an integral float such as 16.0 (JSON clients and
+    arithmetic on configs produce these; SGLang accepts them). Not a bool, not 16.5, not nan or inf."""
+    if isinstance(x, bool) or getattr(x, "dtype", None) == "bool":
+        return False
+    if isinstance(x, numbers.Integral):
+        return True
+    return isinstance(x, numbers.Real) and math.isfinite(x) and float(x).is_integer()
 
 
 @dataclass
@@ -83,20 +100,20 @@ class SamplingParams:
 
     def normalize(self) -> None:
         """Type and range checks that do not need the model; raises ValueError naming the field."""
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
+        is_int = _is_int_like
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             if name == "max_new_tokens" and self.max_new_tokens is None:
                 continue
             if not is_int(getattr(self, name)):
                 raise ValueError(f"sampling param {name} must be an int, got {getattr(self, name)!r}")
+            setattr(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or getattr(v, "dtype", None) == "bool":
                 raise ValueError(f"sampling param {name} must be a number, got {v!r}")
             if not math.isfinite(v):  # nan passes every comparison below; inf breaks the sampler's scaling
                 raise ValueError(f"sampling param {name} must be finite, got {v!r}")
+            setattr(self, name, float(v))  # a numpy float32 and friends become a plain float
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sampling param {name} must be a bool, got {getattr(self, name)!r}")
@@ -129,9 +146,11 @@ class SamplingParams:
         ids = self.stop_token_ids or []
         if not isinstance(ids, list | tuple | set) or not all(is_int(t) for t in ids):
             raise ValueError(f"sampling param stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(ids)
+        self.stop_token_ids = [int(t) for t in ids]
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"sampling param seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None:
+            self.seed = int(self.seed)
         if self.repetition_penalty <= 0:
             raise ValueError(f"sampling param repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):  # OpenAI's and SGLang's range

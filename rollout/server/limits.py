@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 from fastapi.responses import Response
 
+from rollout.sampling_params import as_int
 from rollout.server.common import dumpb, error_response
 
 WEIGHT_UPLOAD_PATHS = frozenset({"/update_weights_from_tensor"})
@@ -114,7 +115,8 @@ async def tokenize(request: Request, prompts: list[str]) -> list[list[int]]:
 
 # ---- response size ----------------------------------------------------------------------------
 def _int(x, default: int) -> int:
-    return x if isinstance(x, int) and not isinstance(x, bool) else default
+    v = as_int(x)  # 16.0 counts as the engine will read it (rollout.sampling_params)
+    return default if v is None else v
 
 
 def _per_prompt(value, num: int) -> list:

@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from rollout.sampling_params import as_int
 from rollout.server import limits
 from rollout.server.common import (
     Body,
@@ -119,7 +120,8 @@ class GenerateReqInput(Body):
 
 def num_sequences(prompts: int, sampling_params) -> int:
     sps = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * prompts
-    return sum(sp.get("n", 1) if isinstance(sp.get("n", 1), int) else 1 for sp in sps)
+    # n as the engine will read it (2.0 is 2); a value it refuses counts 1 and is refused there
+    return sum(max(1, as_int(sp.get("n", 1)) or 1) if isinstance(sp, dict) else 1 for sp in sps)
 
 
 def check_n(request: Request, total: int) -> JSONResponse | None:

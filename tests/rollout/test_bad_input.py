@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,8 +40,11 @@ BAD_CALLS = {
     "min_p above one": (dict(input_ids=PROMPT, sampling_params=_sp(min_p=2.0)), ValueError, "min_p"),
     "negative max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(max_new_tokens=-1)), ValueError,
                                 "max_new_tokens"),
-    "float max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(max_new_tokens=4.0)), ValueError,
-                             "max_new_tokens"),
+    "fractional max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(max_new_tokens=4.5)), ValueError,
+                                  "max_new_tokens"),
+    "fractional n": (dict(input_ids=PROMPT, sampling_params=_sp(n=1.5)), ValueError, "sampling param n"),
+    "numpy bool n": (dict(input_ids=PROMPT, sampling_params=_sp(n=np.bool_(True))), ValueError, "sampling param n"),
+    "infinite top_k": (dict(input_ids=PROMPT, sampling_params=_sp(top_k=float("inf"))), ValueError, "top_k"),
     "n zero": (dict(input_ids=PROMPT, sampling_params=_sp(n=0)), ValueError, "sampling param n"),
     "min_new_tokens above max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(min_new_tokens=9)),
                                             ValueError, "min_new_tokens=9"),
@@ -100,6 +104,19 @@ def test_bad_request_is_a_clear_error_and_engine_keeps_serving(case, env):
     info = engine.get_server_info()
     assert info["num_in_flight"] == 0 and info["num_prompt_tokens"] == before
     assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == ref_ids
+
+
+def test_integral_floats_and_numpy_scalars_read_as_their_values(env):
+    """max_new_tokens=8.0, n and top_k as numpy ints, temperature as a numpy float (what JSON clients and
+    config arithmetic produce; SGLang takes them) behave exactly as the plain ints: HF greedy's 8 tokens."""
+    engine, ref_ids = env
+    params = {"temperature": np.float32(0.0), "ignore_eos": True, "max_new_tokens": 8.0, "n": np.int64(1),
+              "top_k": np.int32(-1), "seed": 3.0, "stop_token_ids": [np.int64(VOCAB_SIZE - 1)]}
+    if VOCAB_SIZE - 1 in ref_ids:
+        params["stop_token_ids"] = []
+    out = engine.generate(input_ids=PROMPT, sampling_params=params)
+    assert out["output_ids"] == ref_ids
+    assert out["meta_info"]["completion_tokens"] == 8
 
 
 def test_prompt_filling_the_context_gets_one_token(env):

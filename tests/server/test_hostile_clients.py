@@ -184,6 +184,10 @@ def test_response_entries_are_bounded(server, client):
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert "--max-response-entries" in msg and str(expected) in msg
+    # n and max_new_tokens as integral floats (the engine reads them as ints) are counted the same
+    as_floats = dict(body, sampling_params=dict(n=float(n), max_new_tokens=float(new), temperature=0))
+    r = client.post("/generate", json=as_floats)
+    assert r.status_code == 400 and str(expected) in r.json()["error"]["message"], r.text
     small = dict(body, sampling_params=dict(n=2, max_new_tokens=3, temperature=0), top_logprobs_num=5)
     r = client.post("/generate", json=small)
     assert r.status_code == 200 and len(r.json()) == 2
@@ -193,6 +197,16 @@ def test_response_entries_are_bounded(server, client):
         msg = r.json()["error"]["message"]
         assert r.status_code == 400 and "--max-response-entries 1000" in msg and str(4 * 100 * 7 + 4 * 6) in msg
     assert client.post("/v1/completions", json=completion).status_code == 200
+
+
+def test_n_as_a_float_counts_toward_max_n(server, client):
+    """n=257.0 is 257 sequences to the --max-n limit (256 by default), not one: 400 naming the flag."""
+    limit = ServerArgs().max_n
+    body = dict(input_ids=[5, 6, 7], sampling_params=dict(n=float(limit + 1), max_new_tokens=1, temperature=0))
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400 and f"--max-n {limit}" in r.json()["error"]["message"], r.text
+    r = client.post("/generate", json=dict(body, sampling_params=dict(n=2.0, max_new_tokens=1, temperature=0)))
+    assert r.status_code == 200 and len(r.json()) == 2
 
 
 # ---- items 7 and 10: errors that name the problem, bounded in size ------------------------------
