@@ -201,6 +201,10 @@ class SamplingParams:
         bad = sorted(t for t in self.logit_bias if not 0 <= t < vocab_size)
         if bad:
             raise ValueError(f"sampling param logit_bias has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        if len(self.logit_bias) == vocab_size and all(v == -math.inf for v in self.logit_bias.values()):
+            # Every logit -inf: nothing can be sampled, and the token drawn would come with a nan logprob.
+            raise ValueError(f"sampling param logit_bias bans all {vocab_size} tokens of the vocabulary (each bias "
+                             f"<= -{MAX_LOGIT_BIAS:g}): at least one token must stay possible")
 
     @property
     def is_greedy(self) -> bool:

@@ -42,6 +42,8 @@ BAD_CALLS = {
                                 "max_new_tokens"),
     "fractional max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(max_new_tokens=4.5)), ValueError,
                                   "max_new_tokens"),
+    "logit_bias banning the whole vocabulary": (dict(input_ids=PROMPT, sampling_params=_sp(
+        temperature=1.0, logit_bias={str(t): -1e300 for t in range(VOCAB_SIZE)})), ValueError, "bans all"),
     "fractional n": (dict(input_ids=PROMPT, sampling_params=_sp(n=1.5)), ValueError, "sampling param n"),
     "numpy bool n": (dict(input_ids=PROMPT, sampling_params=_sp(n=np.bool_(True))), ValueError, "sampling param n"),
     "infinite top_k": (dict(input_ids=PROMPT, sampling_params=_sp(top_k=float("inf"))), ValueError, "top_k"),
