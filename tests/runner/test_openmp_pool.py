@@ -69,24 +69,25 @@ def test_release_ends_the_pools_worker_threads():
     name = "omp-pool-test"  # only this test's thread and the workers it spawns carry it: other threads
     # of the process (a server's, Ray's, an earlier test's engine) can come and go meanwhile
 
+    x = torch.randn(64, 65536)  # made here: filling it may open a parallel region (and a pool) itself
+
     def body():
         _name_this_thread(name)
-        torch.set_num_threads(2)  # a team of 2 even on a 1-core machine: one worker thread
-        x = torch.randn(64, 65536)
+        torch.set_num_threads(2)  # a team of 2 even on a 1-core machine: at least one worker thread
+        # Counted after set_num_threads: in a fresh process its first call may itself start a thread.
         before = _threads_named(name)
         y = x.mul(2.0)  # past torch's grain size: a parallel region, so the pool is built
         with_pool = _threads_named(name)
         assert openmp_pool.release_thread_pool() is True
-        gone = _wait_for(lambda: _threads_named(name) == before)
+        gone = _wait_for(lambda: _threads_named(name) <= before)
         # The result is unchanged by what happens to the pool, and a new pool works.
         torch.testing.assert_close(x.mul(2.0), y, rtol=0, atol=0)
         openmp_pool.release_thread_pool()
         return before, with_pool, gone
 
     before, with_pool, gone = _in_thread(body)
-    assert before == 1  # the test's thread alone
-    assert with_pool == before + 1
-    assert gone, "the pool's worker thread was still alive 5 s after release_thread_pool()"
+    assert with_pool > before, "the parallel op started no worker thread"
+    assert gone, "the pool's worker threads were still alive 5 s after release_thread_pool()"
 
 
 @needs_libgomp
