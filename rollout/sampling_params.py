@@ -41,14 +41,15 @@ def as_int(x) -> int | None:
     return int(x) if _is_int_like(x) else None
 
 
+def _is_number(x) -> bool:
+    """A real number, numpy scalars included; not a bool (numpy's bool is not a numbers.Real either)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def _is_int_like(x) -> bool:
-    """An int, a numpy/torch-style integer scalar, or an integral float such as 16.0 (JSON clients and
-    arithmetic on configs produce these; SGLang accepts them). Not a bool, not 16.5, not nan or inf."""
-    if isinstance(x, bool) or getattr(x, "dtype", None) == "bool":
-        return False
-    if isinstance(x, numbers.Integral):
-        return True
-    return isinstance(x, numbers.Real) and math.isfinite(x) and float(x).is_integer()
+    """An int, a numpy integer scalar, or an integral float such as 16.0 (JSON clients and arithmetic
+    on configs produce these; SGLang accepts them). Not a bool, not 16.5, not nan or inf."""
+    return _is_number(x) and (isinstance(x, numbers.Integral) or (math.isfinite(x) and float(x).is_integer()))
 
 
 @dataclass
@@ -100,16 +101,15 @@ class SamplingParams:
 
     def normalize(self) -> None:
         """Type and range checks that do not need the model; raises ValueError naming the field."""
-        is_int = _is_int_like
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             if name == "max_new_tokens" and self.max_new_tokens is None:
                 continue
-            if not is_int(getattr(self, name)):
+            if not _is_int_like(getattr(self, name)):
                 raise ValueError(f"sampling param {name} must be an int, got {getattr(self, name)!r}")
             setattr(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or getattr(v, "dtype", None) == "bool":
+            if not _is_number(v):
                 raise ValueError(f"sampling param {name} must be a number, got {v!r}")
             if not math.isfinite(v):  # nan passes every comparison below; inf breaks the sampler's scaling
                 raise ValueError(f"sampling param {name} must be finite, got {v!r}")
@@ -144,12 +144,12 @@ class SamplingParams:
             raise ValueError(f"sampling param stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
         ids = self.stop_token_ids or []
-        if not isinstance(ids, list | tuple | set) or not all(is_int(t) for t in ids):
+        if not isinstance(ids, list | tuple | set) or not all(_is_int_like(t) for t in ids):
             raise ValueError(f"sampling param stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in ids]
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"sampling param seed must be an int or None, got {self.seed!r}")
         if self.seed is not None:
+            if not _is_int_like(self.seed):
+                raise ValueError(f"sampling param seed must be an int or None, got {self.seed!r}")
             self.seed = int(self.seed)
         if self.repetition_penalty <= 0:
             raise ValueError(f"sampling param repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
