@@ -192,7 +192,7 @@ def truncated_logprobs(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.T
 
 
 def truncated_logits(scaled: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """`scaled` [bs, vocab] with the tokens top-k, top-p and min-p remove set to -inf."""
+    """`scaled` [bs, vocab] with the tokens that top-k, top-p and min-p remove set to -inf."""
     if needs_truncation(info):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
@@ -331,7 +331,7 @@ class Sampler:
             # What is sampled from, as probabilities: one fused softmax pass, which on the CPU costs
             # half of exp() over a log_softmax (0.9 vs 1.8 ms at [16, 151936], 2 threads). The
             # log-distribution is computed only when something reads it.
-            masked = truncated_logits(scaled, info) if truncate else scaled
+            masked = truncated_logits(scaled, info)  # `scaled` itself when nothing truncates
             probs = torch.softmax(masked, dim=-1)  # [bs, vocab]; exactly 0 where truncation masked
             if wants_logprobs:
                 sample_lp = torch.log_softmax(masked, dim=-1)
