@@ -4,7 +4,10 @@ Each step is planned once in `init_forward_metadata` and kept on the backend (`f
 never on the batch): the KV slots of every request gathered into a padded [bs, max_kv_len] index, a
 boolean mask that is causal over the cached prefix plus the new tokens, and the scatter index from
 flattened new tokens into the padded query layout. Every layer then does one gather and one batched
-SDPA. Decode is the extend case with one new token per request.
+SDPA. Decode is the extend case with one new token per request. An extend batch with no cached
+prefix in any row (fresh prompts) plans no mask: query row j of each request sees keys 0..j, which is
+SDPA's own `is_causal` on the padded batch (rows past a request's length are padding, dropped after),
+and the kernel then skips the key blocks above the diagonal, which it computes under a mask.
 
 For a captured decode step (runner/graphs/graph_runner.py) the plan is written into static buffers sized
 once for the largest captured batch (`init_cuda_graph_state`), so every tensor the step reads has
@@ -33,10 +36,11 @@ KV_LEN_ALIGN = 64
 @dataclass
 class TorchNativeMetadata:
     kv_indices: torch.Tensor  # [bs, max_kv_len] KV slots (padding -> slot 0)
-    mask: torch.Tensor  # [bs, 1, max_q_len, max_kv_len] bool, True = attend
+    mask: torch.Tensor | None  # [bs, 1, max_q_len, max_kv_len] bool, True = attend; None when `causal`
     q_index: torch.Tensor | None  # [num_tokens] position of each new token in [bs * max_q_len]; None for decode
     max_q_len: int
     token_req: torch.Tensor | None = None  # [num_tokens] request row of each new token (deterministic mode)
+    causal: bool = False  # extend with no cached prefix anywhere: SDPA's is_causal instead of the mask
 
 
 class TorchNativeAttnBackend:
@@ -64,8 +68,13 @@ class TorchNativeAttnBackend:
         # slots past a row's length are stale, so they read slot 0 (masked out anyway).
         kv_indices = self.req_to_token[:, :max_kv].index_select(0, fb.req_pool_indices).mul_(valid)
         q_index = None
+        # No cached prefix in any row: the keys a real query row may see are exactly those at or before
+        # it (each request's KV length equals its query length), the plain causal mask of the padded batch.
+        causal = not is_decode and max_q > 1 and not any(fb.extend_prefix_lens_cpu)
         if max_q == 1 and is_decode:
             mask = valid.view(bs, 1, 1, max_kv)
+        elif causal:
+            mask = None
         else:
             prefix_t = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device=dev).view(bs, 1, 1)
             q_pos = torch.arange(max_q, device=dev).view(1, max_q, 1) + prefix_t  # absolute query positions
@@ -80,7 +89,7 @@ class TorchNativeAttnBackend:
             starts = torch.cumsum(lens_t, 0) - lens_t
             shift = torch.arange(bs, dtype=torch.int64) * max_q - starts
             q_index = (torch.arange(int(lens_t.sum())) + shift.repeat_interleave(lens_t)).to(dev)
-        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, q_index, max_q)
+        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, q_index, max_q, causal=causal)
         if batch_invariant.is_enabled():
             self.forward_metadata.token_req = batch_invariant.token_request_index(q_lens, dev)
 
@@ -143,9 +152,11 @@ class TorchNativeAttnBackend:
             qp = q.new_zeros(bs * md.max_q_len, hq, d)
             qp[md.q_index] = q
             qp = qp.view(bs, md.max_q_len, hq, d)
+        # Fresh prompts: is_causal skips the blocks above the diagonal (one 2048-token prompt of the 0.5B
+        # shape, bf16, 2 threads: 74 ms per layer against 136 ms under the same mask; 4 x 512: no change).
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2).to(dt), k.transpose(1, 2).to(dt), v.transpose(1, 2).to(dt),
-            attn_mask=md.mask, scale=layer.scaling, enable_gqa=hq != layer.num_kv_heads,
+            attn_mask=md.mask, is_causal=md.causal, scale=layer.scaling, enable_gqa=hq != layer.num_kv_heads,
         )  # [bs, hq, max_q, d]
         out = out.transpose(1, 2).reshape(bs * md.max_q_len, hq, d).to(q.dtype)
         return out if md.q_index is None else out[md.q_index]  # [num_tokens, hq, d]
