@@ -17,7 +17,9 @@ prefill cancels out). Beside it, timed just before and after each 1-token run, t
 floor of bench/decode_floor.py for that many sequences: `/floor` is the median of the per-pair ratios.
 `CPU /floor` is the same ratio in CPU seconds of this process (all threads): a neighbour's load
 delays a step without adding to its CPU time, so at `--threads 1` it is the steadier figure on a
-shared machine (with more threads, OpenMP's spin-waits count as CPU time).
+shared machine (with more threads, OpenMP's spin-waits count as CPU time). Where decode is under a
+quarter of a run (long prompts, few new tokens) the difference is prefill noise, so the row drops its
+decode figure and says so (`drop_unreliable_decode`).
 
 It does not check that the backends produce the same tokens (tests do that) and does not measure
 time to first token or latency percentiles (bench/serve.py does).
@@ -377,6 +379,7 @@ def main(argv=None) -> dict:
         hf = rows.get("hf")
         engine_row = rows.get("engine", {})
         for row in rows.values():
+            drop_unreliable_decode(row, args.output_len)
             if "seconds" in row:
                 row["tokens_per_s"] = row["tokens"] / row["seconds"]
                 row["tokens_per_cpu_s"] = row["tokens"] / row["cpu_seconds"] if row["cpu_seconds"] else None
@@ -410,6 +413,27 @@ def main(argv=None) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# Below this share of a run's wall time, the decode estimate (t(output_len) - t(1)) is the difference of
+# two prefill-dominated timings, and run-to-run noise in prefill (seconds on a shared machine) swamps it.
+MIN_DECODE_SHARE = 0.25
+
+
+def drop_unreliable_decode(row: dict, output_len: int) -> None:
+    """Replace a row's decode ms/step by a note when decode is under MIN_DECODE_SHARE of its run (or the
+    estimate is not positive): a figure there says nothing about the step."""
+    ms = row.get("decode_ms")
+    if ms is None or "seconds" not in row:
+        return
+    decode_s = ms * (output_len - 1) / 1e3
+    if ms > 0 and decode_s >= MIN_DECODE_SHARE * row["seconds"]:
+        return
+    for key in ("decode_ms", "decode_ms_all", "decode_cpu_ms", "floor_ms", "decode_over_floor", "floor_cpu_ms",
+                "decode_over_floor_cpu"):
+        row.pop(key, None)
+    row["decode_ms_note"] = (f"decode estimate {ms:.2f} ms/step dropped: decode is under "
+                             f"{MIN_DECODE_SHARE:.0%} of the run, so it is noise; use a longer --output-len")
+
+
 def print_table(workload: dict, rows: dict) -> None:
     w = workload
     print(f"\n{w['model']} {w['dtype']}  {w['batch']} prompts x n={w['n']} x {w['prompt_len']} prompt "
@@ -429,6 +453,9 @@ def print_table(workload: dict, rows: dict) -> None:
         cpu_over = f"{row['decode_over_floor_cpu']:.2f}x" if "decode_over_floor_cpu" in row else "-"
         print(f"{name:<10}{row['seconds']:>10.2f}{row['tokens_per_s']:>12.1f}{ratio:>8}"
               f"{per_cpu:>12}{row['load_avg_1m']:>6.1f}{step:>11}{fl:>10}{over:>8}{cpu_over:>12}")
+    for name, row in rows.items():
+        if "decode_ms_note" in row:
+            print(f"{name}: {row['decode_ms_note']}")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
