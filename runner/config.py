@@ -239,6 +239,9 @@ class RunnerConfig:
     tp_size: int = 1
     random_seed: int = 0
     cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/layers/prepack.py)
+    # The CPU paged decode-attention kernel (runner/attention/cpu_decode.py), built at first use: None
+    # uses it when it builds on an AVX-512 CPU, True requires it, False keeps gather + SDPA.
+    cpu_decode_kernel: bool | None = None
     # SGLang's enable_fp32_lm_head: the vocabulary projection of a bf16/fp16 model in fp32 (hidden states and
     # head weight upcast each step), so logits and logprobs are not rounded to the model dtype first.
     enable_fp32_lm_head: bool = False

@@ -25,6 +25,9 @@ from runner.forward_batch import ForwardBatch, get_forward_context
 
 
 class HFSdpaAttnBackend(TorchNativeAttnBackend):
+    def __init__(self, runner) -> None:
+        super().__init__(runner, decode_kernel=False)  # transformers' SDPA call is the point here
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         super().init_forward_metadata(fb)
         bs = fb.batch_size

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from runner import batch_invariant
+from runner.attention import cpu_decode
 from runner.forward_batch import ForwardBatch, get_forward_context
 
 # Captured steps on the CPU round the attended length up to this, so SDPA sees few distinct shapes.
@@ -35,29 +36,49 @@ KV_LEN_ALIGN = 64
 
 @dataclass
 class TorchNativeMetadata:
-    kv_indices: torch.Tensor  # [bs, max_kv_len] KV slots (padding -> slot 0)
+    kv_indices: torch.Tensor | None  # [bs, max_kv_len] KV slots (padding -> slot 0); None: not planned yet
     mask: torch.Tensor | None  # [bs, 1, max_q_len, max_kv_len] bool, True = attend; None when `causal`
     q_index: torch.Tensor | None  # [num_tokens] position of each new token in [bs * max_q_len]; None for decode
     max_q_len: int
     token_req: torch.Tensor | None = None  # [num_tokens] request row of each new token (deterministic mode)
     causal: bool = False  # extend with no cached prefix anywhere: SDPA's is_causal instead of the mask
+    # Decode: what the paged kernel reads (runner/attention/cpu_decode.py); [bs] int64 each.
+    req_pool_indices: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    bs: int = 0
 
 
 class TorchNativeAttnBackend:
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, decode_kernel: bool | None = None) -> None:
+        """decode_kernel: the CPU paged decode kernel (runner/attention/cpu_decode.py); None: the
+        runner config's `cpu_decode_kernel` (None there too: use it when it builds), False: gather + SDPA."""
         self.device = runner.device
         self.req_to_token = runner.req_to_token_pool.req_to_token  # [max_reqs, max_context]
         self.forward_metadata: TorchNativeMetadata | None = None
         self.graph_max_bs = 0  # static graph buffers, see init_cuda_graph_state
         # Whole-context attended length at replay (True: fixed addresses for device graphs).
         self.graph_full_kv = self.device.type == "cuda"
+        if decode_kernel is None:
+            decode_kernel = getattr(getattr(runner, "config", None), "cpu_decode_kernel", None)
+        self.decode_op = None
+        if self.device.type == "cpu" and decode_kernel is not False:
+            from runner.attention import cpu_decode
+
+            self.decode_op = cpu_decode.load_kernel(required=decode_kernel is True)
 
     # ---- eager steps ---------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         bs = fb.batch_size
+        is_decode = fb.forward_mode.is_decode()
+        if is_decode and self.decode_op is not None and not batch_invariant.is_enabled():
+            # The kernel reads the slots in place: the gather plan is made only if a layer needs it
+            # (a dtype or head_dim the kernel lacks; `_sdpa_decode_plan`).
+            self.forward_metadata = TorchNativeMetadata(None, None, None, 1, req_pool_indices=fb.req_pool_indices,
+                                                        seq_lens=fb.seq_lens, bs=bs)
+            self._seq_lens_cpu = fb.seq_lens_cpu
+            return
         seq_lens = fb.seq_lens_cpu
         max_kv = max(seq_lens)
-        is_decode = fb.forward_mode.is_decode()
         q_lens = [1] * bs if is_decode else fb.extend_seq_lens_cpu
         max_q = max(q_lens)
         dev = self.device
@@ -89,7 +110,8 @@ class TorchNativeAttnBackend:
             starts = torch.cumsum(lens_t, 0) - lens_t
             shift = torch.arange(bs, dtype=torch.int64) * max_q - starts
             q_index = (torch.arange(int(lens_t.sum())) + shift.repeat_interleave(lens_t)).to(dev)
-        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, q_index, max_q, causal=causal)
+        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, q_index, max_q, causal=causal,
+                                                    req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens, bs=bs)
         if batch_invariant.is_enabled():
             self.forward_metadata.token_req = batch_invariant.token_request_index(q_lens, dev)
 
@@ -122,14 +144,29 @@ class TorchNativeAttnBackend:
         torch.where(valid, rows, torch.zeros_like(rows), out=kv_indices)
         mask = self.graph_mask[:bs, :, :, :kv_len]
         mask.copy_(valid.view(bs, 1, 1, kv_len))
-        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, None, 1)
+        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, None, 1, req_pool_indices=req_pool_indices[:bs],
+                                                    seq_lens=seq_lens[:bs], bs=bs)
+
+    def _sdpa_decode_plan(self, md: TorchNativeMetadata) -> None:
+        """Fill the gather plan of a decode step planned for the kernel, for a layer the kernel cannot run."""
+        max_kv = max(self._seq_lens_cpu)
+        valid = torch.arange(max_kv, device=self.device).view(1, max_kv) < md.seq_lens.view(md.bs, 1)
+        md.kv_indices = self.req_to_token[:, :max_kv].index_select(0, md.req_pool_indices).mul_(valid)
+        md.mask = valid.view(md.bs, 1, 1, max_kv)
 
     # ---- attention -------------------------------------------------------------------------
     def _attend(self, q: torch.Tensor, layer, fb: ForwardBatch | None) -> torch.Tensor:
         md = self.forward_metadata
-        bs = md.kv_indices.shape[0]
+        bs = md.bs
         hq, d = layer.num_heads, layer.head_dim
         pool = get_forward_context().token_to_kv_pool
+        if (self.decode_op is not None and md.q_index is None and md.max_q_len == 1
+                and not batch_invariant.is_enabled() and cpu_decode.usable(q.dtype, pool.dtype, d)):
+            return cpu_decode.paged_decode_attention(
+                self.decode_op, q.view(bs, hq, d), pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
+                self.req_to_token, md.req_pool_indices, md.seq_lens, layer.scaling)  # [bs, hq, d]
+        if md.kv_indices is None:
+            self._sdpa_decode_plan(md)
         if batch_invariant.is_enabled():  # per token, fixed KV blocks (runner/batch_invariant.py)
             return batch_invariant.attention(q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
                                              md.kv_indices, md.token_req, fb.positions, layer.scaling)

@@ -132,7 +132,8 @@ def test_kv_indices_equal_torch_native_gather():
     """Per request, kv_indices[indptr[i]:indptr[i+1]] is exactly torch-native's gathered row cut at seq_len."""
     pool = _table()
     rows, seq_lens = [4, 0, 5, 2], [7, 1, 33, 12]
-    native = TorchNativeAttnBackend(SimpleNamespace(device=torch.device("cpu"), req_to_token_pool=pool))
+    native = TorchNativeAttnBackend(SimpleNamespace(device=torch.device("cpu"), req_to_token_pool=pool),
+                                    decode_kernel=False)  # its gather plan is the reference
     native.init_forward_metadata(_fb(ForwardMode.DECODE, rows, seq_lens))
     indptr, lpl, total = md.decode_metadata(seq_lens)
     got = md.kv_indices(pool.req_to_token, torch.tensor(rows), torch.tensor(seq_lens), total)
@@ -168,7 +169,8 @@ def test_metadata_attention_equals_torch_native(mode):
         qo, kv_ptr, _, total = md.extend_metadata(fb.extend_seq_lens_cpu, seq_lens)
     q = torch.randn(fb.num_tokens, HQ, D, generator=gen)
     layer = SimpleNamespace(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5)
-    native = TorchNativeAttnBackend(SimpleNamespace(device=torch.device("cpu"), req_to_token_pool=pool))
+    native = TorchNativeAttnBackend(SimpleNamespace(device=torch.device("cpu"), req_to_token_pool=pool),
+                                    decode_kernel=False)  # its gather plan is the reference
     with forward_context(ForwardContext(native, kv, pool)):
         native.init_forward_metadata(fb)
         want = native.forward_extend(q, layer, fb)

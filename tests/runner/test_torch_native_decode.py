@@ -1,5 +1,6 @@
-"""The torch-native backend's decode attention (query heads grouped per KV head) equals a naive
-per-request, per-head softmax over that request's own keys, in float64, for fp32 and bf16 pools."""
+"""The torch-native backend's decode attention, on either path (the paged CPU kernel, or gather + SDPA with
+query heads grouped per KV head), equals a naive per-request, per-head softmax over that request's own
+keys, in float64, for fp32 and bf16 pools."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from runner.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forw
 from runner.memory.kv_pool import TokenToKVPool
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "kernel"])
+@pytest.mark.parametrize("d", [16, 64, 48], ids=lambda d: f"d{d}")  # 48: no kernel instance, SDPA either way
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 1), (6, 2), (3, 3)])
-def test_decode_attention_matches_naive_per_head_softmax(dtype, heads):
+@pytest.mark.parametrize("heads", [(4, 1), (6, 2), (3, 3), (14, 2)])
+def test_decode_attention_matches_naive_per_head_softmax(dtype, heads, d, kernel):
     """Each request's output head h is softmax(q_h . K / sqrt(d)) V over exactly its own seq_len keys,
     read from KV head h // (num_heads / num_kv_heads)."""
     hq, hkv = heads
-    d, bs, slots = 16, 3, 64
+    bs, slots = 3, 64
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
     pool = TokenToKVPool(slots, dtype, 1, hkv, d, "cpu")
     pool.k_buffer.copy_(torch.randn(pool.k_buffer.shape, generator=gen).to(dtype))
@@ -31,7 +34,8 @@ def test_decode_attention_matches_naive_per_head_softmax(dtype, heads):
         req_to_token[b + 1, :n] = perm[b * 16:b * 16 + n]
     runner = types.SimpleNamespace(device=torch.device("cpu"),
                                    req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token))
-    backend = TorchNativeAttnBackend(runner)
+    backend = TorchNativeAttnBackend(runner, decode_kernel=kernel)
+    assert (backend.decode_op is not None) == kernel
     rows = torch.tensor([1, 2, 3])
     fb = ForwardBatch(ForwardMode.DECODE, bs, torch.zeros(bs, dtype=torch.int64), torch.tensor(seq) - 1, rows,
                       torch.tensor(seq), torch.zeros(bs, dtype=torch.int64), seq)

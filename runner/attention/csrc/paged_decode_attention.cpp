@@ -1,0 +1,355 @@
+// Paged decode attention for the CPU: one new query token per request, attending in place to the
+// request's KV slots in the paged pool (no gather, no mask). Built at first use by
+// runner/attention/cpu_decode.py (torch.utils.cpp_extension, -O3 -march=native) and registered as
+// torch.ops.rollout_cpu.paged_decode_attention.
+//
+// Work item = (request, KV head). Its `group` query heads share that head's K/V rows, so each K/V
+// row is read once per item and reused for every query head of the group (the GQA saving). Two
+// passes over the request's slots: scores q.k for every key (fp32), then a softmax over them and the
+// weighted sum of V rows. Accumulation is fp32 whatever the cache dtype (fp32 or bf16; bf16 is
+// widened to fp32 by a shift, exactly). Loops are plain C++ over a compile-time head_dim, written so
+// the compiler vectorizes them (the reductions under `omp simd`, built with -fopenmp-simd);
+// threads are torch's OpenMP team on the calling thread (the pool every torch CPU op uses).
+//
+// Not here: prefill / extend (several new tokens per request), sliding windows, soft caps, sinks,
+// fp16 caches. The Python side routes those to SDPA.
+#include <ATen/ATen.h>
+#include <omp.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // bf16 is the top half of an fp32: exact
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// e^x for x <= 0 (scores minus their max), vectorizable: x = n ln2 + r with |r| <= ln2/2, e^r by a
+// degree-6 Taylor polynomial (relative error < 2e-7 on that interval), 2^n by the exponent bits.
+// Inputs below -87 give 0's neighbourhood (e^-87 ~ 1.6e-38, the smallest normal fp32).
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
+#if defined(__AVX512F__)
+// ---- AVX-512: 16 fp32 lanes, head_dim = 16 * NV; query heads of a group in chunks of GC <= 4, so
+// a chunk's q rows (or accumulators) and the current K (or V) row stay in the 32 vector registers.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> 16 fp32: widen and shift into the top half
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512 exp_nonpos16(__m512 x) {  // exp_nonpos on 16 lanes, the same steps
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Slots are scattered through the pool (decode steps interleave requests), so the hardware
+// prefetcher cannot follow a request's rows: fetch the row kPrefetch tokens ahead by hand.
+constexpr int64_t kPrefetch = 8;
+template <int NV, typename T>
+inline void prefetch_row(const T* p) {
+  constexpr int kBytes = NV * 16 * static_cast<int>(sizeof(T));
+  for (int off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
+template <int NV, int GC, typename T>
+void scores_chunk(const float* __restrict q, const T* __restrict k_base, int64_t slot_stride,
+                  const int64_t* __restrict slots, int64_t len, float* __restrict scores) {
+  __m512 qv[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_loadu_ps(q + g * NV * 16 + j * 16);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetch < len) prefetch_row<NV>(k_base + slots[t + kPrefetch] * slot_stride);
+    const T* k = k_base + slots[t] * slot_stride;
+    __m512 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = load16(k + j * 16);
+    for (int g = 0; g < GC; ++g) {
+      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kv[j], a);
+      scores[g * len + t] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+template <int NV, int GC, typename T>
+void values_chunk(const T* __restrict v_base, int64_t slot_stride, const int64_t* __restrict slots, int64_t len,
+                  const float* __restrict probs, float* __restrict acc) {
+  __m512 av[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int j = 0; j < NV; ++j) av[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetch < len) prefetch_row<NV>(v_base + slots[t + kPrefetch] * slot_stride);
+    const T* v = v_base + slots[t] * slot_stride;
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(v + j * 16);
+    for (int g = 0; g < GC; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * len + t]);
+      for (int j = 0; j < NV; ++j) av[g][j] = _mm512_fmadd_ps(p, vv[j], av[g][j]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + g * NV * 16 + j * 16, av[g][j]);
+}
+
+// Softmax of each of `group` rows of `len` scores, in place (unnormalized: e^(s - max)); returns
+// the row sums' reciprocals in inv_sum.
+inline void softmax_rows(float* scores, int64_t len, int group, float* inv_sum) {
+  for (int g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+    const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1u);
+    mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, sg + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= len; t += 16) {
+      const __m512 p = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+      _mm512_storeu_ps(sg + t, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    const __m512 p = exp_nonpos16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), m));
+    _mm512_mask_storeu_ps(sg + t, tail, p);
+    sum = _mm512_mask_add_ps(sum, tail, sum, p);
+    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+}
+
+template <int NV, typename T>
+void attend_simd(const float* q, const T* k_base, const T* v_base, int64_t slot_stride, const int64_t* slots,
+                 int64_t len, int group, float* scores, float* acc, float* inv_sum) {
+  constexpr int D = NV * 16;
+  for (int g0 = 0; g0 < group; g0 += 4) {
+    const float* qg = q + g0 * D;
+    float* sg = scores + g0 * len;
+    switch (group - g0 < 4 ? group - g0 : 4) {
+      case 1: scores_chunk<NV, 1, T>(qg, k_base, slot_stride, slots, len, sg); break;
+      case 2: scores_chunk<NV, 2, T>(qg, k_base, slot_stride, slots, len, sg); break;
+      case 3: scores_chunk<NV, 3, T>(qg, k_base, slot_stride, slots, len, sg); break;
+      default: scores_chunk<NV, 4, T>(qg, k_base, slot_stride, slots, len, sg); break;
+    }
+  }
+  softmax_rows(scores, len, group, inv_sum);
+  for (int g0 = 0; g0 < group; g0 += 4) {
+    const float* pg = scores + g0 * len;
+    float* ag = acc + g0 * D;
+    switch (group - g0 < 4 ? group - g0 : 4) {
+      case 1: values_chunk<NV, 1, T>(v_base, slot_stride, slots, len, pg, ag); break;
+      case 2: values_chunk<NV, 2, T>(v_base, slot_stride, slots, len, pg, ag); break;
+      case 3: values_chunk<NV, 3, T>(v_base, slot_stride, slots, len, pg, ag); break;
+      default: values_chunk<NV, 4, T>(v_base, slot_stride, slots, len, pg, ag); break;
+    }
+  }
+  for (int g = 0; g < group; ++g)
+    for (int d = 0; d < D; ++d) acc[g * D + d] *= inv_sum[g];
+}
+constexpr int kSimdWidth = 16;
+#else
+constexpr int kSimdWidth = 1;
+#endif
+
+// The portable reference of the same two passes (no AVX-512): scalar loops.
+template <int D, typename T>
+void attend_scalar(const float* q, const T* k_base, const T* v_base, int64_t slot_stride, const int64_t* slots,
+                   int64_t len, int group, float* scores, float* acc, float* inv_sum) {
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = k_base + slots[t] * slot_stride;
+    for (int g = 0; g < group; ++g) {
+      float s = 0.0f;
+      for (int d = 0; d < D; ++d) s += q[g * D + d] * to_f32(k[d]);
+      scores[g * len + t] = s;
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float m = sg[0];
+    for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = exp_nonpos(sg[t] - m);
+      sum += sg[t];
+    }
+    inv_sum[g] = 1.0f / sum;
+  }
+  for (int i = 0; i < group * D; ++i) acc[i] = 0.0f;
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = v_base + slots[t] * slot_stride;
+    for (int g = 0; g < group; ++g)
+      for (int d = 0; d < D; ++d) acc[g * D + d] += scores[g * len + t] * to_f32(v[d]);
+  }
+  for (int g = 0; g < group; ++g)
+    for (int d = 0; d < D; ++d) acc[g * D + d] *= inv_sum[g];
+}
+
+template <int D, typename T>
+inline void attend_one(const float* q, const T* k_base, const T* v_base, int64_t slot_stride, const int64_t* slots,
+                       int64_t len, int group, float* scores, float* acc, float* inv_sum) {
+#if defined(__AVX512F__)
+  if constexpr (D % 16 == 0) {
+    attend_simd<D / 16, T>(q, k_base, v_base, slot_stride, slots, len, group, scores, acc, inv_sum);
+    return;
+  }
+#endif
+  attend_scalar<D, T>(q, k_base, v_base, slot_stride, slots, len, group, scores, acc, inv_sum);
+}
+
+template <int D, typename T>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
+         const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t bs = q.size(0), hq = q.size(1), hkv = k_cache.size(1);
+  const int group = static_cast<int>(hq / hkv);
+  const int64_t slot_stride = k_cache.stride(0);  // the same for v_cache (checked by the caller)
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* r2t = req_to_token.data_ptr<int64_t>();
+  const int64_t r2t_stride = req_to_token.stride(0);
+  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t num_slots = k_cache.size(0), max_context = req_to_token.size(1), num_rows = req_to_token.size(0);
+  for (int64_t b = 0; b < bs; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_context, "paged_decode_attention: seq_lens[", b, "] = ", lens[b],
+                " is outside [1, ", max_context, "]");
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < num_rows, "paged_decode_attention: req_pool_indices[", b, "] = ", rows[b],
+                " is outside [0, ", num_rows, ")");
+  }
+  // A slot outside the pool would read out of bounds: every work item checks its slots first (one
+  // sequential pass over int64s, small against the attention itself) and the step fails cleanly.
+  std::atomic<int64_t> bad_row{-1};
+  const int64_t items = bs * hkv;
+  // OpenMP directly, not at::parallel_for: the team is the calling thread's own setting, the one
+  // torch.set_num_threads gave it (at::parallel_for's first call per thread in an extension re-applies
+  // the process-wide default, undoing a per-thread setting such as the scheduler's one thread).
+  // It is torch's own libgomp (the extension links the already-loaded libgomp.so.1). Items differ
+  // in length: dynamic scheduling; each item's result does not depend on which thread runs it.
+#pragma omp parallel if (items > 1)
+  {
+    std::vector<float> qf(group * D), acc(group * D), inv_sum(group), scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t b = item / hkv, h = item % hkv;
+      const int64_t len = lens[b];
+      const int64_t* slots = r2t + rows[b] * r2t_stride;
+      bool in_pool = true;
+      for (int64_t t = 0; t < len; ++t) in_pool &= (slots[t] >= 0) & (slots[t] < num_slots);
+      if (!in_pool) {
+        bad_row.store(b);
+        continue;
+      }
+      const T* qb = qp + (b * hq + h * group) * D;  // q is [bs, hq, D] contiguous
+      for (int i = 0; i < group * D; ++i) qf[i] = to_f32(qb[i]) * fscale;
+      scores.resize(static_cast<size_t>(group) * len);
+      attend_one<D, T>(qf.data(), kp + h * D, vp + h * D, slot_stride, slots, len, group,
+                       scores.data(), acc.data(), inv_sum.data());
+      T* ob = op + (b * hq + h * group) * D;
+      for (int i = 0; i < group * D; ++i) ob[i] = static_cast<T>(acc[i]);
+    }
+  }
+  TORCH_CHECK(bad_row.load() < 0, "paged_decode_attention: request ", bad_row.load(), " has a KV slot outside the pool [0, ",
+              num_slots, ")");
+}
+
+template <typename T>
+bool dispatch_dim(int64_t d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r2t,
+                  const at::Tensor& rows, const at::Tensor& lens, double scale, at::Tensor& out) {
+  switch (d) {
+    case 16: run<16, T>(q, k, v, r2t, rows, lens, scale, out); return true;
+    case 32: run<32, T>(q, k, v, r2t, rows, lens, scale, out); return true;
+    case 64: run<64, T>(q, k, v, r2t, rows, lens, scale, out); return true;
+    case 80: run<80, T>(q, k, v, r2t, rows, lens, scale, out); return true;
+    case 96: run<96, T>(q, k, v, r2t, rows, lens, scale, out); return true;
+    case 128: run<128, T>(q, k, v, r2t, rows, lens, scale, out); return true;
+    case 256: run<256, T>(q, k, v, r2t, rows, lens, scale, out); return true;
+    default: return false;
+  }
+}
+
+// q: [bs, hq, D]; k_cache, v_cache: [slots, hkv, D] with contiguous (hkv, D) rows; req_to_token:
+// [max_reqs, max_context] int64; req_pool_indices, seq_lens: [bs] int64 (seq_lens >= 1, counting
+// this step's token, whose K/V is already in the pool) -> [bs, hq, D] in q's dtype.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: q must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode_attention: q must be contiguous [bs, hq, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: k_cache and v_cache must both be [slots, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: q, k_cache and v_cache must share one dtype");
+  const int64_t d = q.size(2), hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == d, "paged_decode_attention: head_dim of q and the cache differ");
+  TORCH_CHECK(q.size(1) % hkv == 0, "paged_decode_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.strides() == k_cache.strides(),
+              "paged_decode_attention: the caches' (kv_heads, head_dim) rows must be contiguous, same strides");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.stride(1) == 1,
+              "paged_decode_attention: req_to_token must be int64 with contiguous rows");
+  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  req_pool_indices.is_contiguous() && seq_lens.is_contiguous() &&
+                  req_pool_indices.numel() == q.size(0) && seq_lens.numel() == q.size(0),
+              "paged_decode_attention: req_pool_indices and seq_lens must be contiguous int64 [bs]");
+  auto out = at::empty_like(q);
+  bool ok = false;
+  if (q.scalar_type() == at::kFloat) {
+    ok = dispatch_dim<float>(d, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    ok = dispatch_dim<c10::BFloat16>(d, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " not supported (float32, bfloat16)");
+  }
+  TORCH_CHECK(ok, "paged_decode_attention: head_dim ", d, " not compiled (16, 32, 64, 80, 96, 128, 256)");
+  return out;
+}
+
+}  // namespace
+
+// 16 when the AVX-512 path was compiled in, 1 for the scalar build (the loader then prefers SDPA).
+int64_t simd_width() { return kSimdWidth; }
+
+TORCH_LIBRARY(rollout_cpu, m) {
+  m.def("simd_width() -> int", &simd_width);
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
+        "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

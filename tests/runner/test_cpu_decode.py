@@ -1,0 +1,168 @@
+"""The CPU paged decode-attention kernel (runner/attention/cpu_decode.py) equals a float64 softmax over each
+request's own slots, refuses bad input by name, and the Engine decodes with it as HF `generate` does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from runner.attention import cpu_decode
+from tests.rollout.oracle import EnginePool, hf_generate, random_prompts
+
+
+@pytest.fixture(scope="module")
+def op():
+    return cpu_decode.load_kernel(required=True)  # CI's machines have AVX-512, g++ and ninja
+
+
+def _case(dtype, d, hq, hkv, lens, seed=0, slots_per_req=None, share_prefix=0):
+    """A pool with scattered slots; requests on permuted req_to_token rows; the first `share_prefix` slots
+    of every request are the same slots (n samples of one prompt)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, width = len(lens), max(lens) + 3
+    num_slots = bs * width + 1
+    k = torch.randn(num_slots, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(num_slots, hkv, d, generator=gen).to(dtype)
+    perm = torch.randperm(num_slots - 1, generator=gen) + 1
+    r2t = torch.zeros(bs + 2, width, dtype=torch.int64)
+    rows = torch.randperm(bs + 2, generator=gen)[:bs]
+    for b in range(bs):
+        r2t[rows[b], :width] = perm[b * width:(b + 1) * width]
+        r2t[rows[b], :share_prefix] = perm[:share_prefix]
+    q = torch.randn(bs, hq, d, generator=gen).to(dtype)
+    return q, k, v, r2t, rows, torch.tensor(lens)
+
+
+def _oracle(q, k, v, r2t, rows, lens, scale):
+    bs, hq, d = q.shape
+    group = hq // k.shape[1]
+    out = torch.empty(bs, hq, d, dtype=torch.float64)
+    for b in range(bs):
+        slots = r2t[rows[b], :lens[b]]
+        kb, vb = k[slots].double(), v[slots].double()  # [n, hkv, d]
+        for h in range(hq):
+            p = torch.softmax(kb[:, h // group] @ q[b, h].double() * scale, dim=0)
+            out[b, h] = p @ vb[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", cpu_decode.HEAD_DIMS)
+@pytest.mark.parametrize("heads", [(1, 1), (4, 1), (7, 1), (14, 2), (8, 8)])
+def test_kernel_matches_float64_softmax(op, dtype, d, heads):
+    """Every (request, head): softmax(q.K * scale) V over its own seq_len slots, read in place; lengths on
+    and off the 16-lane boundary; GQA groups of 1, 4 and 7 (two chunks of the kernel's 4 heads)."""
+    hq, hkv = heads
+    q, k, v, r2t, rows, lens = _case(dtype, d, hq, hkv, [1, 15, 16, 17, 70], seed=d + hq, share_prefix=1)
+    out = cpu_decode.paged_decode_attention(op, q, k, v, r2t, rows, lens, d**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    want = _oracle(q, k, v, r2t, rows, lens, d**-0.5)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (2^-8 relative)
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_kernel_long_context_and_shared_prefix(op):
+    """1000-key contexts, 900 keys shared by every request: each output still equals the oracle."""
+    q, k, v, r2t, rows, lens = _case(torch.float32, 64, 14, 2, [1000, 950, 1000, 901], seed=3, share_prefix=900)
+    out = cpu_decode.paged_decode_attention(op, q, k, v, r2t, rows, lens, 0.125)
+    torch.testing.assert_close(out.double(), _oracle(q, k, v, r2t, rows, lens, 0.125), rtol=2e-6, atol=2e-6)
+
+
+def test_kernel_softmax_extremes(op):
+    """Scores ~1e4 apart give exactly the winning key's V row (the others underflow to 0, no NaN);
+    equal scores give the mean of the V rows."""
+    q, k, v, r2t, rows, lens = _case(torch.float32, 32, 4, 1, [40, 33], seed=5)
+    out = cpu_decode.paged_decode_attention(op, q * 1e3, k, v, r2t, rows, lens, 1.0)
+    want = _oracle(q * 1e3, k, v, r2t, rows, lens, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    flat = cpu_decode.paged_decode_attention(op, torch.zeros_like(q), k, v, r2t, rows, lens, 1.0)
+    for b in range(2):
+        mean = v[r2t[rows[b], :lens[b]]].double().mean(0)  # [hkv, d]
+        torch.testing.assert_close(flat[b].double(), mean.expand(4, 32), rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_is_independent_of_the_batch(op):
+    """A request's output bits are the same alone and in a batch (one work item per request and KV head)."""
+    q, k, v, r2t, rows, lens = _case(torch.bfloat16, 64, 8, 2, [30, 64, 5], seed=9)
+    batch = cpu_decode.paged_decode_attention(op, q, k, v, r2t, rows, lens, 0.125)
+    for b in range(3):
+        alone = cpu_decode.paged_decode_attention(op, q[b:b + 1], k, v, r2t, rows[b:b + 1], lens[b:b + 1], 0.125)
+        assert torch.equal(alone[0], batch[b])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(seq_lens=torch.tensor([0, 5])), r"seq_lens\[0\] = 0 is outside \[1, "),
+    (lambda a: a.update(seq_lens=torch.tensor([3, 999])), r"seq_lens\[1\] = 999 is outside"),
+    (lambda a: a.update(req_pool_indices=torch.tensor([0, 7])), r"req_pool_indices\[1\] = 7 is outside"),
+    (lambda a: a["req_to_token"].__setitem__((0, 1), 10_000), r"request 0 has a KV slot outside the pool"),
+    (lambda a: a.update(q=a["q"].double()), r"share one dtype"),
+    (lambda a: a.update(q=a["q"].half(), k_cache=a["k_cache"].half(), v_cache=a["v_cache"].half()),
+     r"not supported \(float32, bfloat16\)"),
+    (lambda a: a.update(q=a["q"][..., :48].contiguous(), k_cache=a["k_cache"][..., :48].contiguous(),
+                        v_cache=a["v_cache"][..., :48].contiguous()), r"head_dim 48 not compiled"),
+    (lambda a: a.update(k_cache=a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)), r"contiguous"),
+    (lambda a: a.update(req_to_token=a["req_to_token"].int()), r"req_to_token must be int64"),
+    (lambda a: a.update(q=a["q"][:, :3].contiguous()), r"multiple of KV heads"),
+])
+def test_kernel_rejects_bad_input_by_name(op, change, message):
+    """Each malformed argument is refused with a message naming it; the pool is not written."""
+    q, k, v, r2t, rows, lens = _case(torch.float32, 64, 4, 2, [3, 5], seed=1)
+    args = dict(q=q, k_cache=k, v_cache=v, req_to_token=r2t, req_pool_indices=torch.tensor([0, 1]), seq_lens=lens)
+    args["req_to_token"] = r2t.clone()
+    change(args)
+    k_before = args["k_cache"].clone()
+    with pytest.raises(RuntimeError, match=message):
+        op(args["q"], args["k_cache"], args["v_cache"], args["req_to_token"], args["req_pool_indices"],
+           args["seq_lens"], 0.125)
+    assert torch.equal(args["k_cache"], k_before)
+
+
+def test_loader_falls_back_with_a_reason_or_raises_when_required(monkeypatch, caplog):
+    """A failed build or a scalar-only build: None and one log line saying why; required=True raises it."""
+    def broken():
+        raise OSError("no compiler here")
+
+    for build, reason in [(broken, "no compiler here"), (lambda: (object(), 1), "no AVX-512")]:
+        monkeypatch.setattr(cpu_decode, "_state", {})
+        monkeypatch.setattr(cpu_decode, "_build", build)
+        with caplog.at_level(logging.INFO, logger="runner.attention.cpu_decode"):
+            assert cpu_decode.load_kernel() is None
+        assert reason in caplog.text
+        with pytest.raises(RuntimeError, match=f"cpu_decode_kernel=True.*{reason}"):
+            cpu_decode.load_kernel(required=True)
+        caplog.clear()
+
+
+@pytest.fixture
+def make_engine():
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # head_dim 32 (and q/k norms) and head_dim 16
+def test_engine_with_kernel_matches_hf_generate(make_engine, ckpt_factory, arch):
+    """Greedy decode through the kernel gives HF generate's tokens, and logprobs within float rounding of
+    both HF's and the engine's own gather + SDPA path, for a batch of unequal prompts."""
+    from transformers import AutoModelForCausalLM
+
+    path = ckpt_factory(arch)
+    prompts = random_prompts([5, 17, 33], seed=4)
+    params = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    with_kernel = make_engine(path, cpu_decode_kernel=True)
+    assert with_kernel.runner.attn_backend.decode_op is not None
+    without = make_engine(path, cpu_decode_kernel=False)
+    assert without.runner.attn_backend.decode_op is None
+    got = with_kernel.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    ref = without.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    for prompt, out, base in zip(prompts, got, ref):
+        hf_tokens, hf_lp = hf_generate(model, prompt, 24)
+        assert out["output_ids"] == hf_tokens == base["output_ids"]
+        lp = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        base_lp = [e[0] for e in base["meta_info"]["output_token_logprobs"]]
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(hf_lp), rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(base_lp), rtol=0, atol=1e-5)
