@@ -239,9 +239,9 @@ class RunnerConfig:
     tp_size: int = 1
     random_seed: int = 0
     cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/layers/prepack.py)
-    # The CPU paged decode-attention kernel (runner/attention/cpu_decode.py), built at first use: None
-    # uses it when it builds on an AVX-512 CPU, True requires it, False keeps gather + SDPA.
-    cpu_decode_kernel: bool | None = None
+    # The engine's CPU kernels (runner/cpu_kernels.py: paged decode attention, fused RMSNorm), built at
+    # first use: None uses them when they build on an AVX-512 CPU, True requires them, False: torch's ops.
+    cpu_kernels: bool | None = None
     # SGLang's enable_fp32_lm_head: the vocabulary projection of a bf16/fp16 model in fp32 (hidden states and
     # head weight upcast each step), so logits and logprobs are not rounded to the model dtype first.
     enable_fp32_lm_head: bool = False
@@ -280,6 +280,7 @@ class RunnerConfig:
                                  f"numerics; rl_on_policy_target='fsdp' uses 'hf_sdpa' (leave it None)")
             self.attention_backend = "hf_sdpa"
             self.cpu_prepack = False  # HF's trainer runs plain F.linear
+            self.cpu_kernels = False  # and torch's own norm and attention ops
             self.cuda_graph_bs = None
             self.disable_cuda_graph = True  # captured steps pad the batch and use their own kernels
 

@@ -23,12 +23,13 @@ from pathlib import Path
 
 import torch
 
-from runner import batch_invariant, hf_numerics
+from runner import batch_invariant, cpu_kernels, hf_numerics
 from runner.attention import create_attention_backend
 from runner.config import MODEL_DTYPES, ModelConfig, RunnerConfig
 from runner.forward_batch import ForwardBatch, ForwardContext, LogitsOutput, forward_context
 from runner.layers import prepack
 from runner.layers.embedding import LMHead
+from runner.layers.norm import RMSNorm
 from runner.memory import occupation
 from runner.memory.kv_pool import ReqToTokenPool, TokenToKVPool
 from runner.memory.memory_saver import create_memory_saver
@@ -110,9 +111,12 @@ class ModelRunner:
                 with CheckpointIndex(cfg.model_path) as index:
                     routes.load_checkpoint(self, index, WeightWriter(snapshot=False), check=False)
             self.memory_saver.track("weights", list(self.name_map.params.values()))
+        cpu_ops = cpu_kernels.enabled(cfg.cpu_kernels, self.device)  # the fused CPU RMSNorm, or None
         for m in self.model.modules():
             if isinstance(m, LMHead):
                 m.fp32 = cfg.enable_fp32_lm_head
+            elif isinstance(m, RMSNorm):
+                m.cpu_ops = cpu_ops
         self.use_prepack = cfg.cpu_prepack and prepack.is_supported(self.device, self.dtype)
         self._modules_of_param: dict[int, list] = {}
         for m in prepack.packable_modules(self.model):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runner import batch_invariant
+from runner import batch_invariant, cpu_kernels
 from runner.attention import cpu_decode
 from runner.forward_batch import ForwardBatch, get_forward_context
 
@@ -51,7 +51,7 @@ class TorchNativeMetadata:
 class TorchNativeAttnBackend:
     def __init__(self, runner, decode_kernel: bool | None = None) -> None:
         """decode_kernel: the CPU paged decode kernel (runner/attention/cpu_decode.py); None: the
-        runner config's `cpu_decode_kernel` (None there too: use it when it builds), False: gather + SDPA."""
+        runner config's `cpu_kernels` (None there too: use it when it builds), False: gather + SDPA."""
         self.device = runner.device
         self.req_to_token = runner.req_to_token_pool.req_to_token  # [max_reqs, max_context]
         self.forward_metadata: TorchNativeMetadata | None = None
@@ -59,12 +59,8 @@ class TorchNativeAttnBackend:
         # Whole-context attended length at replay (True: fixed addresses for device graphs).
         self.graph_full_kv = self.device.type == "cuda"
         if decode_kernel is None:
-            decode_kernel = getattr(getattr(runner, "config", None), "cpu_decode_kernel", None)
-        self.decode_op = None
-        if self.device.type == "cpu" and decode_kernel is not False:
-            from runner.attention import cpu_decode
-
-            self.decode_op = cpu_decode.load_kernel(required=decode_kernel is True)
+            decode_kernel = getattr(getattr(runner, "config", None), "cpu_kernels", None)
+        self.decode_op = cpu_kernels.enabled(decode_kernel, self.device)  # the op namespace, or None
 
     # ---- eager steps ---------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -1,4 +1,4 @@
-"""The CPU paged decode-attention kernel (runner/attention/cpu_decode.py) equals a float64 softmax over each
+"""The CPU paged decode-attention kernel (runner/csrc/, runner/attention/cpu_decode.py) equals a float64 softmax over each
 request's own slots, refuses bad input by name, and the Engine decodes with it as HF `generate` does."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import logging
 import pytest
 import torch
 
+from runner import cpu_kernels
 from runner.attention import cpu_decode
 from tests.rollout.oracle import EnginePool, hf_generate, random_prompts
 
 
 @pytest.fixture(scope="module")
 def op():
-    return cpu_decode.load_kernel(required=True)  # CI's machines have AVX-512, g++ and ninja
+    return cpu_kernels.load(required=True)  # CI's machines have AVX-512, g++ and ninja
 
 
 def _case(dtype, d, hq, hkv, lens, seed=0, slots_per_req=None, share_prefix=0):
@@ -115,7 +116,7 @@ def test_kernel_rejects_bad_input_by_name(op, change, message):
     change(args)
     k_before = args["k_cache"].clone()
     with pytest.raises(RuntimeError, match=message):
-        op(args["q"], args["k_cache"], args["v_cache"], args["req_to_token"], args["req_pool_indices"],
+        op.paged_decode_attention(args["q"], args["k_cache"], args["v_cache"], args["req_to_token"], args["req_pool_indices"],
            args["seq_lens"], 0.125)
     assert torch.equal(args["k_cache"], k_before)
 
@@ -126,13 +127,14 @@ def test_loader_falls_back_with_a_reason_or_raises_when_required(monkeypatch, ca
         raise OSError("no compiler here")
 
     for build, reason in [(broken, "no compiler here"), (lambda: (object(), 1), "no AVX-512")]:
-        monkeypatch.setattr(cpu_decode, "_state", {})
-        monkeypatch.setattr(cpu_decode, "_build", build)
-        with caplog.at_level(logging.INFO, logger="runner.attention.cpu_decode"):
-            assert cpu_decode.load_kernel() is None
+        monkeypatch.setattr(cpu_kernels, "_state", {})
+        monkeypatch.setattr(cpu_kernels, "_build", build)
+        with caplog.at_level(logging.INFO, logger="runner.cpu_kernels"):
+            assert cpu_kernels.load() is None
         assert reason in caplog.text
-        with pytest.raises(RuntimeError, match=f"cpu_decode_kernel=True.*{reason}"):
-            cpu_decode.load_kernel(required=True)
+        with pytest.raises(RuntimeError, match=f"cpu_kernels=True.*{reason}"):
+            cpu_kernels.load(required=True)
+        assert cpu_kernels.enabled(False, torch.device("cpu")) is None  # False never builds
         caplog.clear()
 
 
@@ -152,9 +154,9 @@ def test_engine_with_kernel_matches_hf_generate(make_engine, ckpt_factory, arch)
     path = ckpt_factory(arch)
     prompts = random_prompts([5, 17, 33], seed=4)
     params = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    with_kernel = make_engine(path, cpu_decode_kernel=True)
+    with_kernel = make_engine(path, cpu_kernels=True)
     assert with_kernel.runner.attn_backend.decode_op is not None
-    without = make_engine(path, cpu_decode_kernel=False)
+    without = make_engine(path, cpu_kernels=False)
     assert without.runner.attn_backend.decode_op is None
     got = with_kernel.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     ref = without.generate(input_ids=prompts, sampling_params=params, return_logprob=True)

@@ -1,6 +1,6 @@
 // Paged decode attention for the CPU: one new query token per request, attending in place to the
 // request's KV slots in the paged pool (no gather, no mask). Built at first use by
-// runner/attention/cpu_decode.py (torch.utils.cpp_extension, -O3 -march=native) and registered as
+// runner/cpu_kernels.py (torch.utils.cpp_extension, -O3 -march=native) and registered as
 // torch.ops.rollout_cpu.paged_decode_attention.
 //
 // Work item = (request, KV head). Its `group` query heads share that head's K/V rows, so each K/V

@@ -1,0 +1,86 @@
+"""The engine's own CPU kernels (runner/csrc/): one C++ extension, compiled at first use, loaded once per process.
+
+What is in it: `paged_decode_attention` (runner/csrc/paged_decode_attention.cpp, used by the torch-native
+attention backend, see runner/attention/cpu_decode.py) and `rms_norm` / `add_rms_norm` (runner/csrc/
+rms_norm.cpp, used by runner/layers/norm.py). Both are AVX-512 code paths with a portable scalar
+fallback; they exist because at decode sizes the equivalent torch op chains cost their per-op overhead
+and extra passes, not arithmetic (figures in each source and in the README).
+
+How it is built. torch.utils.cpp_extension compiles the sources with -O3 -march=native and -fopenmp
+(about 15 s on 2 cores, once: the build is cached under TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions, in a directory named after this CPU's model and feature flags, since a
+-march=native build is only valid on CPUs like the one that built it). It needs a C++ compiler and
+ninja (a dependency of this package). The OpenMP runtime it links is the libgomp torch already
+loaded, so its threads are torch's. A CPU without AVX-512 gets the scalar build, which is slower than
+the torch ops it would replace, so it is not used.
+
+The switch is `RunnerConfig.cpu_kernels`: None (default) uses the kernels when they build on an AVX-512
+CPU, logging once why not otherwise; True requires them (a build failure is an error at start-up,
+naming its cause); False never builds them. Not here: when each kernel applies (its caller decides).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp")]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ops": torch.ops.rollout_cpu or None, "reason": why not; once looked for
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and feature flags (one build per kind of CPU)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("flags", "model name"))][:2]
+    except OSError:
+        import platform
+
+        lines = [platform.machine(), platform.processor()]
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
+
+
+def _build():
+    """Compile (or load the cached build); (the op namespace, its SIMD width: 16 with AVX-512, 1 without)."""
+    from torch.utils.cpp_extension import load
+
+    load(name=f"rollout_cpu_kernels_{_cpu_tag()}", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return torch.ops.rollout_cpu, torch.ops.rollout_cpu.simd_width()
+
+
+def load(required: bool = False):
+    """torch.ops.rollout_cpu (paged_decode_attention, rms_norm, add_rms_norm), built on the first call, or None
+    with the reason logged once (no compiler, no ninja, no AVX-512). `required`: raise instead, naming it."""
+    with _lock:
+        if "ops" not in _state:
+            try:
+                ops, width = _build()
+                if width < 16:
+                    _state["ops"], _state["reason"] = None, "this CPU has no AVX-512 (the scalar build is slower than torch's ops)"
+                else:
+                    _state["ops"], _state["reason"] = ops, None
+            except Exception as e:  # noqa: BLE001 - any build failure means: use torch's ops
+                _state["ops"], _state["reason"] = None, f"the kernels did not build ({type(e).__name__}: {str(e)[:500]})"
+            if _state["reason"] is not None and not required:
+                logger.info("CPU kernels off (torch's ops instead): %s", _state["reason"])
+        if _state["ops"] is None and required:
+            raise RuntimeError(f"cpu_kernels=True but the engine's CPU kernels are not usable: {_state['reason']}; "
+                               f"set cpu_kernels=None (use them when they work) or False")
+        return _state["ops"]
+
+
+def enabled(setting: bool | None, device: torch.device):
+    """The op namespace when `setting` (RunnerConfig.cpu_kernels) and `device` call for the kernels, else None."""
+    if torch.device(device).type != "cpu" or setting is False:
+        return None
+    return load(required=setting is True)

@@ -1,0 +1,153 @@
+// Fused RMSNorm for the CPU, optionally after the residual add, computed as transformers' RMSNorm does:
+// in fp32 (x widened), variance = mean(x^2), y = x * rsqrt(variance + eps), then for bf16 y is rounded
+// to bf16 before the weight multiplies it in bf16; for fp32, weight * y in fp32. The residual add is in
+// the model dtype (bf16 + bf16 rounded to bf16), as HF's decoder layer adds. One pass per row instead
+// of torch's pow / mean / add / rsqrt / mul (each a separate op and allocation): on small decode
+// batches those ops' overheads, not the arithmetic, were the cost.
+//
+// Only the variance's summation order differs from torch's (16 fp32 lanes x 4 accumulators, then a
+// tree), so a result can differ from F.rms_norm by an ulp; rl_on_policy_target="fsdp" keeps torch's ops.
+// Loaded with paged_decode_attention.cpp as one extension (runner/cpu_kernels.py).
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float narrow(float x, float) { return x; }
+inline c10::BFloat16 narrow(float x, c10::BFloat16) { return c10::BFloat16(x); }  // round to nearest even
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+// fp32 -> bf16 with round-to-nearest-even, NaN -> 0x7FC0: c10::BFloat16's conversion on 16 lanes.
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16_bits(v)); }
+inline __m512 round_like(__m512 v, float) { return v; }
+inline __m512 round_like(__m512 v, c10::BFloat16) {  // the value a bf16 store would keep, as fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u); }
+#endif
+
+// One row: (optionally) s = round(x + r) written to res_out, then out = w * round(s * rsqrt(mean(s^2) + eps)).
+template <typename T>
+void norm_row(const T* x, const T* res, const T* w, T* out, T* res_out, int64_t h, float eps) {
+#if defined(__AVX512F__)
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int k = 0;
+  for (int64_t i = 0; i < h; i += 16, k = (k + 1) & 3) {
+    const __mmask16 m = lanes(h - i);
+    __m512 s = load16(x + i, m);
+    if (res != nullptr) {
+      s = round_like(_mm512_add_ps(s, load16(res + i, m)), T());
+      store16(res_out + i, s, m);
+    }
+    acc[k] = _mm512_fmadd_ps(s, s, acc[k]);
+  }
+  const float var = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]))) /
+                    static_cast<float>(h);
+  const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(var + eps));
+  const T* src = res != nullptr ? res_out : x;
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 m = lanes(h - i);
+    const __m512 y = round_like(_mm512_mul_ps(load16(src + i, m), r), T());
+    store16(out + i, _mm512_mul_ps(load16(w + i, m), y), m);
+  }
+#else
+  float sum = 0.0f;
+  for (int64_t i = 0; i < h; ++i) {
+    float s = widen(x[i]);
+    if (res != nullptr) {
+      res_out[i] = narrow(s + widen(res[i]), T());
+      s = widen(res_out[i]);
+    }
+    sum += s * s;
+  }
+  const float r = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
+  const T* src = res != nullptr ? res_out : x;
+  for (int64_t i = 0; i < h; ++i) out[i] = narrow(widen(w[i]) * widen(narrow(widen(src[i]) * r, T())), T());
+#endif
+}
+
+void check(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), name, ": x and weight must be on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0), name, ": weight [", w.numel(),
+              "] does not match x's last dimension ", x.dim() ? x.size(-1) : 0);
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              name, ": x and weight must both be float32 or both bfloat16, got ", x.scalar_type(), " and ",
+              w.scalar_type());
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor* res, const at::Tensor& w, double eps, at::Tensor& out, at::Tensor* res_out) {
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  const T* xp = x.data_ptr<T>();
+  const T* rp = res ? res->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* rop = res_out ? res_out->data_ptr<T>() : nullptr;
+  const float e = static_cast<float>(eps);
+  // Rows are independent; a team only pays off for prefill-sized inputs (a decode batch is ~1 us of work).
+#pragma omp parallel for if (rows * h >= (1 << 16)) schedule(static)
+  for (int64_t i = 0; i < rows; ++i)
+    norm_row<T>(xp + i * h, rp ? rp + i * h : nullptr, wp, op + i * h, rop ? rop + i * h : nullptr, h, e);
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  check(x_in, weight_in, "rms_norm");
+  const at::Tensor x = x_in.contiguous(), w = weight_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) run<float>(x, nullptr, w, eps, out, nullptr);
+  else run<c10::BFloat16>(x, nullptr, w, eps, out, nullptr);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& residual_in,
+                                                const at::Tensor& weight_in, double eps) {
+  check(x_in, weight_in, "add_rms_norm");
+  TORCH_CHECK(residual_in.sizes() == x_in.sizes() && residual_in.scalar_type() == x_in.scalar_type(),
+              "add_rms_norm: residual ", residual_in.sizes(), " ", residual_in.scalar_type(), " must match x ",
+              x_in.sizes(), " ", x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous(), r = residual_in.contiguous(), w = weight_in.contiguous();
+  at::Tensor out = at::empty_like(x), res_out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) run<float>(x, &r, w, eps, out, &res_out);
+  else run<c10::BFloat16>(x, &r, w, eps, out, &res_out);
+  return {out, res_out};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+}
