@@ -21,6 +21,7 @@ naming its cause); False never builds them. Not here: when each kernel applies (
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -49,12 +50,36 @@ def _cpu_tag() -> str:
     return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
 
 
+STALE_LOCK_S = 300  # a build takes ~15 s here; a lock file this old was left by a process killed mid-build
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's build lock is a file created at the start of a build and removed at its end; a process
+    killed in between leaves it, and every later load would wait on it forever. Remove it once old."""
+    import os
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale CPU-kernel build lock (%.0f s old, its build was interrupted): %s", age, lock)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
+
+
 def _build():
     """Compile (or load the cached build); (the op namespace, its SIMD width: 16 with AVX-512, 1 without)."""
     from torch.utils.cpp_extension import load
 
-    load(name=f"rollout_cpu_kernels_{_cpu_tag()}", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    name = f"rollout_cpu_kernels_{_cpu_tag()}"
+    _clear_stale_lock(name)
+    load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)
     return torch.ops.rollout_cpu, torch.ops.rollout_cpu.simd_width()
 
 

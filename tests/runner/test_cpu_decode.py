@@ -4,6 +4,7 @@ request's own slots, refuses bad input by name, and the Engine decodes with it a
 from __future__ import annotations
 
 import logging
+import pathlib
 
 import pytest
 import torch
@@ -168,3 +169,23 @@ def test_engine_with_kernel_matches_hf_generate(make_engine, ckpt_factory, arch)
         base_lp = [e[0] for e in base["meta_info"]["output_token_logprobs"]]
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(hf_lp), rtol=0, atol=1e-4)
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(base_lp), rtol=0, atol=1e-5)
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A lock file left by a build killed midway (older than STALE_LOCK_S) is removed, so the next load does
+    not wait on it forever; a lock as young as a running build is left alone."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = pathlib.Path(_get_build_directory("probe", False)) / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    cpu_kernels._clear_stale_lock("probe")
+    assert lock.exists()
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 10
+    os.utime(lock, (old, old))
+    cpu_kernels._clear_stale_lock("probe")
+    assert not lock.exists()
