@@ -42,10 +42,11 @@ class TorchNativeMetadata:
     max_q_len: int
     token_req: torch.Tensor | None = None  # [num_tokens] request row of each new token (deterministic mode)
     causal: bool = False  # extend with no cached prefix anywhere: SDPA's is_causal instead of the mask
-    # Decode: what the paged kernel reads (runner/attention/cpu_decode.py); [bs] int64 each.
+    # What the paged kernel reads (runner/attention/cpu_decode.py); [bs] int64 each.
     req_pool_indices: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     bs: int = 0
+    extend_lens: torch.Tensor | None = None  # [bs] int64 new tokens per request (extend); None for decode
 
 
 class TorchNativeAttnBackend:
@@ -64,15 +65,22 @@ class TorchNativeAttnBackend:
 
     # ---- eager steps ---------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if self.decode_op is not None and not batch_invariant.is_enabled():
+            # The paged kernel reads the slots in place and needs no plan; the gather plan below is made
+            # only if a layer needs it (a dtype or head_dim the kernel lacks), at its first call.
+            q_lens = None if fb.forward_mode.is_decode() else fb.extend_seq_lens_cpu
+            self.forward_metadata = TorchNativeMetadata(
+                None, None, None, 1 if q_lens is None else max(q_lens), req_pool_indices=fb.req_pool_indices,
+                seq_lens=fb.seq_lens, bs=fb.batch_size,
+                extend_lens=None if q_lens is None else torch.tensor(q_lens, dtype=torch.int64))
+            self._planned_for = fb
+            return
+        self.forward_metadata = self._plan_sdpa(fb)
+
+    def _plan_sdpa(self, fb: ForwardBatch) -> TorchNativeMetadata:
+        """The gather + SDPA plan of one step (see the module docstring)."""
         bs = fb.batch_size
         is_decode = fb.forward_mode.is_decode()
-        if is_decode and self.decode_op is not None and not batch_invariant.is_enabled():
-            # The kernel reads the slots in place: the gather plan is made only if a layer needs it
-            # (a dtype or head_dim the kernel lacks; `_sdpa_decode_plan`).
-            self.forward_metadata = TorchNativeMetadata(None, None, None, 1, req_pool_indices=fb.req_pool_indices,
-                                                        seq_lens=fb.seq_lens, bs=bs)
-            self._seq_lens_cpu = fb.seq_lens_cpu
-            return
         seq_lens = fb.seq_lens_cpu
         max_kv = max(seq_lens)
         q_lens = [1] * bs if is_decode else fb.extend_seq_lens_cpu
@@ -106,10 +114,11 @@ class TorchNativeAttnBackend:
             starts = torch.cumsum(lens_t, 0) - lens_t
             shift = torch.arange(bs, dtype=torch.int64) * max_q - starts
             q_index = (torch.arange(int(lens_t.sum())) + shift.repeat_interleave(lens_t)).to(dev)
-        self.forward_metadata = TorchNativeMetadata(kv_indices, mask, q_index, max_q, causal=causal,
-                                                    req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens, bs=bs)
+        md = TorchNativeMetadata(kv_indices, mask, q_index, max_q, causal=causal,
+                                 req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens, bs=bs)
         if batch_invariant.is_enabled():
-            self.forward_metadata.token_req = batch_invariant.token_request_index(q_lens, dev)
+            md.token_req = batch_invariant.token_request_index(q_lens, dev)
+        return md
 
     # ---- captured decode steps (the graph-runner protocol, runner/graphs/graph_runner.py) ------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -143,26 +152,19 @@ class TorchNativeAttnBackend:
         self.forward_metadata = TorchNativeMetadata(kv_indices, mask, None, 1, req_pool_indices=req_pool_indices[:bs],
                                                     seq_lens=seq_lens[:bs], bs=bs)
 
-    def _sdpa_decode_plan(self, md: TorchNativeMetadata) -> None:
-        """Fill the gather plan of a decode step planned for the kernel, for a layer the kernel cannot run."""
-        max_kv = max(self._seq_lens_cpu)
-        valid = torch.arange(max_kv, device=self.device).view(1, max_kv) < md.seq_lens.view(md.bs, 1)
-        md.kv_indices = self.req_to_token[:, :max_kv].index_select(0, md.req_pool_indices).mul_(valid)
-        md.mask = valid.view(md.bs, 1, 1, max_kv)
-
     # ---- attention -------------------------------------------------------------------------
     def _attend(self, q: torch.Tensor, layer, fb: ForwardBatch | None) -> torch.Tensor:
         md = self.forward_metadata
         bs = md.bs
         hq, d = layer.num_heads, layer.head_dim
         pool = get_forward_context().token_to_kv_pool
-        if (self.decode_op is not None and md.q_index is None and md.max_q_len == 1
-                and not batch_invariant.is_enabled() and cpu_decode.usable(q.dtype, pool.dtype, d)):
-            return cpu_decode.paged_decode_attention(
-                self.decode_op, q.view(bs, hq, d), pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
-                self.req_to_token, md.req_pool_indices, md.seq_lens, layer.scaling)  # [bs, hq, d]
-        if md.kv_indices is None:
-            self._sdpa_decode_plan(md)
+        if (self.decode_op is not None and not batch_invariant.is_enabled()
+                and cpu_decode.usable(q.dtype, pool.dtype, d)):
+            return cpu_decode.paged_attention(
+                self.decode_op, q.view(-1, hq, d), pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
+                self.req_to_token, md.req_pool_indices, md.seq_lens, md.extend_lens, layer.scaling)  # [tokens, hq, d]
+        if md.kv_indices is None:  # planned for the kernel, and this layer cannot use it
+            self.forward_metadata = md = self._plan_sdpa(self._planned_for)
         if batch_invariant.is_enabled():  # per token, fixed KV blocks (runner/batch_invariant.py)
             return batch_invariant.attention(q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
                                              md.kv_indices, md.token_req, fb.positions, layer.scaling)

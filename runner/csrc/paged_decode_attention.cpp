@@ -20,7 +20,6 @@
 
 #include <immintrin.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -232,10 +231,14 @@ inline void attend_one(const float* q, const T* k_base, const T* v_base, int64_t
   attend_scalar<D, T>(q, k_base, v_base, slot_stride, slots, len, group, scores, acc, inv_sum);
 }
 
+// Token t of the step (q row t) belongs to request tok_req[t] and sees that request's first tok_len[t]
+// slots: for decode one token per request seeing all seq_len slots; for an extend of n new tokens on
+// top of seq_len - n cached ones, new token j sees seq_len - n + j + 1 (causal, prefix included).
 template <int D, typename T>
-void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
-         const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t bs = q.size(0), hq = q.size(1), hkv = k_cache.size(1);
+void run(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+         const int64_t* extend_lens, double scale, at::Tensor& out) {
+  const int64_t bs = seq_lens.numel(), num_tokens = q.size(0), hq = q.size(1), hkv = k_cache.size(1);
   const int group = static_cast<int>(hq / hkv);
   const int64_t slot_stride = k_cache.stride(0);  // the same for v_cache (checked by the caller)
   const T* qp = q.data_ptr<T>();
@@ -248,16 +251,31 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
   const int64_t num_slots = k_cache.size(0), max_context = req_to_token.size(1), num_rows = req_to_token.size(0);
+  std::vector<int64_t> tok_req, tok_len;
+  tok_req.reserve(num_tokens);
+  tok_len.reserve(num_tokens);
   for (int64_t b = 0; b < bs; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_context, "paged_decode_attention: seq_lens[", b, "] = ", lens[b],
-                " is outside [1, ", max_context, "]");
-    TORCH_CHECK(rows[b] >= 0 && rows[b] < num_rows, "paged_decode_attention: req_pool_indices[", b, "] = ", rows[b],
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_context, name, ": seq_lens[", b, "] = ", lens[b], " is outside [1, ",
+                max_context, "]");
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < num_rows, name, ": req_pool_indices[", b, "] = ", rows[b],
                 " is outside [0, ", num_rows, ")");
+    const int64_t n = extend_lens ? extend_lens[b] : 1;
+    TORCH_CHECK(n >= 1 && n <= lens[b], name, ": extend_lens[", b, "] = ", n, " is outside [1, seq_lens[", b, "] = ",
+                lens[b], "]");
+    // A slot outside the pool would read out of bounds: one sequential pass over each request's
+    // slots first (small against the attention), so the step fails cleanly instead.
+    const int64_t* slots = r2t + rows[b] * r2t_stride;
+    bool in_pool = true;
+    for (int64_t t = 0; t < lens[b]; ++t) in_pool &= (slots[t] >= 0) & (slots[t] < num_slots);
+    TORCH_CHECK(in_pool, name, ": request ", b, " has a KV slot outside the pool [0, ", num_slots, ")");
+    for (int64_t j = 0; j < n; ++j) {
+      tok_req.push_back(b);
+      tok_len.push_back(lens[b] - n + j + 1);
+    }
   }
-  // A slot outside the pool would read out of bounds: every work item checks its slots first (one
-  // sequential pass over int64s, small against the attention itself) and the step fails cleanly.
-  std::atomic<int64_t> bad_row{-1};
-  const int64_t items = bs * hkv;
+  TORCH_CHECK(static_cast<int64_t>(tok_req.size()) == num_tokens, name, ": q has ", num_tokens,
+              " rows but the requests' new tokens sum to ", tok_req.size());
+  const int64_t items = num_tokens * hkv;
   // OpenMP directly, not at::parallel_for: the team is the calling thread's own setting, the one
   // torch.set_num_threads gave it (at::parallel_for's first call per thread in an extension re-applies
   // the process-wide default, undoing a per-thread setting such as the scheduler's one thread).
@@ -268,41 +286,74 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     std::vector<float> qf(group * D), acc(group * D), inv_sum(group), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = item / hkv, h = item % hkv;
-      const int64_t len = lens[b];
-      const int64_t* slots = r2t + rows[b] * r2t_stride;
-      bool in_pool = true;
-      for (int64_t t = 0; t < len; ++t) in_pool &= (slots[t] >= 0) & (slots[t] < num_slots);
-      if (!in_pool) {
-        bad_row.store(b);
-        continue;
-      }
-      const T* qb = qp + (b * hq + h * group) * D;  // q is [bs, hq, D] contiguous
-      for (int i = 0; i < group * D; ++i) qf[i] = to_f32(qb[i]) * fscale;
+      const int64_t t = item / hkv, h = item % hkv;
+      const int64_t b = tok_req[t], len = tok_len[t];
+      const T* qt = qp + (t * hq + h * group) * D;  // q is [num_tokens, hq, D] contiguous
+      for (int i = 0; i < group * D; ++i) qf[i] = to_f32(qt[i]) * fscale;
       scores.resize(static_cast<size_t>(group) * len);
-      attend_one<D, T>(qf.data(), kp + h * D, vp + h * D, slot_stride, slots, len, group,
+      attend_one<D, T>(qf.data(), kp + h * D, vp + h * D, slot_stride, r2t + rows[b] * r2t_stride, len, group,
                        scores.data(), acc.data(), inv_sum.data());
-      T* ob = op + (b * hq + h * group) * D;
-      for (int i = 0; i < group * D; ++i) ob[i] = static_cast<T>(acc[i]);
+      T* ot = op + (t * hq + h * group) * D;
+      for (int i = 0; i < group * D; ++i) ot[i] = static_cast<T>(acc[i]);
     }
   }
-  TORCH_CHECK(bad_row.load() < 0, "paged_decode_attention: request ", bad_row.load(), " has a KV slot outside the pool [0, ",
-              num_slots, ")");
 }
 
 template <typename T>
-bool dispatch_dim(int64_t d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r2t,
-                  const at::Tensor& rows, const at::Tensor& lens, double scale, at::Tensor& out) {
+bool dispatch_dim(int64_t d, const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& r2t, const at::Tensor& rows, const at::Tensor& lens, const int64_t* ext,
+                  double scale, at::Tensor& out) {
   switch (d) {
-    case 16: run<16, T>(q, k, v, r2t, rows, lens, scale, out); return true;
-    case 32: run<32, T>(q, k, v, r2t, rows, lens, scale, out); return true;
-    case 64: run<64, T>(q, k, v, r2t, rows, lens, scale, out); return true;
-    case 80: run<80, T>(q, k, v, r2t, rows, lens, scale, out); return true;
-    case 96: run<96, T>(q, k, v, r2t, rows, lens, scale, out); return true;
-    case 128: run<128, T>(q, k, v, r2t, rows, lens, scale, out); return true;
-    case 256: run<256, T>(q, k, v, r2t, rows, lens, scale, out); return true;
+    case 16: run<16, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 32: run<32, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 64: run<64, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 80: run<80, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 96: run<96, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 128: run<128, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 256: run<256, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
     default: return false;
   }
+}
+
+at::Tensor attend(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                  const at::Tensor* extend_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), name, ": q must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), name, ": q must be contiguous [num_tokens, hq, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), name,
+              ": k_cache and v_cache must both be [slots, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), name,
+              ": q, k_cache and v_cache must share one dtype");
+  const int64_t d = q.size(2), hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == d, name, ": head_dim of q and the cache differ");
+  TORCH_CHECK(q.size(1) % hkv == 0, name, ": query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.strides() == k_cache.strides(), name,
+              ": the caches' (kv_heads, head_dim) rows must be contiguous, same strides");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.stride(1) == 1, name,
+              ": req_to_token must be int64 with contiguous rows");
+  const int64_t bs = seq_lens.numel();
+  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  req_pool_indices.is_contiguous() && seq_lens.is_contiguous() && req_pool_indices.numel() == bs &&
+                  (extend_lens != nullptr || bs == q.size(0)),
+              name, ": req_pool_indices and seq_lens must be contiguous int64 [bs]");
+  const int64_t* ext = nullptr;
+  if (extend_lens != nullptr) {
+    TORCH_CHECK(extend_lens->scalar_type() == at::kLong && extend_lens->is_contiguous() && extend_lens->numel() == bs,
+                name, ": extend_lens must be contiguous int64 [bs]");
+    ext = extend_lens->data_ptr<int64_t>();
+  }
+  auto out = at::empty_like(q);
+  bool ok = false;
+  if (q.scalar_type() == at::kFloat) {
+    ok = dispatch_dim<float>(d, name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    ok = dispatch_dim<c10::BFloat16>(d, name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext,
+                                     scale, out);
+  } else {
+    TORCH_CHECK(false, name, ": dtype ", q.scalar_type(), " not supported (float32, bfloat16)");
+  }
+  TORCH_CHECK(ok, name, ": head_dim ", d, " not compiled (16, 32, 64, 80, 96, 128, 256)");
+  return out;
 }
 
 // q: [bs, hq, D]; k_cache, v_cache: [slots, hkv, D] with contiguous (hkv, D) rows; req_to_token:
@@ -311,34 +362,17 @@ bool dispatch_dim(int64_t d, const at::Tensor& q, const at::Tensor& k, const at:
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: q must be on the CPU");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode_attention: q must be contiguous [bs, hq, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode_attention: k_cache and v_cache must both be [slots, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "paged_decode_attention: q, k_cache and v_cache must share one dtype");
-  const int64_t d = q.size(2), hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == d, "paged_decode_attention: head_dim of q and the cache differ");
-  TORCH_CHECK(q.size(1) % hkv == 0, "paged_decode_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.strides() == k_cache.strides(),
-              "paged_decode_attention: the caches' (kv_heads, head_dim) rows must be contiguous, same strides");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.stride(1) == 1,
-              "paged_decode_attention: req_to_token must be int64 with contiguous rows");
-  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  req_pool_indices.is_contiguous() && seq_lens.is_contiguous() &&
-                  req_pool_indices.numel() == q.size(0) && seq_lens.numel() == q.size(0),
-              "paged_decode_attention: req_pool_indices and seq_lens must be contiguous int64 [bs]");
-  auto out = at::empty_like(q);
-  bool ok = false;
-  if (q.scalar_type() == at::kFloat) {
-    ok = dispatch_dim<float>(d, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    ok = dispatch_dim<c10::BFloat16>(d, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " not supported (float32, bfloat16)");
-  }
-  TORCH_CHECK(ok, "paged_decode_attention: head_dim ", d, " not compiled (16, 32, 64, 80, 96, 128, 256)");
-  return out;
+  return attend("paged_decode_attention", q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, nullptr,
+                scale);
+}
+
+// The same for an extend step: q: [num_tokens, hq, D], request b's extend_lens[b] new tokens in order
+// (their K/V already in the pool, at positions seq_lens[b] - extend_lens[b] onwards), causal.
+at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                                  const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale) {
+  return attend("paged_extend_attention", q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, &extend_lens,
+                scale);
 }
 
 }  // namespace
@@ -350,6 +384,11 @@ TORCH_LIBRARY(rollout_cpu, m) {
   m.def("simd_width() -> int", &simd_width);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
+        "Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_extend_attention", &paged_extend_attention);
+}

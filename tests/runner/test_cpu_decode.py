@@ -37,6 +37,11 @@ def _case(dtype, d, hq, hkv, lens, seed=0, slots_per_req=None, share_prefix=0):
     return q, k, v, r2t, rows, torch.tensor(lens)
 
 
+def _decode(ops, *args):
+    """The decode entry point: one new token per request."""
+    return cpu_decode.paged_attention(ops, *args[:-1], None, args[-1])
+
+
 def _oracle(q, k, v, r2t, rows, lens, scale):
     bs, hq, d = q.shape
     group = hq // k.shape[1]
@@ -58,7 +63,7 @@ def test_kernel_matches_float64_softmax(op, dtype, d, heads):
     and off the 16-lane boundary; GQA groups of 1, 4 and 7 (two chunks of the kernel's 4 heads)."""
     hq, hkv = heads
     q, k, v, r2t, rows, lens = _case(dtype, d, hq, hkv, [1, 15, 16, 17, 70], seed=d + hq, share_prefix=1)
-    out = cpu_decode.paged_decode_attention(op, q, k, v, r2t, rows, lens, d**-0.5)
+    out = _decode(op, q, k, v, r2t, rows, lens, d**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
     want = _oracle(q, k, v, r2t, rows, lens, d**-0.5)
     tol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (2^-8 relative)
@@ -68,7 +73,7 @@ def test_kernel_matches_float64_softmax(op, dtype, d, heads):
 def test_kernel_long_context_and_shared_prefix(op):
     """1000-key contexts, 900 keys shared by every request: each output still equals the oracle."""
     q, k, v, r2t, rows, lens = _case(torch.float32, 64, 14, 2, [1000, 950, 1000, 901], seed=3, share_prefix=900)
-    out = cpu_decode.paged_decode_attention(op, q, k, v, r2t, rows, lens, 0.125)
+    out = _decode(op, q, k, v, r2t, rows, lens, 0.125)
     torch.testing.assert_close(out.double(), _oracle(q, k, v, r2t, rows, lens, 0.125), rtol=2e-6, atol=2e-6)
 
 
@@ -76,11 +81,11 @@ def test_kernel_softmax_extremes(op):
     """Scores ~1e4 apart give exactly the winning key's V row (the others underflow to 0, no NaN);
     equal scores give the mean of the V rows."""
     q, k, v, r2t, rows, lens = _case(torch.float32, 32, 4, 1, [40, 33], seed=5)
-    out = cpu_decode.paged_decode_attention(op, q * 1e3, k, v, r2t, rows, lens, 1.0)
+    out = _decode(op, q * 1e3, k, v, r2t, rows, lens, 1.0)
     want = _oracle(q * 1e3, k, v, r2t, rows, lens, 1.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
-    flat = cpu_decode.paged_decode_attention(op, torch.zeros_like(q), k, v, r2t, rows, lens, 1.0)
+    flat = _decode(op, torch.zeros_like(q), k, v, r2t, rows, lens, 1.0)
     for b in range(2):
         mean = v[r2t[rows[b], :lens[b]]].double().mean(0)  # [hkv, d]
         torch.testing.assert_close(flat[b].double(), mean.expand(4, 32), rtol=1e-6, atol=1e-6)
@@ -89,9 +94,9 @@ def test_kernel_softmax_extremes(op):
 def test_kernel_is_independent_of_the_batch(op):
     """A request's output bits are the same alone and in a batch (one work item per request and KV head)."""
     q, k, v, r2t, rows, lens = _case(torch.bfloat16, 64, 8, 2, [30, 64, 5], seed=9)
-    batch = cpu_decode.paged_decode_attention(op, q, k, v, r2t, rows, lens, 0.125)
+    batch = _decode(op, q, k, v, r2t, rows, lens, 0.125)
     for b in range(3):
-        alone = cpu_decode.paged_decode_attention(op, q[b:b + 1], k, v, r2t, rows[b:b + 1], lens[b:b + 1], 0.125)
+        alone = _decode(op, q[b:b + 1], k, v, r2t, rows[b:b + 1], lens[b:b + 1], 0.125)
         assert torch.equal(alone[0], batch[b])
 
 
@@ -189,3 +194,35 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch)
     os.utime(lock, (old, old))
     cpu_kernels._clear_stale_lock("probe")
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_kernel_is_causal_over_prefix_and_new_tokens(op, dtype):
+    """New token j of a request with p cached tokens equals the float64 softmax over its first p + j + 1
+    slots: fresh prompts, a chunk after a long prefix, one-token extends, prefixes shared between requests."""
+    lens, new = [40, 700, 3, 260], [40, 150, 1, 60]
+    q, k, v, r2t, rows, seq = _case(dtype, 64, 14, 2, lens, seed=11, share_prefix=200)
+    q = torch.randn(sum(new), 14, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = cpu_decode.paged_attention(op, q, k, v, r2t, rows, seq, torch.tensor(new), 0.125)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    start = 0
+    for b, (n_all, n) in enumerate(zip(lens, new)):
+        for j in range(n):
+            seen = n_all - n + j + 1
+            one = _oracle(q[start + j:start + j + 1], k, v, r2t, rows[b:b + 1], torch.tensor([seen]), 0.125)
+            torch.testing.assert_close(out[start + j].double(), one[0], rtol=tol, atol=tol)
+        start += n
+
+
+@pytest.mark.parametrize("ext, message", [
+    ([4, 5], r"extend_lens\[0\] = 4 is outside \[1, seq_lens\[0\] = 3\]"),
+    ([0, 5], r"extend_lens\[0\] = 0 is outside"),
+    ([1, 1], r"q has 8 rows but the requests' new tokens sum to 2"),
+])
+def test_extend_kernel_rejects_inconsistent_lengths(op, ext, message):
+    """extend_lens that exceed a request's length or do not add up to q's rows are refused by name."""
+    _, k, v, r2t, _, lens = _case(torch.float32, 64, 4, 2, [3, 5], seed=1)
+    q = torch.randn(8, 4, 64)
+    with pytest.raises(RuntimeError, match=message):
+        op.paged_extend_attention(q, k, v, r2t, torch.tensor([0, 1]), lens, torch.tensor(ext), 0.125)

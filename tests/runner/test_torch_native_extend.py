@@ -1,5 +1,5 @@
-"""The torch-native backend's extend (prefill) attention equals a naive per-request, per-head causal
-softmax in float64, for fresh prompts and for chunks after a cached prefix, with requests of unequal
+"""The torch-native backend's extend (prefill) attention, through the paged CPU kernel or gather + SDPA,
+equals a naive per-request, per-head causal softmax in float64, for fresh prompts and for chunks after a cached prefix, with requests of unequal
 lengths (so the padded batch has query rows that are dropped); fresh batches plan SDPA's is_causal, bit-identical
 to the mask plan."""
 
@@ -15,8 +15,7 @@ from runner.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forw
 from runner.memory.kv_pool import TokenToKVPool
 
 
-def _setup(dtype, hq, hkv, prefix, new, seed, slots=128):
-    d = 16
+def _setup(dtype, hq, hkv, prefix, new, seed, slots=128, kernel=False, d=16):
     gen = torch.Generator().manual_seed(seed)
     pool = TokenToKVPool(slots, dtype, 1, hkv, d, "cpu")
     pool.k_buffer.copy_(torch.randn(pool.k_buffer.shape, generator=gen).to(dtype))
@@ -31,7 +30,8 @@ def _setup(dtype, hq, hkv, prefix, new, seed, slots=128):
         req_to_token[b + 1, :n] = perm[start:start + n]
     runner = types.SimpleNamespace(device=torch.device("cpu"),
                                    req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token))
-    backend = TorchNativeAttnBackend(runner)
+    backend = TorchNativeAttnBackend(runner, decode_kernel=kernel)
+    assert (backend.decode_op is not None) == kernel
     fb = ForwardBatch(ForwardMode.EXTEND, bs, torch.zeros(sum(new), dtype=torch.int64),
                       torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, new)]),
                       torch.arange(1, bs + 1), torch.tensor(seq), torch.zeros(sum(new), dtype=torch.int64), seq,
@@ -41,20 +41,23 @@ def _setup(dtype, hq, hkv, prefix, new, seed, slots=128):
     return pool, req_to_token, backend, fb, layer, q
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "kernel"])
+@pytest.mark.parametrize("d", [16, 48], ids=lambda d: f"d{d}")  # 48: no kernel instance, SDPA either way
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 1), (6, 2), (3, 3)])
-@pytest.mark.parametrize("prefix", [[0, 0, 0], [0, 4, 0]], ids=["fresh", "prefixed"])
-def test_extend_attention_matches_naive_causal_softmax(dtype, heads, prefix):
+@pytest.mark.parametrize("heads", [(4, 1), (6, 2), (3, 3), (14, 2)])
+@pytest.mark.parametrize("prefix", [[0, 0, 0], [0, 4, 0], [17, 3, 40]], ids=["fresh", "prefixed", "all-prefixed"])
+def test_extend_attention_matches_naive_causal_softmax(dtype, heads, prefix, d, kernel):
     """New token i of a request (position prefix + i) attends softmax(q . K / sqrt(d)) V over exactly its
     keys 0..prefix + i, read from KV head h // (num_heads / num_kv_heads)."""
     hq, hkv = heads
     new = [5, 1, 9]  # unequal lengths: padded query rows exist in the batch
-    pool, req_to_token, backend, fb, layer, q = _setup(dtype, hq, hkv, prefix, new, seed=hq * 10 + hkv)
+    pool, req_to_token, backend, fb, layer, q = _setup(dtype, hq, hkv, prefix, new, seed=hq * 10 + hkv,
+                                                       kernel=kernel, d=d)
     backend.init_forward_metadata(fb)
     with forward_context(ForwardContext(backend, pool, None)):
         out = backend.forward_extend(q, layer, fb)  # [num_tokens, hq, d]
     assert out.shape == q.shape and out.dtype == dtype
-    d, start = layer.head_dim, 0
+    start = 0
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b, (p, n) in enumerate(zip(prefix, new)):
         locs = req_to_token[b + 1, :p + n]
