@@ -293,6 +293,7 @@ class RunnerConfig:
                                  f"enable_deterministic_inference needs 'torch_native' (or None)")
             self.attention_backend = "torch_native"
             self.cpu_prepack = False
+            self.cpu_kernels = False  # trainers/deterministic.py recomputes logprobs with torch's ops, bit for bit
             self.cuda_graph_bs = None
             self.disable_cuda_graph = True  # captured steps pad the batch and use their own kernels
             self.enable_piecewise_cuda_graph = False

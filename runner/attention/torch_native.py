@@ -159,7 +159,7 @@ class TorchNativeAttnBackend:
         hq, d = layer.num_heads, layer.head_dim
         pool = get_forward_context().token_to_kv_pool
         if (self.decode_op is not None and not batch_invariant.is_enabled()
-                and cpu_decode.usable(q.dtype, pool.dtype, d)):
+                and cpu_decode.usable(q.dtype, pool.dtype, d) and not (torch.is_grad_enabled() and q.requires_grad)):
             return cpu_decode.paged_attention(
                 self.decode_op, q.view(-1, hq, d), pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
                 self.req_to_token, md.req_pool_indices, md.seq_lens, md.extend_lens, layer.scaling)  # [tokens, hq, d]

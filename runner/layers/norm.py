@@ -32,6 +32,8 @@ class RMSNorm(nn.Module):
         if (ops is None or x.dtype != self.weight.dtype or x.device.type != "cpu" or hf_numerics.is_enabled()
                 or torch.compiler.is_compiling()):
             return None
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return None  # the kernel has no backward: a trainer differentiating through the module gets torch's ops
         return ops
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -101,10 +101,11 @@ def test_mode_is_per_thread_and_restored():
 
 
 def test_config_turns_off_row_count_dependent_paths(tiny_llama):
-    """Deterministic mode turns off prepacked linears and captured decode, and refuses flashinfer."""
+    """Deterministic mode turns off prepacked linears, captured decode and the engine's CPU kernels (the
+    deterministic trainer recomputes logprobs with torch's ops), and refuses flashinfer."""
     cfg = RunnerConfig(str(tiny_llama), enable_deterministic_inference=True, cuda_graph_bs=[1, 2])
-    assert (cfg.cpu_prepack, cfg.cuda_graph_bs, cfg.disable_cuda_graph, cfg.attention_backend) == \
-        (False, None, True, "torch_native")
+    assert (cfg.cpu_prepack, cfg.cuda_graph_bs, cfg.disable_cuda_graph, cfg.attention_backend, cfg.cpu_kernels) == \
+        (False, None, True, "torch_native", False)
     with pytest.raises(ValueError, match="attention_backend='flashinfer'.*torch_native"):
         RunnerConfig(str(tiny_llama), enable_deterministic_inference=True, attention_backend="flashinfer")
 

@@ -86,7 +86,7 @@ def test_rejects_mismatched_input_by_name(ops, call, message):
 
 def test_module_uses_the_kernel_only_where_enabled(ops, monkeypatch):
     """RMSNorm calls the kernel when the runner set cpu_ops, and torch's path without it, for a dtype the
-    weight does not share, and under rl_on_policy_target's HF numerics."""
+    weight does not share, under rl_on_policy_target's HF numerics, and when autograd records the call."""
     calls = []
     recording = type("Rec", (), {"rms_norm": lambda self, *a: calls.append("norm") or ops.rms_norm(*a),
                                  "add_rms_norm": lambda self, *a: calls.append("add") or ops.add_rms_norm(*a)})()
@@ -94,17 +94,25 @@ def test_module_uses_the_kernel_only_where_enabled(ops, monkeypatch):
     with torch.no_grad():
         norm.weight.copy_(torch.rand(32) + 0.5)
     x, r = torch.randn(4, 32), torch.randn(4, 32)
-    plain, (plain_n, plain_r) = norm(x), norm(x, r)
-    norm.cpu_ops = recording
-    got, (got_n, got_r) = norm(x), norm(x, r)
+    with torch.no_grad():
+        plain, (plain_n, plain_r) = norm(x), norm(x, r)
+        norm.cpu_ops = recording
+        got, (got_n, got_r) = norm(x), norm(x, r)
     assert calls == ["norm", "add"]
     torch.testing.assert_close(got, plain, rtol=2e-6, atol=1e-6)
     torch.testing.assert_close(got_n, plain_n, rtol=2e-6, atol=1e-6)
     assert torch.equal(got_r, plain_r)
-    with hf_numerics.mode():
+    with hf_numerics.mode(), torch.no_grad():
         assert torch.equal(norm(x), plain)
-    norm(x.double())  # the weight is fp32: torch's path
+    with torch.no_grad():
+        norm(x.double())  # the weight is fp32: torch's path
     assert calls == ["norm", "add"]
+    xg = x.clone().requires_grad_()
+    norm(xg).sum().backward()  # a trainer differentiating through the module: torch's path, with grads
+    assert calls == ["norm", "add"] and xg.grad is not None and norm.weight.grad is not None
+    with torch.no_grad():
+        norm(x)
+    assert calls == ["norm", "add", "norm"]
 
 
 @pytest.mark.parametrize("setting, target, on", [(None, None, True), (True, None, True), (False, None, False),
