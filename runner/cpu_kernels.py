@@ -2,8 +2,7 @@
 
 What is in it: `paged_decode_attention` (runner/csrc/paged_decode_attention.cpp, used by the torch-native
 attention backend, see runner/attention/cpu_decode.py) and `rms_norm` / `add_rms_norm` (runner/csrc/
-rms_norm.cpp, used by runner/layers/norm.py). Both are AVX-512 code paths with a portable scalar
-fallback; they exist because at decode sizes the equivalent torch op chains cost their per-op overhead
+rms_norm.cpp, used by runner/layers/norm.py). Both are AVX-512 code (F, BW, VL); they exist because at decode sizes the equivalent torch op chains cost their per-op overhead
 and extra passes, not arithmetic (figures in each source and in the README).
 
 How it is built. torch.utils.cpp_extension compiles the sources with -O3 -march=native and -fopenmp
@@ -11,8 +10,7 @@ How it is built. torch.utils.cpp_extension compiles the sources with -O3 -march=
 ~/.cache/torch_extensions, in a directory named after this CPU's model and feature flags, since a
 -march=native build is only valid on CPUs like the one that built it). It needs a C++ compiler and
 ninja (a dependency of this package). The OpenMP runtime it links is the libgomp torch already
-loaded, so its threads are torch's. A CPU without AVX-512 gets the scalar build, which is slower than
-the torch ops it would replace, so it is not used.
+loaded, so its threads are torch's. On a CPU without AVX-512 nothing is built and torch's ops run.
 
 The switch is `RunnerConfig.cpu_kernels`: None (default) uses the kernels when they build on an AVX-512
 CPU, logging once why not otherwise; True requires them (a build failure is an error at start-up,
@@ -72,15 +70,27 @@ def _clear_stale_lock(name: str) -> None:
             os.remove(lock)
 
 
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")  # what the vector paths use (masked 16-bit loads: BW + VL)
+
+
+def has_avx512() -> bool:
+    """Whether this CPU reports the AVX-512 subsets the kernels' vector paths need (Linux /proc/cpuinfo)."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return False
+    return all(f in flags.split() for f in AVX512_FLAGS)
+
+
 def _build():
-    """Compile (or load the cached build); (the op namespace, its SIMD width: 16 with AVX-512, 1 without)."""
+    """Compile (or load the cached build) and return the op namespace."""
     from torch.utils.cpp_extension import load
 
     name = f"rollout_cpu_kernels_{_cpu_tag()}"
     _clear_stale_lock(name)
     load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
-    return torch.ops.rollout_cpu, torch.ops.rollout_cpu.simd_width()
+    return torch.ops.rollout_cpu
 
 
 def load(required: bool = False):
@@ -89,11 +99,10 @@ def load(required: bool = False):
     with _lock:
         if "ops" not in _state:
             try:
-                ops, width = _build()
-                if width < 16:
-                    _state["ops"], _state["reason"] = None, "this CPU has no AVX-512 (the scalar build is slower than torch's ops)"
+                if not has_avx512():
+                    _state["ops"], _state["reason"] = None, f"this CPU lacks AVX-512 ({'/'.join(AVX512_FLAGS)})"
                 else:
-                    _state["ops"], _state["reason"] = ops, None
+                    _state["ops"], _state["reason"] = _build(), None
             except Exception as e:  # noqa: BLE001 - any build failure means: use torch's ops
                 _state["ops"], _state["reason"] = None, f"the kernels did not build ({type(e).__name__}: {str(e)[:500]})"
             if _state["reason"] is not None and not required:

@@ -7,9 +7,9 @@
 // row is read once per item and reused for every query head of the group (the GQA saving). Two
 // passes over the request's slots: scores q.k for every key (fp32), then a softmax over them and the
 // weighted sum of V rows. Accumulation is fp32 whatever the cache dtype (fp32 or bf16; bf16 is
-// widened to fp32 by a shift, exactly). Loops are plain C++ over a compile-time head_dim, written so
-// the compiler vectorizes them (the reductions under `omp simd`, built with -fopenmp-simd);
-// threads are torch's OpenMP team on the calling thread (the pool every torch CPU op uses).
+// widened to fp32 by a shift, exactly). AVX-512 intrinsics over a compile-time head_dim (16 fp32
+// lanes per vector); threads are torch's OpenMP team on the calling thread (the pool every torch CPU
+// op uses). AVX-512 only: without it the loader keeps torch's ops and never builds this.
 //
 // Not here: prefill / extend (several new tokens per request), sliding windows, soft caps, sinks,
 // fp16 caches. The Python side routes those to SDPA.
@@ -19,6 +19,10 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
+#error "the CPU kernels need AVX-512 (F, BW, VL); runner/cpu_kernels.py does not build them without it"
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -35,27 +39,6 @@ inline float to_f32(c10::BFloat16 x) {
   return f;
 }
 
-// e^x for x <= 0 (scores minus their max), vectorizable: x = n ln2 + r with |r| <= ln2/2, e^r by a
-// degree-6 Taylor polynomial (relative error < 2e-7 on that interval), 2^n by the exponent bits.
-// Inputs below -87 give 0's neighbourhood (e^-87 ~ 1.6e-38, the smallest normal fp32).
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return p * scale;
-}
-
-#if defined(__AVX512F__)
 // ---- AVX-512: 16 fp32 lanes, head_dim = 16 * NV; query heads of a group in chunks of GC <= 4, so
 // a chunk's q rows (or accumulators) and the current K (or V) row stay in the 32 vector registers.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -181,54 +164,11 @@ void attend_simd(const float* q, const T* k_base, const T* v_base, int64_t slot_
   for (int g = 0; g < group; ++g)
     for (int d = 0; d < D; ++d) acc[g * D + d] *= inv_sum[g];
 }
-constexpr int kSimdWidth = 16;
-#else
-constexpr int kSimdWidth = 1;
-#endif
-
-// The portable reference of the same two passes (no AVX-512): scalar loops.
-template <int D, typename T>
-void attend_scalar(const float* q, const T* k_base, const T* v_base, int64_t slot_stride, const int64_t* slots,
-                   int64_t len, int group, float* scores, float* acc, float* inv_sum) {
-  for (int64_t t = 0; t < len; ++t) {
-    const T* k = k_base + slots[t] * slot_stride;
-    for (int g = 0; g < group; ++g) {
-      float s = 0.0f;
-      for (int d = 0; d < D; ++d) s += q[g * D + d] * to_f32(k[d]);
-      scores[g * len + t] = s;
-    }
-  }
-  for (int g = 0; g < group; ++g) {
-    float* sg = scores + g * len;
-    float m = sg[0];
-    for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
-    float sum = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
-      sg[t] = exp_nonpos(sg[t] - m);
-      sum += sg[t];
-    }
-    inv_sum[g] = 1.0f / sum;
-  }
-  for (int i = 0; i < group * D; ++i) acc[i] = 0.0f;
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = v_base + slots[t] * slot_stride;
-    for (int g = 0; g < group; ++g)
-      for (int d = 0; d < D; ++d) acc[g * D + d] += scores[g * len + t] * to_f32(v[d]);
-  }
-  for (int g = 0; g < group; ++g)
-    for (int d = 0; d < D; ++d) acc[g * D + d] *= inv_sum[g];
-}
-
 template <int D, typename T>
 inline void attend_one(const float* q, const T* k_base, const T* v_base, int64_t slot_stride, const int64_t* slots,
                        int64_t len, int group, float* scores, float* acc, float* inv_sum) {
-#if defined(__AVX512F__)
-  if constexpr (D % 16 == 0) {
-    attend_simd<D / 16, T>(q, k_base, v_base, slot_stride, slots, len, group, scores, acc, inv_sum);
-    return;
-  }
-#endif
-  attend_scalar<D, T>(q, k_base, v_base, slot_stride, slots, len, group, scores, acc, inv_sum);
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16 lanes");
+  attend_simd<D / 16, T>(q, k_base, v_base, slot_stride, slots, len, group, scores, acc, inv_sum);
 }
 
 // Token t of the step (q row t) belongs to request tok_req[t] and sees that request's first tok_len[t]
@@ -377,11 +317,7 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-// 16 when the AVX-512 path was compiled in, 1 for the scalar build (the loader then prefers SDPA).
-int64_t simd_width() { return kSimdWidth; }
-
 TORCH_LIBRARY(rollout_cpu, m) {
-  m.def("simd_width() -> int", &simd_width);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
   m.def("paged_extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "

@@ -11,6 +11,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
+#error "the CPU kernels need AVX-512 (F, BW, VL); runner/cpu_kernels.py does not build them without it"
+#endif
 #include <omp.h>
 #include <torch/library.h>
 
@@ -21,17 +25,6 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float narrow(float x, float) { return x; }
-inline c10::BFloat16 narrow(float x, c10::BFloat16) { return c10::BFloat16(x); }  // round to nearest even
-
-#if defined(__AVX512F__)
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
@@ -52,12 +45,10 @@ inline __m512 round_like(__m512 v, c10::BFloat16) {  // the value a bf16 store w
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
 }
 inline __mmask16 lanes(int64_t left) { return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u); }
-#endif
 
 // One row: (optionally) s = round(x + r) written to res_out, then out = w * round(s * rsqrt(mean(s^2) + eps)).
 template <typename T>
 void norm_row(const T* x, const T* res, const T* w, T* out, T* res_out, int64_t h, float eps) {
-#if defined(__AVX512F__)
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   int k = 0;
   for (int64_t i = 0; i < h; i += 16, k = (k + 1) & 3) {
@@ -78,20 +69,6 @@ void norm_row(const T* x, const T* res, const T* w, T* out, T* res_out, int64_t 
     const __m512 y = round_like(_mm512_mul_ps(load16(src + i, m), r), T());
     store16(out + i, _mm512_mul_ps(load16(w + i, m), y), m);
   }
-#else
-  float sum = 0.0f;
-  for (int64_t i = 0; i < h; ++i) {
-    float s = widen(x[i]);
-    if (res != nullptr) {
-      res_out[i] = narrow(s + widen(res[i]), T());
-      s = widen(res_out[i]);
-    }
-    sum += s * s;
-  }
-  const float r = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
-  const T* src = res != nullptr ? res_out : x;
-  for (int64_t i = 0; i < h; ++i) out[i] = narrow(widen(w[i]) * widen(narrow(widen(src[i]) * r, T())), T());
-#endif
 }
 
 void check(const at::Tensor& x, const at::Tensor& w, const char* name) {

@@ -11,12 +11,13 @@ import torch
 
 from runner import cpu_kernels
 from runner.attention import cpu_decode
+from tests.needs import needs_avx512
 from tests.rollout.oracle import EnginePool, hf_generate, random_prompts
 
 
 @pytest.fixture(scope="module")
-def op():
-    return cpu_kernels.load(required=True)  # CI's machines have AVX-512, g++ and ninja
+def op(cpu_ops):
+    return cpu_ops  # tests/conftest.py
 
 
 def _case(dtype, d, hq, hkv, lens, seed=0, slots_per_req=None, share_prefix=0):
@@ -128,13 +129,18 @@ def test_kernel_rejects_bad_input_by_name(op, change, message):
 
 
 def test_loader_falls_back_with_a_reason_or_raises_when_required(monkeypatch, caplog):
-    """A failed build or a scalar-only build: None and one log line saying why; required=True raises it."""
+    """A CPU without AVX-512 (nothing built) or a failed build: None and one log line saying why;
+    required=True raises it; False never builds."""
     def broken():
         raise OSError("no compiler here")
 
-    for build, reason in [(broken, "no compiler here"), (lambda: (object(), 1), "no AVX-512")]:
+    def never():
+        raise AssertionError("built without AVX-512")
+
+    for avx512, build, reason in [(True, broken, "no compiler here"), (False, never, "lacks AVX-512")]:
         monkeypatch.setattr(cpu_kernels, "_state", {})
         monkeypatch.setattr(cpu_kernels, "_build", build)
+        monkeypatch.setattr(cpu_kernels, "has_avx512", lambda avx512=avx512: avx512)
         with caplog.at_level(logging.INFO, logger="runner.cpu_kernels"):
             assert cpu_kernels.load() is None
         assert reason in caplog.text
@@ -151,6 +157,7 @@ def make_engine():
     pool.close()
 
 
+@needs_avx512
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])  # head_dim 32 (and q/k norms) and head_dim 16
 def test_engine_with_kernel_matches_hf_generate(make_engine, ckpt_factory, arch):
     """Greedy decode through the kernel gives HF generate's tokens, and logprobs within float rounding of

@@ -8,13 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner import cpu_kernels, hf_numerics
+from runner import hf_numerics
 from runner.layers.norm import RMSNorm
+from tests.needs import needs_avx512
 
 
 @pytest.fixture(scope="module")
-def ops():
-    return cpu_kernels.load(required=True)
+def ops(cpu_ops):
+    return cpu_ops  # tests/conftest.py
 
 
 def _hf(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,8 +116,9 @@ def test_module_uses_the_kernel_only_where_enabled(ops, monkeypatch):
     assert calls == ["norm", "add", "norm"]
 
 
-@pytest.mark.parametrize("setting, target, on", [(None, None, True), (True, None, True), (False, None, False),
-                                                (None, "fsdp", False)])
+@pytest.mark.parametrize("setting, target, on", [
+    pytest.param(None, None, True, marks=needs_avx512), pytest.param(True, None, True, marks=needs_avx512),
+    (False, None, False), (None, "fsdp", False)])
 def test_runner_enables_kernels_per_config(tiny_qwen3, setting, target, on):
     """Every RMSNorm of the model (q/k norms included) gets the kernels exactly when cpu_kernels allows and
     rl_on_policy_target does not ask for torch's ops."""

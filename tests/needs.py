@@ -1,0 +1,12 @@
+"""Marks for tests that need something of the machine, each with the reason it skips elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner import cpu_kernels
+
+# Tests where the engine or backend must run on the C++ CPU kernels: without AVX-512 they are not built
+# and the engine keeps torch's ops (the tests of those paths still run).
+needs_avx512 = pytest.mark.skipif(not cpu_kernels.has_avx512(),
+                                  reason="no AVX-512 on this CPU: the engine uses torch's ops, not the CPU kernels")
