@@ -8,7 +8,7 @@ and extra passes, not arithmetic (figures in each source and in the README).
 How it is built. torch.utils.cpp_extension compiles the sources with -O3 -march=native and -fopenmp
 (about 15 s on 2 cores, once: the build is cached under TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions, in a directory named after this CPU's model and feature flags, since a
--march=native build is only valid on CPUs like the one that built it). It needs a C++ compiler and
+-march=native build is only valid on CPUs like the one that built it, and after the sources). It needs a C++ compiler and
 ninja (a dependency of this package). The OpenMP runtime it links is the libgomp torch already
 loaded, so its threads are torch's. On a CPU without AVX-512 nothing is built and torch's ops run.
 
@@ -86,7 +86,10 @@ def _build():
     """Compile (or load the cached build) and return the op namespace."""
     from torch.utils.cpp_extension import load
 
-    name = f"rollout_cpu_kernels_{_cpu_tag()}"
+    # The sources' hash in the name too: a changed source builds into a new directory instead of
+    # relinking, in place, a library another running engine has loaded.
+    sources = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:8]
+    name = f"rollout_cpu_kernels_{_cpu_tag()}_{sources}"
     _clear_stale_lock(name)
     load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)

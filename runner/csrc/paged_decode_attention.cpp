@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -136,31 +137,31 @@ inline void softmax_rows(float* scores, int64_t len, int group, float* inv_sum) 
   }
 }
 
+// f(std::integral_constant<int, GC>, g0) for each chunk g0 .. g0 + GC - 1 (GC <= 4) of the group's heads:
+// GC is a compile-time constant, so a chunk's rows live in registers.
+template <typename F>
+inline void for_head_chunks(int group, F&& f) {
+  for (int g0 = 0; g0 < group; g0 += 4) {
+    switch (group - g0 < 4 ? group - g0 : 4) {
+      case 1: f(std::integral_constant<int, 1>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      case 3: f(std::integral_constant<int, 3>{}, g0); break;
+      default: f(std::integral_constant<int, 4>{}, g0); break;
+    }
+  }
+}
+
 template <int NV, typename T>
 void attend_simd(const float* q, const T* k_base, const T* v_base, int64_t slot_stride, const int64_t* slots,
                  int64_t len, int group, float* scores, float* acc, float* inv_sum) {
   constexpr int D = NV * 16;
-  for (int g0 = 0; g0 < group; g0 += 4) {
-    const float* qg = q + g0 * D;
-    float* sg = scores + g0 * len;
-    switch (group - g0 < 4 ? group - g0 : 4) {
-      case 1: scores_chunk<NV, 1, T>(qg, k_base, slot_stride, slots, len, sg); break;
-      case 2: scores_chunk<NV, 2, T>(qg, k_base, slot_stride, slots, len, sg); break;
-      case 3: scores_chunk<NV, 3, T>(qg, k_base, slot_stride, slots, len, sg); break;
-      default: scores_chunk<NV, 4, T>(qg, k_base, slot_stride, slots, len, sg); break;
-    }
-  }
+  for_head_chunks(group, [&](auto gc, int g0) {
+    scores_chunk<NV, decltype(gc)::value, T>(q + g0 * D, k_base, slot_stride, slots, len, scores + g0 * len);
+  });
   softmax_rows(scores, len, group, inv_sum);
-  for (int g0 = 0; g0 < group; g0 += 4) {
-    const float* pg = scores + g0 * len;
-    float* ag = acc + g0 * D;
-    switch (group - g0 < 4 ? group - g0 : 4) {
-      case 1: values_chunk<NV, 1, T>(v_base, slot_stride, slots, len, pg, ag); break;
-      case 2: values_chunk<NV, 2, T>(v_base, slot_stride, slots, len, pg, ag); break;
-      case 3: values_chunk<NV, 3, T>(v_base, slot_stride, slots, len, pg, ag); break;
-      default: values_chunk<NV, 4, T>(v_base, slot_stride, slots, len, pg, ag); break;
-    }
-  }
+  for_head_chunks(group, [&](auto gc, int g0) {
+    values_chunk<NV, decltype(gc)::value, T>(v_base, slot_stride, slots, len, scores + g0 * len, acc + g0 * D);
+  });
   for (int g = 0; g < group; ++g)
     for (int d = 0; d < D; ++d) acc[g * D + d] *= inv_sum[g];
 }
