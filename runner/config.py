@@ -239,7 +239,7 @@ class RunnerConfig:
     tp_size: int = 1
     random_seed: int = 0
     cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/layers/prepack.py)
-    # The engine's CPU kernels (runner/cpu_kernels.py: paged decode attention, fused RMSNorm), built at
+    # The engine's CPU kernels (runner/cpu_kernels.py: paged attention, fused RMSNorm), built at
     # first use: None uses them when they build on an AVX-512 CPU, True requires them, False: torch's ops.
     cpu_kernels: bool | None = None
     # SGLang's enable_fp32_lm_head: the vocabulary projection of a bf16/fp16 model in fp32 (hidden states and
@@ -268,6 +268,8 @@ class RunnerConfig:
     rl_on_policy_target: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_kernels not in (None, True, False):
+            raise ValueError(f"cpu_kernels={self.cpu_kernels!r}: use None (when they build), True (required) or False")
         if self.rl_on_policy_target not in RL_ON_POLICY_TARGETS:
             raise ValueError(f"rl_on_policy_target={self.rl_on_policy_target!r}: choose one of {RL_ON_POLICY_TARGETS} "
                              f"('fsdp': follow transformers' numerics, as SGLang's option)")

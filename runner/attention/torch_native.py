@@ -1,4 +1,10 @@
-"""torch-native attention over the paged KV cache (SDPA on gathered pages). Runs everywhere.
+"""torch-native attention over the paged KV cache. Runs everywhere.
+
+On a CPU where the engine's kernels are loaded (runner/cpu_kernels.py; AVX-512), every step of an fp32 or
+bf16 model goes to the paged kernel (runner/attention/cpu_decode.py), which reads the slots in place:
+its plan is just the batch's request rows, lengths and new-token counts, and the gather plan below
+is made only for a layer the kernel cannot run (another dtype or head_dim). Batch-invariant mode keeps
+its own kernel. Otherwise, SDPA on gathered pages, as follows.
 
 Each step is planned once in `init_forward_metadata` and kept on the backend (`forward_metadata`,
 never on the batch): the KV slots of every request gathered into a padded [bs, max_kv_len] index, a
@@ -14,9 +20,9 @@ once for the largest captured batch (`init_cuda_graph_state`), so every tensor t
 the same shape at each replay of one padded batch size: [bs] request rows and lengths, and a
 [bs, graph_kv_len] index and mask. `graph_kv_len` is the whole context when a device graph needs
 fixed addresses (CUDA), or the step's longest sequence rounded up to KV_LEN_ALIGN when the consumer
-is an opaque op that only needs fixed shapes per replay (the CPU captured step). This is the
+is an opaque op that only needs fixed shapes per replay (the CPU captured step). On CUDA this is the
 reference backend, not the fast one: it gathers K/V each layer instead of reading pages in place
-(flashinfer does that on CUDA).
+(flashinfer does that there).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from runner.config import ModelConfig
+from runner.config import ModelConfig, RunnerConfig
 from runner.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tests.checkpoints import load_hf_model
 
@@ -168,3 +168,9 @@ def test_unsupported_configs_are_refused(tiny_llama, change, message):
     """Configs the runner cannot run exactly fail with a message naming the culprit."""
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict(dict(_raw(tiny_llama), **change))
+
+
+def test_cpu_kernels_setting_must_be_none_or_a_bool(tiny_llama):
+    """cpu_kernels takes None, True or False; anything else is refused by name."""
+    with pytest.raises(ValueError, match=r"cpu_kernels='yes'"):
+        RunnerConfig(str(tiny_llama), cpu_kernels="yes")
