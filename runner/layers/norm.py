@@ -19,6 +19,8 @@ from torch import nn
 
 from runner import hf_numerics
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what runner/csrc/rms_norm.cpp computes
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -29,8 +31,8 @@ class RMSNorm(nn.Module):
 
     def _kernel(self, x: torch.Tensor):
         ops = self.cpu_ops
-        if (ops is None or x.dtype != self.weight.dtype or x.device.type != "cpu" or hf_numerics.is_enabled()
-                or torch.compiler.is_compiling()):
+        if (ops is None or x.dtype != self.weight.dtype or x.dtype not in KERNEL_DTYPES or x.device.type != "cpu"
+                or hf_numerics.is_enabled() or torch.compiler.is_compiling()):
             return None
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return None  # the kernel has no backward: a trainer differentiating through the module gets torch's ops

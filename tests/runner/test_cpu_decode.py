@@ -233,3 +233,19 @@ def test_extend_kernel_rejects_inconsistent_lengths(op, ext, message):
     q = torch.randn(8, 4, 64)
     with pytest.raises(RuntimeError, match=message):
         op.paged_extend_attention(q, k, v, r2t, torch.tensor([0, 1]), lens, torch.tensor(ext), 0.125)
+
+
+@needs_avx512
+def test_engine_fp16_model_keeps_torch_ops_where_no_kernel_exists(make_engine, ckpt_factory):
+    """An fp16 model (no fp16 kernels) decodes on torch's attention and norm with the kernels loaded, giving
+    the tokens and logprobs of the engine with them off."""
+    path = ckpt_factory("qwen3")
+    params = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts([6, 11], seed=5)
+    outs = []
+    for setting in (True, False):
+        engine = make_engine(path, dtype="float16", cpu_kernels=setting)
+        outs.append(engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True))
+    for on, off in zip(*outs):
+        assert on["output_ids"] == off["output_ids"]
+        assert on["meta_info"]["output_token_logprobs"] == off["meta_info"]["output_token_logprobs"]

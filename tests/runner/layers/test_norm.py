@@ -107,6 +107,9 @@ def test_module_uses_the_kernel_only_where_enabled(ops, monkeypatch):
         assert torch.equal(norm(x), plain)
     with torch.no_grad():
         norm(x.double())  # the weight is fp32: torch's path
+        half = RMSNorm(32, 1e-6).half()
+        half.cpu_ops = recording
+        torch.testing.assert_close(half(x.half()), F.rms_norm(x.half(), (32,), half.weight, 1e-6))  # no fp16 kernel
     assert calls == ["norm", "add"]
     xg = x.clone().requires_grad_()
     norm(xg).sum().backward()  # a trainer differentiating through the module: torch's path, with grads
