@@ -249,3 +249,25 @@ def test_engine_fp16_model_keeps_torch_ops_where_no_kernel_exists(make_engine, c
     for on, off in zip(*outs):
         assert on["output_ids"] == off["output_ids"]
         assert on["meta_info"]["output_token_logprobs"] == off["meta_info"]["output_token_logprobs"]
+
+
+@needs_avx512
+def test_engine_kernel_path_equals_sdpa_path_under_chunking_sharing_and_sampling(make_engine, ckpt_factory):
+    """Small prefill chunks (prefixed extends), prompts that share prefixes (prefix-cache hits), n=3 seeded
+    samples per prompt and mixed lengths: the kernel path gives the SDPA path's tokens, logprobs to float
+    rounding."""
+    path = ckpt_factory("qwen3")
+    base = random_prompts([40], seed=8)[0]
+    prompts = [base + tail for tail in random_prompts([3, 9, 1], seed=9)] + random_prompts([70, 2], seed=10)
+    params = dict(max_new_tokens=20, temperature=0.8, n=3, seed=11, ignore_eos=True)
+    outs = []
+    for setting in (True, False):
+        engine = make_engine(path, cpu_kernels=setting, chunked_prefill_size=16)
+        outs.append(engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True))
+    assert len(outs[0]) == len(prompts) * 3
+    for on, off in zip(*outs):
+        assert on["output_ids"] == off["output_ids"]
+        lp_on = [e[0] for e in on["meta_info"]["output_token_logprobs"]]
+        lp_off = [e[0] for e in off["meta_info"]["output_token_logprobs"]]
+        torch.testing.assert_close(torch.tensor(lp_on), torch.tensor(lp_off), rtol=0, atol=1e-4)
+    assert any(o["meta_info"]["cached_tokens"] > 0 for o in outs[0])  # the shared prefix was reused
