@@ -82,10 +82,24 @@ def has_avx512() -> bool:
     return all(f in flags.split() for f in AVX512_FLAGS)
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the ninja package's binary is not on it when the environment's bin
+    directory is not (a venv's python run without activating it)."""
+    import os
+    import shutil
+
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError, AttributeError):
+            import ninja
+
+            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def _build():
     """Compile (or load the cached build) and return the op namespace."""
     from torch.utils.cpp_extension import load
 
+    _put_ninja_on_path()
     # The sources' hash in the name too: a changed source builds into a new directory instead of
     # relinking, in place, a library another running engine has loaded.
     sources = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:8]

@@ -271,3 +271,14 @@ def test_engine_kernel_path_equals_sdpa_path_under_chunking_sharing_and_sampling
         lp_off = [e[0] for e in off["meta_info"]["output_token_logprobs"]]
         torch.testing.assert_close(torch.tensor(lp_on), torch.tensor(lp_off), rtol=0, atol=1e-4)
     assert any(o["meta_info"]["cached_tokens"] > 0 for o in outs[0])  # the shared prefix was reused
+
+
+def test_the_ninja_package_is_found_off_path(monkeypatch):
+    """torch runs `ninja` from PATH; with the environment's bin directory off PATH, the loader puts the ninja
+    package's binary on it (the package is a dependency)."""
+    import shutil
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert shutil.which("ninja") is None
+    cpu_kernels._put_ninja_on_path()
+    assert shutil.which("ninja") is not None
