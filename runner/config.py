@@ -239,7 +239,7 @@ class RunnerConfig:
     tp_size: int = 1
     random_seed: int = 0
     cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/layers/prepack.py)
-    # The engine's CPU kernels (runner/cpu_kernels.py: paged attention, fused RMSNorm), built at
+    # The engine's CPU kernels (runner/cpu_kernels.py: paged attention, fused RMSNorm, rotary), built at
     # first use: None uses them when they build on an AVX-512 CPU, True requires them, False: torch's ops.
     cpu_kernels: bool | None = None
     # SGLang's enable_fp32_lm_head: the vocabulary projection of a bf16/fp16 model in fp32 (hidden states and

@@ -1,12 +1,14 @@
 """The engine's own CPU kernels (runner/csrc/): one C++ extension, compiled at first use, loaded once per process.
 
-What is in it: `paged_decode_attention` (runner/csrc/paged_decode_attention.cpp, used by the torch-native
-attention backend, see runner/attention/cpu_decode.py) and `rms_norm` / `add_rms_norm` (runner/csrc/
-rms_norm.cpp, used by runner/layers/norm.py). Both are AVX-512 code (F, BW, VL); they exist because at decode sizes the equivalent torch op chains cost their per-op overhead
-and extra passes, not arithmetic (figures in each source and in the README).
+What is in it: `paged_decode_attention` / `paged_extend_attention` (runner/csrc/paged_decode_attention.cpp,
+used by the torch-native attention backend, see runner/attention/cpu_decode.py), `rms_norm` /
+`add_rms_norm` (runner/csrc/rms_norm.cpp, used by runner/layers/norm.py) and `rotary`
+(runner/csrc/rotary.cpp, used by runner/layers/rotary.py). All are AVX-512 code (F, BW, VL); they exist
+because at decode sizes the equivalent torch op chains cost their per-op overhead and extra passes, not
+arithmetic (figures in each source and in the README).
 
 How it is built. torch.utils.cpp_extension compiles the sources with -O3 -march=native and -fopenmp
-(about 15 s on 2 cores, once: the build is cached under TORCH_EXTENSIONS_DIR, by default
+(about 25 s on 2 cores, once: the build is cached under TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions, in a directory named after this CPU's model and feature flags, since a
 -march=native build is only valid on CPUs like the one that built it, and after the sources). It needs a C++ compiler and
 ninja (a dependency of this package). The OpenMP runtime it links is the libgomp torch already
@@ -29,8 +31,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp")]
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp", "rotary.cpp")]
+# -ffp-contract=off: a multiply-add is fused only where the source says so (the rotary must round its
+# products as torch does).
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": torch.ops.rollout_cpu or None, "reason": why not; once looked for
@@ -111,7 +115,7 @@ def _build():
 
 
 def load(required: bool = False):
-    """torch.ops.rollout_cpu (paged_decode_attention, rms_norm, add_rms_norm), built on the first call, or None
+    """torch.ops.rollout_cpu (the paged attention, norm and rotary ops), built on the first call, or None
     with the reason logged once (no compiler, no ninja, no AVX-512). `required`: raise instead, naming it."""
     with _lock:
         if "ops" not in _state:

@@ -30,6 +30,7 @@ from runner.forward_batch import ForwardBatch, ForwardContext, LogitsOutput, for
 from runner.layers import prepack
 from runner.layers.embedding import LMHead
 from runner.layers.norm import RMSNorm
+from runner.layers.rotary import RotaryEmbedding
 from runner.memory import occupation
 from runner.memory.kv_pool import ReqToTokenPool, TokenToKVPool
 from runner.memory.memory_saver import create_memory_saver
@@ -111,11 +112,11 @@ class ModelRunner:
                 with CheckpointIndex(cfg.model_path) as index:
                     routes.load_checkpoint(self, index, WeightWriter(snapshot=False), check=False)
             self.memory_saver.track("weights", list(self.name_map.params.values()))
-        cpu_ops = cpu_kernels.enabled(cfg.cpu_kernels, self.device)  # the fused CPU RMSNorm, or None
+        cpu_ops = cpu_kernels.enabled(cfg.cpu_kernels, self.device)  # fused CPU RMSNorm and rotary, or None
         for m in self.model.modules():
             if isinstance(m, LMHead):
                 m.fp32 = cfg.enable_fp32_lm_head
-            elif isinstance(m, RMSNorm):
+            elif isinstance(m, (RMSNorm, RotaryEmbedding)):
                 m.cpu_ops = cpu_ops
         self.use_prepack = cfg.cpu_prepack and prepack.is_supported(self.device, self.dtype)
         self._modules_of_param: dict[int, list] = {}

@@ -83,7 +83,7 @@ ARG_HELP: dict[str, str] = {
     "device": "'cpu' or 'cuda' ('cuda:N' picks a device)",
     "cpu_kv_cache_bytes": "KV cache bytes on the CPU when --max-total-tokens is not given",
     "cpu_prepack": "oneDNN-prepacked linear weights on the CPU (faster decode)",
-    "cpu_kernels": "the engine's CPU kernels (paged attention, fused RMSNorm), compiled at first use "
+    "cpu_kernels": "the engine's CPU kernels (paged attention, fused RMSNorm, rotary), compiled at first use "
                    "(default: when they build on an AVX-512 CPU; true: required; false: torch's ops)",
     "enable_deterministic_inference": "batch-invariant kernels: a request's ids and logprobs are bitwise the same "
                                       "in any batch (dense and MoE; CPU torch_native attention)",

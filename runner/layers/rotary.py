@@ -3,7 +3,9 @@
 The cos/sin table is a non-persistent buffer, not a parameter: it survives a weight release and
 is never part of a weight update. `cos_sin` hands out sin with the sign of rotate-half folded in
 (-sin on the first half), so a rotation is `x * cos + x.roll(half) * sin_signed`: two fewer ops per
-call than chunk/neg/cat and bitwise the same values (negating a factor commutes with rounding).
+call than chunk/neg/cat and bitwise the same values (negating a factor commutes with rounding). On the
+CPU with the engine's kernels loaded (`cpu_ops`, set by the runner), that expression is one C++ pass
+(runner/csrc/rotary.cpp), bitwise equal to it; not inside a compiled graph or under autograd.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import math
 
 import torch
 from torch import nn
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what runner/csrc/rotary.cpp computes
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -49,6 +53,7 @@ class RotaryEmbedding(nn.Module):
         half = head_dim // 2
         signed = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1)  # rotate_half's sign, folded
         self.register_buffer("sin_signed_cached", signed, persistent=False)
+        self.cpu_ops = None  # torch.ops.rollout_cpu when the runner enables the CPU kernels
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sign-folded sin), looked up once per forward and shared by every layer: [num_tokens, 1,
@@ -56,15 +61,19 @@ class RotaryEmbedding(nn.Module):
         return (self.cos_cached[positions].to(dtype).unsqueeze(1),
                 self.sin_signed_cached[positions].to(dtype).unsqueeze(1))
 
-    @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        return RotaryEmbedding.apply_one(q, cos, sin_signed), RotaryEmbedding.apply_one(k, cos, sin_signed)
+        return self.apply_one(q, cos, sin_signed), self.apply_one(k, cos, sin_signed)
 
-    @staticmethod
-    def apply_one(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    def apply_one(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """`apply` on one tensor of heads, e.g. q and k heads side by side: [num_tokens, heads, head_dim].
-        roll(half) is cat(x2, x1); with the sign in `sin_signed` it is rotate_half(x) * sin exactly."""
+        roll(half) is cat(x2, x1); with the sign in `sin_signed` it is rotate_half(x) * sin exactly.
+        With the CPU kernels loaded, one pass of runner/csrc/rotary.cpp, bitwise the same expression."""
+        ops = self.cpu_ops
+        if (ops is not None and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.dim() == 3
+                and x.stride(-1) == 1 and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and x.requires_grad)):
+            return ops.rotary(x, cos, sin_signed)
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
     def forward(

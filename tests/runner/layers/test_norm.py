@@ -123,12 +123,13 @@ def test_module_uses_the_kernel_only_where_enabled(ops, monkeypatch):
     pytest.param(None, None, True, marks=needs_avx512), pytest.param(True, None, True, marks=needs_avx512),
     (False, None, False), (None, "fsdp", False)])
 def test_runner_enables_kernels_per_config(tiny_qwen3, setting, target, on):
-    """Every RMSNorm of the model (q/k norms included) gets the kernels exactly when cpu_kernels allows and
-    rl_on_policy_target does not ask for torch's ops."""
+    """Every RMSNorm of the model (q/k norms included) and its rotary get the kernels exactly when cpu_kernels
+    allows and rl_on_policy_target does not ask for torch's ops."""
     from tests.runner.driver import make_runner
 
     runner = make_runner(tiny_qwen3, cpu_kernels=setting, rl_on_policy_target=target)
     norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 4 * runner.model_config.num_hidden_layers + 1  # input, post-attention, q, k; final
     assert all((m.cpu_ops is not None) == on for m in norms)
+    assert (runner.model.model.rotary_emb.cpu_ops is not None) == on  # the fused rotary too
     assert (runner.attn_backend.decode_op is not None) == (on and target is None)

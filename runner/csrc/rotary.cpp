@@ -1,0 +1,94 @@
+// Rotary position embedding for the CPU, one pass: out = x * cos + roll(x, D/2) * sin_signed, per token
+// and head, where sin_signed already carries rotate-half's sign (runner/layers/rotary.py). Bitwise the
+// same as that torch expression: each product is rounded to the dtype, then the sum (explicit mul and
+// add, no fused multiply-add; a bf16 product of bf16 factors is exact in fp32 before its rounding).
+// It reads x through its token and head strides (a q|k view out of the fused qkv projection needs no
+// copy) and writes a contiguous [num_tokens, heads, head_dim]. Loaded with the other kernels
+// (runner/cpu_kernels.py); AVX-512 only.
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
+#error "the CPU kernels need AVX-512 (F, BW, VL); runner/cpu_kernels.py does not build them without it"
+#endif
+
+#include <cstdint>
+
+namespace {
+
+inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load(const c10::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m256i bf16_bits(__m512 v) {  // round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rule)
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline __m512 rounded(__m512 v, float) { return v; }
+inline __m512 rounded(__m512 v, c10::BFloat16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16_bits(v)); }
+
+// One head row of length d: the first half pairs with the second (roll by d/2), 16 lanes at a time.
+template <typename T>
+inline void rotate_row(const T* x, const T* c, const T* s, T* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = half - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (half - i)) - 1u);
+    const __m512 lo = load(x + i, m), hi = load(x + half + i, m);
+    // out[i] = x[i] * c[i] + x[i + half] * s[i]; out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half]
+    const __m512 a = rounded(_mm512_mul_ps(lo, load(c + i, m)), T());
+    const __m512 b = rounded(_mm512_mul_ps(hi, load(s + i, m)), T());
+    store(out + i, _mm512_add_ps(a, b), m);
+    const __m512 e = rounded(_mm512_mul_ps(hi, load(c + half + i, m)), T());
+    const __m512 f = rounded(_mm512_mul_ps(lo, load(s + half + i, m)), T());
+    store(out + half + i, _mm512_add_ps(e, f), m);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t n = x.size(0), h = x.size(1), d = x.size(2);
+  const int64_t sx0 = x.stride(0), sx1 = x.stride(1), sc = cos.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+#pragma omp parallel for if (n * h * d >= (1 << 16)) schedule(static)
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < h; ++j) rotate_row<T>(xp + t * sx0 + j * sx1, cp + t * sc, sp + t * sc, op + (t * h + j) * d, d);
+}
+
+// x: [num_tokens, heads, head_dim] (last dim contiguous, any token/head strides); cos, sin_signed:
+// [num_tokens, 1, head_dim] contiguous rows, x's dtype -> [num_tokens, heads, head_dim] contiguous.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "rotary: x must be a CPU [num_tokens, heads, ",
+              "head_dim] tensor with a contiguous last dimension");
+  const int64_t n = x.size(0), d = x.size(2);
+  TORCH_CHECK(d % 2 == 0, "rotary: head_dim ", d, " must be even");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rotary: dtype ", x.scalar_type(),
+              " not supported (float32, bfloat16)");
+  for (const at::Tensor* t : {&cos_in, &sin_in})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->numel() == n * d && t->size(0) == n, "rotary: cos and sin ",
+                "must be [num_tokens, 1, head_dim] = [", n, ", 1, ", d, "] in x's dtype, got ", t->sizes(), " ",
+                t->scalar_type());
+  const at::Tensor cos = cos_in.reshape({n, d}).contiguous(), sin = sin_in.reshape({n, d}).contiguous();
+  at::Tensor out = at::empty({n, x.size(1), d}, x.options());
+  if (x.scalar_type() == at::kFloat) run<float>(x, cos, sin, out);
+  else run<c10::BFloat16>(x, cos, sin, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) { m.def("rotary(Tensor x, Tensor cos, Tensor sin_signed) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) { m.impl("rotary", &rotary); }
