@@ -1,8 +1,8 @@
 """The engine's CPU kernels end to end: Engine.generate wall time with them off, with the paged attention
-kernel only, and with the fused RMSNorm too, alternating in one process on the same prompts.
+kernels only, and with the fused RMSNorm and rotary too, alternating in one process on the same prompts.
 
-Two engines on one checkpoint (cpu_kernels=False and True); the norm is switched per call on the second
-by clearing its RMSNorm modules' `cpu_ops`, so the three variants share weights and threads. Prints the
+Two engines on one checkpoint (cpu_kernels=False and True); norm and rotary are switched per call on the
+second by clearing those modules' `cpu_ops`, so the three variants share weights and threads. Prints the
 median seconds of each over --pairs rounds, the two speed-ups and the load average. Needs a benchmark
 checkpoint (bench/throughput.py --save-dir writes one).
 
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.throughput import make_prompts, vocab_size_of  # noqa: E402
 from rollout import Engine  # noqa: E402
 from runner.layers.norm import RMSNorm  # noqa: E402
+from runner.layers.rotary import RotaryEmbedding  # noqa: E402
 
 
 def main() -> None:
@@ -36,14 +37,14 @@ def main() -> None:
     a = p.parse_args()
     off = Engine(a.model, show_progress=False, dtype=a.dtype, cpu_kernels=False)
     on = Engine(a.model, show_progress=False, dtype=a.dtype, cpu_kernels=True)
-    norms = [m for m in on.runner.model.modules() if isinstance(m, RMSNorm)]
-    ops = norms[0].cpu_ops
+    fused = [m for m in on.runner.model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    ops = fused[0].cpu_ops
     prompts = make_prompts(a.batch, a.prompt_len, vocab_size_of(Path(a.model)), 0)
     params = dict(max_new_tokens=a.output_len, temperature=0.0, ignore_eos=True)
 
-    def run(engine, norm_kernel: bool) -> float:
-        for m in norms:
-            m.cpu_ops = ops if norm_kernel else None
+    def run(engine, fused_kernels: bool) -> float:
+        for m in fused:
+            m.cpu_ops = ops if fused_kernels else None
         engine.flush_cache()
         t0 = time.perf_counter()
         engine.generate(input_ids=prompts, sampling_params=params)
@@ -51,12 +52,12 @@ def main() -> None:
 
     run(off, False)
     run(on, True)  # warm-up of both
-    times: dict[str, list[float]] = {"off": [], "attention": [], "attention+norm": []}
+    times: dict[str, list[float]] = {"off": [], "attention": [], "all": []}
     loads = []
     for _ in range(a.pairs):
         times["off"].append(run(off, False))
         times["attention"].append(run(on, False))
-        times["attention+norm"].append(run(on, True))
+        times["all"].append(run(on, True))
         loads.append(os.getloadavg()[0])
     off.shutdown()
     on.shutdown()
@@ -64,8 +65,8 @@ def main() -> None:
     print(f"{a.model} {a.dtype}, {a.batch} x {a.prompt_len} -> {a.output_len} greedy, median of {a.pairs} rounds")
     for k, v in med.items():
         print(f"  {k:<16} {v:.3f} s")
-    print(f"attention kernel: {med['off'] / med['attention']:.3f}x; with the fused RMSNorm: "
-          f"{med['off'] / med['attention+norm']:.3f}x; load {min(loads):.2f}-{max(loads):.2f}")
+    print(f"attention kernels: {med['off'] / med['attention']:.3f}x; with the fused RMSNorm and rotary: "
+          f"{med['off'] / med['all']:.3f}x; load {min(loads):.2f}-{max(loads):.2f}")
 
 
 if __name__ == "__main__":
