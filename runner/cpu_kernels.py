@@ -32,6 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp", "rotary.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "lanes.h"]  # included by the sources; part of the build's hash
 # -ffp-contract=off: a multiply-add is fused only where the source says so (the rotary must round its
 # products as torch does).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off"]
@@ -106,7 +107,8 @@ def _build():
     _put_ninja_on_path()
     # The sources' hash in the name too: a changed source builds into a new directory instead of
     # relinking, in place, a library another running engine has loaded.
-    sources = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:8]
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
+    sources = hashlib.sha1(text).hexdigest()[:8]
     name = f"rollout_cpu_kernels_{_cpu_tag()}_{sources}"
     _clear_stale_lock(name)
     load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],

@@ -7,50 +7,31 @@
 // (runner/cpu_kernels.py); AVX-512 only.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <omp.h>
 #include <torch/library.h>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
-#error "the CPU kernels need AVX-512 (F, BW, VL); runner/cpu_kernels.py does not build them without it"
-#endif
+#include "lanes.h"
 
 #include <cstdint>
 
 namespace {
 
-inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load(const c10::BFloat16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __m256i bf16_bits(__m512 v) {  // round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rule)
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-inline __m512 rounded(__m512 v, float) { return v; }
-inline __m512 rounded(__m512 v, c10::BFloat16) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
-}
-inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16_bits(v)); }
+using namespace rollout_lanes;
 
 // One head row of length d: the first half pairs with the second (roll by d/2), 16 lanes at a time.
 template <typename T>
 inline void rotate_row(const T* x, const T* c, const T* s, T* out, int64_t d) {
   const int64_t half = d / 2;
   for (int64_t i = 0; i < half; i += 16) {
-    const __mmask16 m = half - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (half - i)) - 1u);
-    const __m512 lo = load(x + i, m), hi = load(x + half + i, m);
+    const __mmask16 m = lanes(half - i);
+    const __m512 lo = load16(x + i, m), hi = load16(x + half + i, m);
     // out[i] = x[i] * c[i] + x[i + half] * s[i]; out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half]
-    const __m512 a = rounded(_mm512_mul_ps(lo, load(c + i, m)), T());
-    const __m512 b = rounded(_mm512_mul_ps(hi, load(s + i, m)), T());
-    store(out + i, _mm512_add_ps(a, b), m);
-    const __m512 e = rounded(_mm512_mul_ps(hi, load(c + half + i, m)), T());
-    const __m512 f = rounded(_mm512_mul_ps(lo, load(s + half + i, m)), T());
-    store(out + half + i, _mm512_add_ps(e, f), m);
+    const __m512 a = round_like(_mm512_mul_ps(lo, load16(c + i, m)), T());
+    const __m512 b = round_like(_mm512_mul_ps(hi, load16(s + i, m)), T());
+    store16(out + i, _mm512_add_ps(a, b), m);
+    const __m512 e = round_like(_mm512_mul_ps(hi, load16(c + half + i, m)), T());
+    const __m512 f = round_like(_mm512_mul_ps(lo, load16(s + half + i, m)), T());
+    store16(out + half + i, _mm512_add_ps(e, f), m);
   }
 }
 
