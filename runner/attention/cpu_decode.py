@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import torch
 
+from runner import cpu_kernels
+
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the template instances in the source
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 def usable(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel computes this layer's decode attention (the kernels must be loaded too)."""
-    return dtype == cache_dtype and dtype in DTYPES and head_dim in HEAD_DIMS
+    return dtype == cache_dtype and dtype in cpu_kernels.DTYPES and head_dim in HEAD_DIMS
 
 
 def paged_attention(ops, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,

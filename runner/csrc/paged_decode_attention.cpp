@@ -1,54 +1,42 @@
-// Paged decode attention for the CPU: one new query token per request, attending in place to the
-// request's KV slots in the paged pool (no gather, no mask). Built at first use by
+// Paged attention for the CPU, decode and extend: each new query token attends in place to its
+// request's KV slots in the paged pool (no gather, no mask, no padding). Built at first use by
 // runner/cpu_kernels.py (torch.utils.cpp_extension, -O3 -march=native) and registered as
-// torch.ops.rollout_cpu.paged_decode_attention.
+// torch.ops.rollout_cpu.paged_decode_attention and .paged_extend_attention.
 //
-// Work item = (request, KV head). Its `group` query heads share that head's K/V rows, so each K/V
-// row is read once per item and reused for every query head of the group (the GQA saving). Two
-// passes over the request's slots: scores q.k for every key (fp32), then a softmax over them and the
-// weighted sum of V rows. Accumulation is fp32 whatever the cache dtype (fp32 or bf16; bf16 is
-// widened to fp32 by a shift, exactly). AVX-512 intrinsics over a compile-time head_dim (16 fp32
+// Work item = (new token, KV head). Its `group` query heads share that head's K/V rows, so each K/V
+// row is read once per item and reused for every query head of the group (the GQA saving). A decode
+// token sees all of its request's slots; new token j of an extend sees the cached prefix and new
+// tokens 0..j (causal). Two passes over those slots: scores q.k for every key (fp32), then a softmax
+// over them and the weighted sum of V rows. Accumulation is fp32 whatever the cache dtype (fp32 or
+// bf16; bf16 is widened to fp32 exactly). AVX-512 intrinsics over a compile-time head_dim (16 fp32
 // lanes per vector); threads are torch's OpenMP team on the calling thread (the pool every torch CPU
 // op uses). AVX-512 only: without it the loader keeps torch's ops and never builds this.
 //
-// Not here: prefill / extend (several new tokens per request), sliding windows, soft caps, sinks,
-// fp16 caches. The Python side routes those to SDPA.
+// Not here: sliding windows, soft caps, sinks, fp16 caches. The Python side routes those to SDPA.
 #include <ATen/ATen.h>
-#include <omp.h>
 #include <c10/util/BFloat16.h>
+#include <omp.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
-#error "the CPU kernels need AVX-512 (F, BW, VL); runner/cpu_kernels.py does not build them without it"
-#endif
+#include "lanes.h"
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // bf16 is the top half of an fp32: exact
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using namespace rollout_lanes;
 
-// ---- AVX-512: 16 fp32 lanes, head_dim = 16 * NV; query heads of a group in chunks of GC <= 4, so
-// a chunk's q rows (or accumulators) and the current K (or V) row stay in the 32 vector registers.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> 16 fp32: widen and shift into the top half
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+// ---- head_dim = 16 * NV; query heads of a group in chunks of GC <= 4, so a chunk's q rows (or
+// accumulators) and the current K (or V) row stay in the 32 vector registers.
+constexpr __mmask16 kAll = 0xFFFF;
 
-inline __m512 exp_nonpos16(__m512 x) {  // exp_nonpos on 16 lanes, the same steps
+// e^x for x <= 0 (scores minus their max) on 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by a
+// degree-6 Taylor polynomial (relative error < 2e-7 on that interval), 2^n by the exponent bits.
+// Inputs below -87 are clamped there (e^-87 ~ 1.6e-38, the smallest normal fp32).
+inline __m512 exp_nonpos16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -84,7 +72,7 @@ void scores_chunk(const float* __restrict q, const T* __restrict k_base, int64_t
     if (t + kPrefetch < len) prefetch_row<NV>(k_base + slots[t + kPrefetch] * slot_stride);
     const T* k = k_base + slots[t] * slot_stride;
     __m512 kv[NV];
-    for (int j = 0; j < NV; ++j) kv[j] = load16(k + j * 16);
+    for (int j = 0; j < NV; ++j) kv[j] = load16(k + j * 16, kAll);
     for (int g = 0; g < GC; ++g) {
       __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kv[j], a);
@@ -103,7 +91,7 @@ void values_chunk(const T* __restrict v_base, int64_t slot_stride, const int64_t
     if (t + kPrefetch < len) prefetch_row<NV>(v_base + slots[t + kPrefetch] * slot_stride);
     const T* v = v_base + slots[t] * slot_stride;
     __m512 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load16(v + j * 16);
+    for (int j = 0; j < NV; ++j) vv[j] = load16(v + j * 16, kAll);
     for (int g = 0; g < GC; ++g) {
       const __m512 p = _mm512_set1_ps(probs[g * len + t]);
       for (int j = 0; j < NV; ++j) av[g][j] = _mm512_fmadd_ps(p, vv[j], av[g][j]);
@@ -121,7 +109,7 @@ inline void softmax_rows(float* scores, int64_t len, int group, float* inv_sum) 
     __m512 mv = _mm512_set1_ps(-INFINITY);
     int64_t t = 0;
     for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
-    const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1u);
+    const __mmask16 tail = lanes(len - t);
     mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, sg + t));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sum = _mm512_setzero_ps();
@@ -230,12 +218,13 @@ void run(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t t = item / hkv, h = item % hkv;
       const int64_t b = tok_req[t], len = tok_len[t];
       const T* qt = qp + (t * hq + h * group) * D;  // q is [num_tokens, hq, D] contiguous
-      for (int i = 0; i < group * D; ++i) qf[i] = to_f32(qt[i]) * fscale;
+      for (int i = 0; i < group * D; i += 16)
+        _mm512_storeu_ps(qf.data() + i, _mm512_mul_ps(load16(qt + i, kAll), _mm512_set1_ps(fscale)));
       scores.resize(static_cast<size_t>(group) * len);
       attend_one<D, T>(qf.data(), kp + h * D, vp + h * D, slot_stride, r2t + rows[b] * r2t_stride, len, group,
                        scores.data(), acc.data(), inv_sum.data());
       T* ot = op + (t * hq + h * group) * D;
-      for (int i = 0; i < group * D; ++i) ot[i] = static_cast<T>(acc[i]);
+      for (int i = 0; i < group * D; i += 16) store16(ot + i, _mm512_loadu_ps(acc.data() + i), kAll);
     }
   }
 }

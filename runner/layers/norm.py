@@ -17,9 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner import hf_numerics
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what runner/csrc/rms_norm.cpp computes
+from runner import cpu_kernels, hf_numerics
 
 
 class RMSNorm(nn.Module):
@@ -31,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def _kernel(self, x: torch.Tensor):
         ops = self.cpu_ops
-        if (ops is None or x.dtype != self.weight.dtype or x.dtype not in KERNEL_DTYPES or x.device.type != "cpu"
+        if (ops is None or x.dtype != self.weight.dtype or x.dtype not in cpu_kernels.DTYPES or x.device.type != "cpu"
                 or hf_numerics.is_enabled() or torch.compiler.is_compiling()):
             return None
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what runner/csrc/rotary.cpp computes
+from runner import cpu_kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -70,7 +70,7 @@ class RotaryEmbedding(nn.Module):
         roll(half) is cat(x2, x1); with the sign in `sin_signed` it is rotate_half(x) * sin exactly.
         With the CPU kernels loaded, one pass of runner/csrc/rotary.cpp, bitwise the same expression."""
         ops = self.cpu_ops
-        if (ops is not None and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.dim() == 3
+        if (ops is not None and x.device.type == "cpu" and x.dtype in cpu_kernels.DTYPES and x.dim() == 3
                 and x.stride(-1) == 1 and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and x.requires_grad)):
             return ops.rotary(x, cos, sin_signed)
