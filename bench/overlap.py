@@ -131,10 +131,10 @@ def _time_decode_forwards(engine) -> list[float]:
     inner = sched._forward_sample_ids
     spans: list[float] = []
 
-    def timed(fb, reqs, prompt_rows=None):
+    def timed(fb, reqs, prompt_rows=None, prepared=None):
         t0 = time.perf_counter()
         try:
-            return inner(fb, reqs, prompt_rows)
+            return inner(fb, reqs, prompt_rows, prepared=prepared)
         finally:
             if fb.forward_mode.is_decode():
                 spans.append(time.perf_counter() - t0)

@@ -27,11 +27,14 @@ attribution.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -44,9 +47,25 @@ logger = logging.getLogger(__name__)
 IDLE_RELEASE_S = 0.05  # a worker idle this long frees its OpenMP pool; a busy pipeline never waits that long
 
 
+_STOP = object()  # queued by ForwardWorker.close
+
+
+class Phased(NamedTuple):
+    """A job in two parts. The worker runs `prologue`, then hands over the previous job's result, then runs
+    `body`, whose value is this job's result. A decode step puts its own Python (filling its input ids from
+    the step before, writing its KV slots) in the prologue and the forward in the body: the scheduler
+    thread, woken by the previous step's result, then runs its host work while this thread is inside the
+    forward's C++ op (which releases the GIL), instead of contending with this thread's Python for the GIL
+    (on a 2-core CPU that contention had made the overlap schedule slower than the plain one)."""
+
+    prologue: Callable[[], None]
+    body: Callable[[], object]
+
+
 class ForwardWorker:
-    """One thread that runs submitted functions in submission order (on CUDA: on its own stream, after
-    the work the submitting thread had queued on its stream)."""
+    """One thread that runs submitted functions (or Phased jobs) in submission order (on CUDA: on its own
+    stream, after the work the submitting thread had queued on its stream). A job's result is handed over
+    when the next job reaches its body, or at once when nothing is queued behind it."""
 
     def __init__(self, device, on_start=None) -> None:
         self.device = torch.device(device)
@@ -76,31 +95,62 @@ class ForwardWorker:
             torch.cuda.set_device(self.device)
         if self._on_start is not None:
             self._on_start()
+        held = None  # (future, value, error) of the last job: handed over once the next one reaches its body
         while True:
-            try:
-                job = self._jobs.get(timeout=IDLE_RELEASE_S)
-            except queue.Empty:
-                # Idle for a while (not merely between two steps): give back this thread's OpenMP pool, so
-                # the process's other threads run at full speed meanwhile (runner/openmp_pool.py).
-                release_thread_pool()
-                job = self._jobs.get()
+            job = None
+            if held is not None:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:  # nothing queued behind it: hand it over now
+                    self._hand_over(held)
+                    held = None
             if job is None:
+                try:
+                    job = self._jobs.get(timeout=IDLE_RELEASE_S)
+                except queue.Empty:
+                    # Idle for a while (not merely between two steps): give back this thread's OpenMP pool, so
+                    # the process's other threads run at full speed meanwhile (runner/openmp_pool.py).
+                    release_thread_pool()
+                    job = self._jobs.get()
+            if job is _STOP:
+                if held is not None:
+                    self._hand_over(held)
                 return
             fn, fut, event = job
-            try:
-                if self._stream is None:
-                    fut.set_result(fn())
-                else:
-                    with torch.cuda.stream(self._stream):
-                        self._stream.wait_event(event)
-                        fut.set_result(fn())
-            except BaseException as e:  # the scheduler thread handles it where it waits
-                fut.set_exception(e)
+            value = error = None
+            with contextlib.nullcontext() if self._stream is None else torch.cuda.stream(self._stream):
+                if event is not None:
+                    self._stream.wait_event(event)
+                if isinstance(fn, Phased):
+                    try:
+                        fn.prologue()
+                    except BaseException as e:  # the scheduler thread handles it where it waits
+                        error = e
+                # The previous job's result goes out only now, right before this one's body: the thread
+                # waiting for it then does its Python while this thread is inside the forward's op,
+                # which releases the GIL, not while both need the GIL (see Phased).
+                if held is not None:
+                    self._hand_over(held)
+                    held = None
+                if error is None:
+                    try:
+                        value = fn.body() if isinstance(fn, Phased) else fn()
+                    except BaseException as e:
+                        error = e
+            held = (fut, value, error)
             # Hold nothing of a finished job while idle: its closure references requests (and their sinks).
-            del job, fn, fut, event
+            del job, fn, fut, event, value, error
+
+    @staticmethod
+    def _hand_over(held) -> None:
+        fut, value, error = held
+        if error is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(error)
 
     def close(self, timeout: float = 30) -> None:
-        self._jobs.put(None)
+        self._jobs.put(_STOP)
         self._thread.join(timeout)
 
 
@@ -113,6 +163,7 @@ class DecodeAhead:
     future: Future  # -> (next_token_ids [bs] on the device, list of per-row host results)
     members: set[int] = field(default_factory=set)  # id() of its reqs
     deferred: list[Req] = field(default_factory=list)  # finished meanwhile; their KV is freed after this step
+    out: dict = field(default_factory=dict)  # "ids": its sampled ids, once the worker has run it
 
 
 class OverlapDecoder:
@@ -177,16 +228,29 @@ class OverlapDecoder:
         fb = decode_batch(reqs, locs.to(device), device, pending=pending)
         fb.sampling_info = s._sampling_info(reqs, step_offset=pending)
         src_t = None if prev is None else torch.tensor(src, dtype=torch.int64, device=device)
+        # The fused forward's arguments, made here while step N runs (they read fb.input_ids when the step
+        # runs, after the job fills it): the worker's own Python per step is then a few calls, and this
+        # thread's host work runs while the worker is inside the op, which releases the GIL.
+        prepare = getattr(s.runner, "prepare_forward", None)
+        prepared = None if prepare is None else prepare(fb)
         s.stats["num_decode_steps"] += 1
 
-        def job():
-            if prev is not None:  # step N is done (the worker runs in order): its ids are this step's input
-                prev_ids, _ = prev.future.result()
-                fb.input_ids.copy_(prev_ids.index_select(0, src_t))
-            s.kv.write_decode(fb.req_pool_indices, fb.positions, fb.out_cache_loc)
-            return s._forward_sample_ids(fb, reqs)
+        out: dict = {}  # "ids": this step's sampled ids on the device, read by the step launched behind it
 
-        return DecodeAhead(list(reqs), locs, self.worker.submit(job), {id(r) for r in reqs})
+        def prologue():
+            if prev is not None:  # step N ran before this on the worker: its ids are this step's input
+                if "ids" not in prev.out:
+                    raise RuntimeError("the decode step this one continues failed")
+                fb.input_ids.copy_(prev.out["ids"].index_select(0, src_t))
+            s.kv.write_decode(fb.req_pool_indices, fb.positions, fb.out_cache_loc)
+
+        def body():
+            ids, rows = s._forward_sample_ids(fb, reqs, prepared=prepared)
+            out["ids"] = ids
+            return ids, rows
+
+        return DecodeAhead(list(reqs), locs, self.worker.submit(Phased(prologue, body)), {id(r) for r in reqs},
+                           out=out)
 
     def _launch_next(self, step: DecodeAhead) -> DecodeAhead | None:
         s = self.s

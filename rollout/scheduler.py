@@ -496,12 +496,14 @@ class Scheduler:
             return self.overlap.worker.submit(lambda: self._forward_sample_ids(fb, reqs, prompt_rows)[1]).result()
         return self._forward_sample_ids(fb, reqs, prompt_rows)[1]
 
-    def _forward_sample_ids(self, fb, reqs: list[Req], prompt_rows=None) -> tuple[torch.Tensor, list[_Sampled]]:
+    def _forward_sample_ids(self, fb, reqs: list[Req], prompt_rows=None,
+                            prepared=None) -> tuple[torch.Tensor, list[_Sampled]]:
         """(sampled ids [bs] on the device, host rows). fb.sampling_info, when set, was built by the caller
-        (the overlap schedule builds it on the scheduler thread; this may run on its worker)."""
+        (the overlap schedule builds it on the scheduler thread; this may run on its worker), and so was
+        `prepared`, the runner's fused forward of fb (ModelRunner.prepare_forward), when given."""
         if fb.sampling_info is None:
             fb.sampling_info = self._sampling_info(reqs)
-        logits_out = self.runner.forward(fb)
+        logits_out = self.runner.forward(fb) if prepared is None else self.runner.forward(fb, prepared=prepared)
         out = self.runner.sample(logits_out, fb)
         ids = out.next_token_ids.tolist()  # the one device->host read (two with logprobs)
         logprobs = [None] * len(ids) if out.logprobs is None else out.logprobs.tolist()

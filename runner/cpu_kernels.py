@@ -31,7 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp", "rotary.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp", "rotary.cpp",
+                                                                 "decoder_layer.cpp", "sampler.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "lanes.h"]  # included by the sources; part of the build's hash
 DTYPES = (torch.float32, torch.bfloat16)  # what every kernel computes; other dtypes keep torch's ops
 # -ffp-contract=off: a multiply-add is fused only where the source says so (the rotary must round its

@@ -34,7 +34,7 @@ from runner.layers.rotary import RotaryEmbedding
 from runner.memory import occupation
 from runner.memory.kv_pool import ReqToTokenPool, TokenToKVPool
 from runner.memory.memory_saver import create_memory_saver
-from runner.models import get_model_class
+from runner.models import fused_layer, get_model_class
 from runner.sampler import SampleOutput, Sampler
 from runner.weights import routes
 from runner.weights.checkpoint import CheckpointIndex
@@ -118,6 +118,8 @@ class ModelRunner:
                 m.fp32 = cfg.enable_fp32_lm_head
             elif isinstance(m, (RMSNorm, RotaryEmbedding)):
                 m.cpu_ops = cpu_ops
+        fused_layer.enable(self.model, cpu_ops)  # decoder layers, or the whole forward, as one op where they fit
+        self.sampler.cpu_ops = cpu_ops  # the plain sampling path as one op (runner/csrc/sampler.cpp)
         self.use_prepack = cfg.cpu_prepack and prepack.is_supported(self.device, self.dtype)
         self._modules_of_param: dict[int, list] = {}
         for m in prepack.packable_modules(self.model):
@@ -232,8 +234,19 @@ class ModelRunner:
             self.graph_runner = CpuGraphRunner(self)
 
     # ---- the hot path --------------------------------------------------------------------
+    def prepare_forward(self, fb: ForwardBatch) -> tuple | None:
+        """The arguments of the fused whole-model op for `fb` (runner/models/fused_layer.py FusedModel), made
+        on the calling thread without touching the attention backend's plan, or None where `forward` takes
+        another path (no fused model, LoRA, captured graphs). The overlap schedule prepares step N+1 on its
+        scheduler thread while step N runs; `forward(fb, prepared)` then only checks and runs it."""
+        fm = getattr(self.model, "fused_model", None)
+        if (fm is None or fb.forward_mode.is_idle() or self.lora_manager is not None or self.graph_runner is not None
+                or self.piecewise_runner is not None):
+            return None
+        return fm.args(fb, self.token_to_kv_pool, self.attn_backend)
+
     @torch.no_grad()
-    def forward(self, fb: ForwardBatch) -> LogitsOutput | None:
+    def forward(self, fb: ForwardBatch, prepared: tuple | None = None) -> LogitsOutput | None:
         if fb.forward_mode.is_idle():
             return None
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
@@ -243,6 +256,19 @@ class ModelRunner:
         if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
             # Freed storages would be read (or written) out of bounds.
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
+        if prepared is None and self.lora_manager is None and self.graph_runner is None:
+            prepared = self.prepare_forward(fb)
+        if prepared is not None:
+            # The whole forward as one op (runner/models/fused_layer.py): bitwise the eager path's logits.
+            try:
+                with torch.inference_mode():
+                    return LogitsOutput(self.model.fused_model.run(prepared))
+            except Exception as e:  # noqa: BLE001 - a defect of the fused path must not fail the step
+                # It only repeats the modules' ops, so anything it cannot run is its own defect: turn it
+                # off, say so once, and run this step through the modules (they rewrite the same KV slots).
+                logger.warning("the fused CPU forward failed (%s: %s); using the modules' forward from now on",
+                               type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+                self.model.fused_model = None
         lora_batch = self.lora_manager.prepare(fb) if self.lora_manager is not None else None
         # While the cuda_graph tag is released CUDA graph memory is unmapped (torch_memory_saver in preload
         # mode) or dropped: replaying would fault, so those steps run eagerly until it is resumed. The

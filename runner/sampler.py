@@ -302,8 +302,29 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (chunk * c + pos).squeeze(1).clamp_(max=vocab - 1)
 
 
+def plain(logits: torch.Tensor, info: SamplingBatchInfo) -> bool:
+    """Whether this batch samples on the plain path runner/csrc/sampler.cpp computes: CPU fp32 logits, no
+    logit processor, no truncation, only the token's own (default) logprob."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[0] > 0
+            and info.seen_mask is None and info.output_counts is None and info.logit_bias is None
+            and info.banned_mask is None and not needs_truncation(info) and info.top_logprobs_num == 0
+            and info.token_ids is None and info.original_rows is None and not info.return_raw_logprob)
+
+
 class Sampler:
+    # torch.ops.rollout_cpu when the engine's CPU kernels are loaded (set by the runner): a plain batch then
+    # samples in one C++ op, bitwise the Python path below, without the GIL.
+    cpu_ops = None
+
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+        if self.cpu_ops is not None and plain(logits, info):
+            ids, logprobs = self.cpu_ops.sample_plain(
+                logits, info.temperatures, info.seeds, info.seed_mix, info.steps, info.is_all_greedy,
+                info.has_greedy, info.need_temperature, info.need_logprobs)
+            return SampleOutput(ids, logprobs if info.need_logprobs else None)
+        return self._sample(logits, info)
+
+    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         # logits: [bs, vocab] fp32. Full-vocab passes are the cost here, so greedy rows and the raw
         # logprob work on [bs] gathers against one logsumexp instead of a second log_softmax; a batch
         # without greedy rows needs neither that logsumexp nor (on the CPU, unless a draw lands on a

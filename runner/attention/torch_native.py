@@ -159,6 +159,24 @@ class TorchNativeAttnBackend:
                                                     seq_lens=seq_lens[:bs], bs=bs)
 
     # ---- attention -------------------------------------------------------------------------
+    def kernel_plan_of(self, fb: ForwardBatch, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int):
+        """`paged_kernel_plan` for `fb` made from the batch alone, without planning the backend's step (so a
+        thread may prepare a step while another one runs on the backend's current plan); None as there."""
+        if self.decode_op is None or batch_invariant.is_enabled() or not cpu_decode.usable(dtype, cache_dtype, head_dim):
+            return None
+        ext = None if fb.forward_mode.is_decode() else torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
+        return self.req_to_token, fb.req_pool_indices.contiguous(), fb.seq_lens.contiguous(), ext
+
+    def paged_kernel_plan(self, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int):
+        """(req_to_token, req_pool_indices, seq_lens, extend_lens) when this step's attention for a layer of
+        this geometry runs the paged kernel (extend_lens None for decode), else None. The fused decoder layer
+        (runner/models/fused_layer.py) attends through it only when `_attend` would."""
+        md = self.forward_metadata
+        if (self.decode_op is None or md is None or batch_invariant.is_enabled()
+                or not cpu_decode.usable(dtype, cache_dtype, head_dim)):
+            return None
+        return self.req_to_token, md.req_pool_indices.contiguous(), md.seq_lens.contiguous(), md.extend_lens
+
     def _attend(self, q: torch.Tensor, layer, fb: ForwardBatch | None) -> torch.Tensor:
         md = self.forward_metadata
         bs = md.bs

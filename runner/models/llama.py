@@ -31,6 +31,7 @@ from runner.layers.linear import (
 from runner.layers.logits import compute_logits
 from runner.layers.norm import RMSNorm
 from runner.layers.rotary import RotaryEmbedding
+from runner.models import fused_layer
 from runner.tp.group import current_tp
 
 
@@ -100,6 +101,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    fused_ops = None  # torch.ops.rollout_cpu when this layer may run as one C++ op (runner/models/fused_layer.py)
+
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary)
@@ -127,6 +130,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head_dim = config.head_dim
+        self.fused_ops = None  # set with the layers' by runner/models/fused_layer.py enable()
 
     def forward(self, input_ids, positions, fb: ForwardBatch) -> torch.Tensor:
         if fb.input_embeds is not None:
@@ -138,8 +143,12 @@ class LlamaModel(nn.Module):
         # Looked up once per forward and handed to every layer; never stored on the batch.
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # 2 x [num_tokens, 1, head_dim]
         residual = None
+        # Each covered layer as one C++ op when this step allows it (runner/models/fused_layer.py): bitwise
+        # the same result as the module's forward.
+        step = fused_layer.prepare(self.fused_ops, hidden, fb, self.head_dim)
         for layer in self.layers:
-            hidden, residual = layer(cos_sin, hidden, residual, fb)
+            out = None if step is None else fused_layer.call(step, layer, cos_sin, hidden, residual, fb)
+            hidden, residual = layer(cos_sin, hidden, residual, fb) if out is None else out
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

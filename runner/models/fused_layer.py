@@ -1,0 +1,223 @@
+"""A Llama-family decoder layer as one C++ call on the CPU (runner/csrc/decoder_layer.cpp), and when it applies.
+
+The op runs the ops `LlamaDecoderLayer.forward` runs (this extension's norm, rotary and paged attention
+kernels, the prepacked or dense linears, the gated MLP), in the same order, so a layer's output is
+bitwise the Python layer's: it is a faster way to call the same computation, not another numerics. What
+it saves is the interpreter between ~15 op calls per layer (at a small model's decode sizes most of a
+layer's time), and the GIL for the whole layer, which the scheduler thread of the overlap schedule
+(rollout/overlap.py) or a server's event loop can use meanwhile.
+
+`enable(model, ops)` (the runner, when the CPU kernels are loaded) marks the layers whose structure it
+covers: a dense MLP, no tensor parallelism. `prepare` then decides once per forward, `call` per layer,
+and either returns None, so the Python layer runs, whenever anything differs from the op's
+assumptions: LoRA adapters in the step, batch-invariant or HF-numerics mode, a compiled (captured)
+step, autograd, a dtype or head_dim the kernels lack, another attention backend or KV pool dtype. Not here: the embedding, the final norm and
+the LM head (one op each, already).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from runner import batch_invariant, cpu_kernels, hf_numerics
+from runner.forward_batch import ForwardBatch, current_lora_batch, get_forward_context
+from runner.layers.linear import Linear, MergedLinear, QKVLinear
+from runner.layers.logits import last_token_indices
+from runner.layers.ops import GatedPacked
+
+DENSE, PACKED, GATED_PACKED = 0, 1, 2  # the op's linear kinds
+
+
+def covers(layer: nn.Module) -> bool:
+    """Whether the op's structure is this layer's: Llama attention on one rank, a dense gated MLP."""
+    from runner.models.llama import LlamaAttention, LlamaMLP
+
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    return (isinstance(attn, LlamaAttention) and isinstance(mlp, LlamaMLP)
+            and type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear
+            and type(mlp.gate_up_proj) is MergedLinear and type(mlp.down_proj) is Linear)
+
+
+def enable(model: nn.Module, ops) -> int:
+    """Give every covered decoder layer the op namespace (None turns the fused path off), and the model its
+    `fused_model` (a FusedModel, or None); returns how many layers are covered."""
+    from runner.models.llama import LlamaDecoderLayer, LlamaModel
+
+    count = 0
+    for m in model.modules():
+        if isinstance(m, LlamaDecoderLayer):
+            m.fused_ops = ops if covers(m) else None
+            count += m.fused_ops is not None
+    for m in model.modules():
+        if isinstance(m, LlamaModel):
+            m.fused_ops = ops if count else None
+    model.fused_model = FusedModel.build(model, ops) if count else None
+    return count
+
+
+def _linear(m: nn.Module) -> tuple[list, int]:
+    packed = m.packed
+    if packed is None:
+        return [m.weight, m.bias], DENSE
+    if isinstance(packed, GatedPacked):
+        return [*packed.gate, *packed.up], GATED_PACKED
+    return list(packed), PACKED
+
+
+class Step(NamedTuple):
+    """What every fused layer of one forward shares: the op namespace, the KV pool, the attention plan."""
+
+    ops: object
+    pool: object
+    plan: tuple  # (req_to_token, req_pool_indices, seq_lens, extend_lens) as the paged kernel takes them
+
+
+def prepare(ops, hidden: torch.Tensor, fb: ForwardBatch, head_dim: int) -> Step | None:
+    """The per-forward half of the decision (once per step, not per layer): a Step when this forward's layers
+    may run fused, else None. hidden: the embedding output [num_tokens, hidden_size] (or any tensor of its
+    dtype and device)."""
+    dtype = hidden.dtype
+    if (ops is None or fb.forward_mode.is_idle() or dtype not in cpu_kernels.DTYPES or hidden.device.type != "cpu"
+            or torch.is_grad_enabled() or torch.compiler.is_compiling() or batch_invariant.is_enabled()
+            or hf_numerics.is_enabled() or current_lora_batch() is not None):
+        return None
+    ctx = get_forward_context()
+    pool = ctx.token_to_kv_pool
+    plan_of = getattr(ctx.attn_backend, "paged_kernel_plan", None)
+    if plan_of is None or getattr(pool, "dtype", None) != dtype:
+        return None
+    plan = plan_of(dtype, pool.dtype, head_dim)
+    return None if plan is None else Step(ops, pool, plan)
+
+
+def _layer_args(layer: nn.Module, dtype: torch.dtype) -> tuple[list, list[int], float, float] | None:
+    """The op's view of one layer: (14 params, 4 linear kinds, eps, qk_eps), or None when it does not fit.
+    Params: [ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up x4, down_w, down_b, q_norm, k_norm]."""
+    if layer.fused_ops is None:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    if (ln1.weight.dtype != dtype or ln2.weight.dtype != dtype or ln1.eps != ln2.eps or ln1.cpu_ops is None
+            or attn.rotary[0].cpu_ops is None):
+        return None
+    q_norm = k_norm = None
+    qk_eps = 0.0
+    if attn.qk_norm:
+        q_norm, k_norm, qk_eps = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
+        if q_norm.dtype != dtype or k_norm.dtype != dtype or attn.q_norm.eps != attn.k_norm.eps:
+            return None
+    qkv, qkv_kind = _linear(attn.qkv_proj)
+    o, o_kind = _linear(attn.o_proj)
+    gate_up, gate_up_kind = _linear(mlp.gate_up_proj)
+    if gate_up_kind != GATED_PACKED:
+        gate_up = gate_up + [None, None]
+    down, down_kind = _linear(mlp.down_proj)
+    return ([ln1.weight, ln2.weight, *qkv, *o, *gate_up, *down, q_norm, k_norm],
+            [qkv_kind, o_kind, gate_up_kind, down_kind], ln1.eps, qk_eps)
+
+
+def call(step: Step, layer: nn.Module, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+         residual: torch.Tensor | None, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(mlp output, residual) of `layer` as LlamaDecoderLayer.forward computes them, or None where the
+    Python layer must run. hidden, residual: [num_tokens, hidden_size]."""
+    args = _layer_args(layer, hidden.dtype)
+    if args is None:
+        return None
+    p, kinds, eps, qk_eps = args
+    attn = layer.self_attn
+    layer_id = attn.attn.layer_id
+    pool = step.pool
+    return step.ops.decoder_layer(
+        hidden, residual, *cos_sin, p[0], p[1], eps, p[2:4], kinds[0], p[4:6], kinds[1], p[6:10], kinds[2],
+        p[10:12], kinds[3], p[12], p[13], qk_eps, pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+        fb.out_cache_loc, *step.plan, attn.num_heads, attn.num_kv_heads, attn.attn.scaling)
+
+
+class FusedModel:
+    """LlamaForCausalLM's whole forward as one op (runner/csrc/decoder_layer.cpp model_forward): embedding,
+    every layer, final norm, LM head -> next-token logits [bs, vocab] fp32, bitwise the module's.
+
+    Built once by `enable` when every layer is covered (and the embedding and LM head are not vocab-
+    parallel); what never changes after loading (the modules, norm weights, dtype, eps, head geometry) is
+    resolved then. The op's parameter list is cached and rebuilt only when a prepacked shadow changed
+    (a weight update repacks): the Parameters themselves keep their identity through every update and
+    release (their .data changes in place). `args` needs only the batch, the KV pool and the attention
+    backend, not the step's forward context or the backend's plan, so the overlap schedule prepares a
+    step on its scheduler thread while the previous one runs (runner/model_runner.py prepare_forward)."""
+
+    def __init__(self, causal_lm: nn.Module, ops) -> None:
+        model = causal_lm.model
+        self.ops, self.causal_lm = ops, causal_lm
+        self.dtype = model.embed_tokens.weight.dtype
+        self.layers = list(model.layers)
+        self.linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.linears.append(causal_lm.lm_head)
+        first = self.layers[0].self_attn
+        self.geometry = (first.num_heads, first.num_kv_heads, first.attn.scaling)
+        self.head_dim = first.head_dim
+        self.eps = self.layers[0].input_layernorm.eps
+        self._key: tuple | None = None
+        self._params: list = []
+        self._kinds: list[int] = []
+        self._head: tuple = ()
+
+    @classmethod
+    def build(cls, causal_lm: nn.Module, ops) -> FusedModel | None:
+        model = getattr(causal_lm, "model", None)
+        layers = getattr(model, "layers", None)
+        if (ops is None or not layers or model.embed_tokens.tp is not None or causal_lm.lm_head.tp is not None
+                or any(getattr(layer, "fused_ops", None) is None for layer in layers)):
+            return None
+        plan = cls(causal_lm, ops)
+        dtype = plan.dtype
+        args = [_layer_args(layer, dtype) for layer in layers]
+        if (dtype not in cpu_kernels.DTYPES or any(a is None for a in args)
+                or len({(a[2], a[3]) for a in args}) != 1 or model.norm.eps != plan.eps
+                or model.norm.weight.dtype != dtype or model.norm.cpu_ops is None
+                or any(layer.self_attn.attn.layer_id != i or (layer.self_attn.num_heads, layer.self_attn.num_kv_heads,
+                                                              layer.self_attn.attn.scaling) != plan.geometry
+                       for i, layer in enumerate(layers))):
+            return None
+        plan.qk_eps = args[0][3]
+        return plan
+
+    def _refresh(self) -> None:
+        key = tuple(id(m.packed) for m in self.linears)
+        if key == self._key:
+            return
+        params, kinds = [], []
+        for layer in self.layers:
+            p, k, _, _ = _layer_args(layer, self.dtype)
+            params += p
+            kinds += k
+        head = self.causal_lm.lm_head
+        self._head = ([head.weight, None], DENSE) if head.packed is None else _linear(head)
+        self._params, self._kinds, self._key = params, kinds, key
+
+    def args(self, fb: ForwardBatch, pool, backend) -> tuple | None:
+        """model_forward's arguments for `fb`, or None where the module's forward must run."""
+        if (fb.forward_mode.is_idle() or fb.input_embeds is not None or fb.replace_embeds is not None
+                or (fb.forward_mode.is_extend() and fb.return_all_logits) or self.causal_lm.lm_head.fp32
+                or torch.compiler.is_compiling() or batch_invariant.is_enabled() or hf_numerics.is_enabled()
+                or getattr(pool, "dtype", None) != self.dtype):
+            return None
+        plan_of = getattr(backend, "kernel_plan_of", None)
+        plan = None if plan_of is None else plan_of(fb, self.dtype, pool.dtype, self.head_dim)
+        if plan is None:
+            return None
+        self._refresh()
+        model = self.causal_lm.model
+        rotary = model.rotary_emb
+        last = None if fb.forward_mode.is_decode() else last_token_indices(fb, fb.input_ids.device)
+        head_params, head_kind = self._head
+        return (fb.input_ids, fb.positions, model.embed_tokens.weight, rotary.cos_cached, rotary.sin_signed_cached,
+                self._params, self._kinds, self.eps, self.qk_eps, model.norm.weight, head_params, head_kind, last,
+                pool.k_buffer, pool.v_buffer, fb.out_cache_loc, *plan, *self.geometry)
+
+    def run(self, args: tuple) -> torch.Tensor:
+        """The logits [bs, vocab] fp32 of prepared `args` (the GIL is released while the op runs)."""
+        return self.ops.model_forward(*args)
