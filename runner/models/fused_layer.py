@@ -24,36 +24,40 @@ from torch import nn
 
 from runner import batch_invariant, cpu_kernels, hf_numerics
 from runner.forward_batch import ForwardBatch, current_lora_batch, get_forward_context
+from runner.layers.attention import PagedAttention
 from runner.layers.linear import Linear, MergedLinear, QKVLinear
 from runner.layers.logits import last_token_indices
+from runner.layers.norm import RMSNorm
 from runner.layers.ops import GatedPacked
 
 DENSE, PACKED, GATED_PACKED = 0, 1, 2  # the op's linear kinds
 
 
 def covers(layer: nn.Module) -> bool:
-    """Whether the op's structure is this layer's: Llama attention on one rank, a dense gated MLP."""
-    from runner.models.llama import LlamaAttention, LlamaMLP
-
+    """Whether the op's structure is this layer's: Llama attention (fused q|k|v, o_proj, paged attention)
+    on one rank and a dense gated MLP. Judged by the parts (this module does not import the model files,
+    which import it)."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    return (isinstance(attn, LlamaAttention) and isinstance(mlp, LlamaMLP)
-            and type(attn.qkv_proj) is QKVLinear and type(attn.o_proj) is Linear
-            and type(mlp.gate_up_proj) is MergedLinear and type(mlp.down_proj) is Linear)
+    return (attn is not None and mlp is not None and isinstance(getattr(attn, "attn", None), PagedAttention)
+            and type(getattr(attn, "qkv_proj", None)) is QKVLinear and type(getattr(attn, "o_proj", None)) is Linear
+            and type(getattr(mlp, "gate_up_proj", None)) is MergedLinear
+            and type(getattr(mlp, "down_proj", None)) is Linear
+            and isinstance(getattr(layer, "input_layernorm", None), RMSNorm)
+            and isinstance(getattr(layer, "post_attention_layernorm", None), RMSNorm))
 
 
 def enable(model: nn.Module, ops) -> int:
-    """Give every covered decoder layer the op namespace (None turns the fused path off), and the model its
-    `fused_model` (a FusedModel, or None); returns how many layers are covered."""
-    from runner.models.llama import LlamaDecoderLayer, LlamaModel
-
+    """Give every covered decoder layer of `model` (a causal LM whose `.model.layers` are Llama-family
+    layers) the op namespace (None turns the fused path off), and the model its `fused_model` (a
+    FusedModel, or None); returns how many layers are covered."""
+    inner = getattr(model, "model", None)
+    layers = list(getattr(inner, "layers", None) or [])
     count = 0
-    for m in model.modules():
-        if isinstance(m, LlamaDecoderLayer):
-            m.fused_ops = ops if covers(m) else None
-            count += m.fused_ops is not None
-    for m in model.modules():
-        if isinstance(m, LlamaModel):
-            m.fused_ops = ops if count else None
+    for layer in layers:
+        layer.fused_ops = ops if ops is not None and covers(layer) else None
+        count += layer.fused_ops is not None
+    if inner is not None and layers:
+        inner.fused_ops = ops if count else None
     model.fused_model = FusedModel.build(model, ops) if count else None
     return count
 

@@ -198,3 +198,32 @@ def test_kv_of_a_finished_request_is_freed_only_after_the_step_that_reads_it(tin
         assert out["output_ids"] == r["output_ids"][: len(out["output_ids"])]
         assert out["meta_info"]["finish_reason"]["type"] == "stop"
     _assert_clean(engine, overlapped=True)
+
+
+def test_worker_hands_a_result_over_only_after_the_next_jobs_prologue():
+    """A Phased job's prologue runs before the previous job's result is handed over and its body after; a
+    job with nothing queued behind it is handed over at once; a failing prologue fails its own job only."""
+    from rollout.overlap import ForwardWorker, Phased
+
+    worker = ForwardWorker("cpu")
+    try:
+        log: list[str] = []
+        gate = threading.Event()
+        first = worker.submit(lambda: (gate.wait(5), log.append("first body"), "one")[-1])
+        first.add_done_callback(lambda f: log.append("first handed over"))
+
+        def bad_prologue():
+            log.append("second prologue")
+            raise ValueError("prologue failed")
+
+        second = worker.submit(Phased(bad_prologue, lambda: log.append("second body")))
+        third = worker.submit(Phased(lambda: log.append("third prologue"), lambda: "three"))
+        gate.set()
+        assert first.result(5) == "one" and third.result(5) == "three"
+        with pytest.raises(ValueError, match="prologue failed"):
+            second.result(5)
+        assert log == ["first body", "second prologue", "first handed over", "third prologue"]
+        alone = worker.submit(lambda: "alone")
+        assert alone.result(5) == "alone"  # nothing behind it: handed over without waiting for another job
+    finally:
+        worker.close()

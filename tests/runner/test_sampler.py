@@ -263,3 +263,52 @@ def test_inverse_cdf_matches_the_naive_running_sum(vocab):
             assert abs(edge - target[row]) < 1e-5, (row, int(ids[row]), int(naive[row]))
         assert probs[row, ids[row]] > 0
         assert inverse_cdf(probs[row:row + 1].contiguous(), u[row:row + 1]).item() == ids[row].item()
+
+
+@pytest.mark.parametrize("vocab", [1, 50, 128, 300, 1000])
+def test_plain_cpu_op_is_bitwise_the_python_path(cpu_ops, vocab):
+    """runner/csrc/sampler.cpp on plain batches (no processors, no truncation): the same ids and logprobs,
+    bit for bit, as the Python path, for greedy, sampled and mixed rows, any temperature, with and without
+    logprobs, -inf and NaN logits, and a seed mix the batch info already holds."""
+    fast = Sampler()
+    fast.cpu_ops = cpu_ops
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(40):
+        bs = int(torch.randint(1, 17, (1,), generator=g))
+        logits = _logits(bs, vocab, seed=trial, scale=float(torch.rand(1, generator=g)) * 20)
+        if trial % 5 == 0:
+            logits[:, ::3] = float("-inf")
+        if trial % 7 == 0:
+            logits[0, -1] = float("nan")
+        kind = trial % 4  # all sampled at T=1, all greedy, mixed with temperatures, sampled with temperatures
+        temps = [[1.0] * bs, [0.0] * bs, [0.0 if i % 2 else 0.7 for i in range(bs)],
+                 [0.3 + i / bs for i in range(bs)]][kind]
+        rows = [{"temperature": t, "seed": trial * 100 + i, "step": i + trial} for i, t in enumerate(temps)]
+        a, b = _info(rows, vocab), _info(rows, vocab)
+        a.need_logprobs = b.need_logprobs = trial % 3 != 0
+        if trial % 6 == 1:
+            b.seed_mix = a.seed_mix = torch.tensor([r["seed"] * 7 for r in rows], dtype=torch.int64)
+        got, ref = fast(logits, a), sampler(logits, b)
+        assert torch.equal(got.next_token_ids, ref.next_token_ids), trial
+        if ref.logprobs is None:
+            assert got.logprobs is None
+        else:
+            assert torch.equal(got.logprobs.nan_to_num(7.0), ref.logprobs.nan_to_num(7.0)), trial
+            assert torch.equal(got.logprobs.isnan(), ref.logprobs.isnan())
+
+
+@pytest.mark.parametrize("extra", ["top_k", "logit_bias", "top_logprobs", "raw"])
+def test_batches_beyond_the_plain_path_keep_the_python_sampler(cpu_ops, monkeypatch, extra):
+    """Truncation, a logit processor, top logprobs or raw logprobs: the op is not called, and the result is
+    the Python path's."""
+    fast = Sampler()
+    fast.cpu_ops = cpu_ops
+    rows = [{"temperature": 1.0, "seed": 3, "top_k": 5 if extra == "top_k" else -1}]
+    info = _info(rows, top_logprobs_num=2 if extra == "top_logprobs" else 0, return_raw_logprob=extra == "raw")
+    if extra == "logit_bias":
+        info.logit_bias = torch.zeros(1, VOCAB)
+    calls = []
+    monkeypatch.setattr(fast, "cpu_ops", type("Ops", (), {"sample_plain": lambda *a: calls.append(a)})())
+    got = fast(_logits(1), info)
+    assert calls == []
+    assert torch.equal(got.next_token_ids, sampler(_logits(1), info).next_token_ids)

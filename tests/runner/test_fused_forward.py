@@ -1,0 +1,175 @@
+"""The fused CPU forward (runner/models/fused_layer.py, runner/csrc/decoder_layer.cpp) gives bitwise the logits
+of the modules' forward, so Engine outputs are identical with it on and off; it steps aside where it must."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from runner.layers import prepack
+from runner.models import fused_layer
+from tests.needs import needs_avx512
+from tests.rollout.oracle import EnginePool, hf_generate, random_prompts
+
+pytestmark = needs_avx512
+
+
+@pytest.fixture
+def make_engine():
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
+def _set_fused(engine, on: bool) -> None:
+    model = engine.runner.model
+    fused_layer.enable(model, engine.runner.attn_backend.decode_op if on else None)
+
+
+def _count_runs(monkeypatch, engine) -> list[int]:
+    """[whole-model op calls], counted on the engine's FusedModel."""
+    fm = engine.runner.model.fused_model
+    calls = [0]
+    inner = fm.run
+
+    def run(args):
+        calls[0] += 1
+        return inner(args)
+
+    monkeypatch.setattr(fm, "run", run)
+    return calls
+
+
+def _generate(engine, prompts, params, **kw):
+    outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, **kw)
+    return [(o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+CASES = [("llama", torch.float32, False), ("mistral", torch.float32, False), ("qwen2", torch.float32, True),
+         ("qwen3", torch.float32, True), ("qwen2", torch.bfloat16, True), ("qwen3", torch.bfloat16, False),
+         ("llama", torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize("arch,dtype,packed", CASES, ids=[f"{a}-{str(d)[6:]}-{'packed' if p else 'dense'}"
+                                                          for a, d, p in CASES])
+def test_fused_forward_equals_module_forward_bitwise(make_engine, ckpt_factory, monkeypatch, arch, dtype, packed):
+    """Prefill in 16-token chunks, shared prefixes (prefix-cache hits), n=2 seeded samples and greedy
+    requests, prepacked (oneDNN, gated MLP epilogues) or dense linears, q/k norms and qkv biases: the
+    fused op's tokens and logprobs equal the modules' exactly, on the same engine."""
+    if packed:
+        monkeypatch.setattr(prepack, "MIN_PACK_NUMEL", 0)  # pack every linear, LM head included
+    path = ckpt_factory(arch, tie_word_embeddings=arch == "qwen2")
+    engine = make_engine(path, dtype="bfloat16" if dtype == torch.bfloat16 else "float32", chunked_prefill_size=16)
+    assert engine.runner.model.fused_model is not None
+    linears = engine.runner.model.fused_model.linears
+    assert all(m.packed is not None for m in linears) == packed
+    base = random_prompts([30], seed=1)[0]
+    prompts = [base + tail for tail in random_prompts([2, 7], seed=2)] + random_prompts([45, 3], seed=3)
+    sampled = dict(max_new_tokens=12, temperature=0.9, n=2, seed=5, ignore_eos=True)
+    greedy = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    calls = _count_runs(monkeypatch, engine)
+    engine.flush_cache()
+    fused = (_generate(engine, prompts, sampled), _generate(engine, prompts, greedy))
+    assert calls[0] > 0
+    _set_fused(engine, False)
+    engine.flush_cache()
+    modules = (_generate(engine, prompts, sampled), _generate(engine, prompts, greedy))
+    assert fused == modules
+
+
+def test_fused_greedy_decode_matches_hf_generate(make_engine, ckpt_factory):
+    """Through the fused op (the default on an AVX-512 CPU), greedy tokens are HF generate's and the
+    logprobs are within float rounding of HF's."""
+    from transformers import AutoModelForCausalLM
+
+    path = ckpt_factory("qwen3")
+    engine = make_engine(path)
+    assert engine.runner.model.fused_model is not None
+    prompts = random_prompts([4, 19, 37], seed=6)
+    got = _generate(engine, prompts, dict(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    for prompt, (ids, lps) in zip(prompts, got):
+        hf_ids, hf_lps = hf_generate(model, prompt, 16)
+        assert ids == hf_ids
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(hf_lps), rtol=0, atol=1e-4)
+
+
+def test_per_layer_fusion_equals_modules_when_the_whole_model_is_not_fused(make_engine, ckpt_factory, monkeypatch):
+    """With no whole-model op (as for an MoE model's dense layers), each covered layer runs as one op inside
+    the modules' forward, again bitwise the Python layers."""
+    path = ckpt_factory("qwen3")
+    engine = make_engine(path, chunked_prefill_size=8)
+    engine.runner.model.fused_model = None
+    calls = [0, 0]
+    inner = fused_layer.call
+
+    def call(*args):
+        out = inner(*args)
+        calls[out is None] += 1
+        return out
+
+    monkeypatch.setattr(fused_layer, "call", call)
+    prompts = random_prompts([11, 25], seed=7)
+    params = dict(max_new_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    per_layer = _generate(engine, prompts, params)
+    assert calls[0] > 0 and calls[1] == 0
+    _set_fused(engine, False)
+    engine.flush_cache()  # the same chunks as the first run: a cached prefix would change the matmul shapes
+    assert _generate(engine, prompts, params) == per_layer
+
+
+def test_prompt_logprobs_take_the_module_path_and_agree(make_engine, ckpt_factory, monkeypatch):
+    """A prefill that needs every position's logits (input logprobs) runs through the modules, its decode
+    steps through the op; the outputs equal an engine without the op."""
+    path = ckpt_factory("llama")
+    engine = make_engine(path)
+    calls = _count_runs(monkeypatch, engine)
+    prompts = random_prompts([9, 14], seed=8)
+    params = dict(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    first = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
+    decode_calls = calls[0]
+    assert decode_calls == 5  # the 5 decode steps; the prefill, which scores the prompt, ran the modules
+    _set_fused(engine, False)
+    engine.flush_cache()
+    second = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
+    for a, b in zip(first, second):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["input_token_logprobs"] == b["meta_info"]["input_token_logprobs"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+
+
+def test_a_failing_fused_op_falls_back_to_the_modules_once_and_loses_nothing(make_engine, ckpt_factory, caplog):
+    """If the op raises, the step reruns through the modules, the fused path is turned off with one warning,
+    and the requests finish with the tokens the modules give."""
+    path = ckpt_factory("qwen2")
+    engine = make_engine(path)
+    prompts = random_prompts([8, 20], seed=9)
+    params = dict(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    fm = engine.runner.model.fused_model
+
+    def broken(args):
+        raise RuntimeError("simulated defect in the fused op")
+
+    fm.run = broken
+    with caplog.at_level(logging.WARNING, logger="runner.model_runner"):
+        got = _generate(engine, prompts, params)
+    assert engine.runner.model.fused_model is None
+    warnings = [r for r in caplog.records if "fused CPU forward failed" in r.getMessage()]
+    assert len(warnings) == 1 and "simulated defect" in warnings[0].getMessage()
+    engine.flush_cache()
+    assert _generate(engine, prompts, params) == got
+    assert all(len(ids) == 8 for ids, _ in got)
+
+
+def test_model_forward_rejects_partial_layer_lists_by_name(cpu_ops):
+    """The op checks its flattened layer description before touching the pool: a list that is not whole
+    layers is refused, naming the counts."""
+    x = torch.zeros(2, dtype=torch.int64)
+    buf = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(RuntimeError, match=r"do not describe whole layers"):
+        cpu_ops.model_forward(x, x, torch.zeros(8, 16), torch.zeros(4, 16), torch.zeros(4, 16), [None] * 13,
+                              [0, 0, 0, 0], 1e-6, 0.0, torch.ones(16), [torch.zeros(8, 16), None], 0, None, buf, buf,
+                              x, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), x, None,
+                              1, 1, 0.25)
