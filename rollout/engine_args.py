@@ -78,7 +78,8 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
                                            "even after an update with flush_cache=False"),
     "disable_overlap_schedule": ("bool or None", "True: no overlap schedule, each decode step is built only after "
                                  "the previous one finished (rollout.overlap); False: overlap on; None (default): on "
-                                 "for CUDA, off on the CPU; outputs are the same either way"),
+                                 "for CUDA, and on the CPU for a small model whose forward is one fused op (where it "
+                                 "measured faster), else off; outputs are the same either way"),
     "attention_backend": ("None, 'torch_native', 'flashinfer' (SGLang's 'fa3', 'triton' ... are refused)",
                           "attention kernels, chosen once"),
     "disable_cuda_graph": ("bool", "no captured decode step"),

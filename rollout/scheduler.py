@@ -49,6 +49,21 @@ logger = logging.getLogger(__name__)
 SINGLE_THREAD_MAX_WEIGHTS = 2_000_000
 
 
+def _overlap_by_default(runner) -> bool:
+    """disable_overlap_schedule=None: the overlap schedule on CUDA; on the CPU only where it measured faster,
+    a model whose whole forward is one C++ op that releases the GIL (runner/models/fused_layer.py) and
+    that steps on one intra-op thread (SINGLE_THREAD_MAX_WEIGHTS), so the scheduler thread has the other
+    core: the tiny preset 1.10-1.12x (bench/overlap.py). A model stepping on every core loses that core's
+    share to the scheduler thread: 40M 1.02x, 0.5B bf16 0.98x, so there it stays off."""
+    device = getattr(runner, "device", None)
+    if getattr(device, "type", "cpu") == "cuda":
+        return True
+    model = getattr(runner, "model", None)
+    if getattr(model, "fused_model", None) is None:
+        return False
+    return sum(p.numel() for p in model.parameters()) < SINGLE_THREAD_MAX_WEIGHTS
+
+
 @dataclass
 class SchedulerConfig:
     chunked_prefill_size: int = 2048
@@ -159,7 +174,7 @@ class Scheduler:
         # The overlap schedule (rollout.overlap): decode forwards on a worker, the next one built meanwhile.
         disable = config.disable_overlap_schedule
         if disable is None:
-            disable = getattr(runner.device, "type", "cpu") != "cuda"
+            disable = not _overlap_by_default(runner)
         self.overlap = None if disable else OverlapDecoder(self)
 
     # Read-only views for callers that inspect the cache (tests, server info); writes go through self.kv.
