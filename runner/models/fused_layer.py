@@ -1,18 +1,21 @@
-"""A Llama-family decoder layer as one C++ call on the CPU (runner/csrc/decoder_layer.cpp), and when it applies.
+"""The Llama-family forward as C++ ops on the CPU (runner/csrc/decoder_layer.cpp), and when each applies.
 
-The op runs the ops `LlamaDecoderLayer.forward` runs (this extension's norm, rotary and paged attention
-kernels, the prepacked or dense linears, the gated MLP), in the same order, so a layer's output is
-bitwise the Python layer's: it is a faster way to call the same computation, not another numerics. What
-it saves is the interpreter between ~15 op calls per layer (at a small model's decode sizes most of a
-layer's time), and the GIL for the whole layer, which the scheduler thread of the overlap schedule
-(rollout/overlap.py) or a server's event loop can use meanwhile.
+Two ops run the ops the modules run (this extension's norm, rotary and paged attention kernels, the
+oneDNN-prepacked or dense linears, the gated MLP), in the same order, so their results are bitwise the
+modules': a faster way to call the same computation, not another numerics. `model_forward` is the whole
+LlamaForCausalLM forward (embedding, every layer, final norm, LM head -> next-token logits), driven by a
+`FusedModel` that ModelRunner calls (`prepare_forward` / `forward`); `decoder_layer` is one layer, which
+LlamaModel.forward calls per covered layer when the whole model is not fused (an MoE model's dense
+layers). What they save is the interpreter between ~15 op calls per layer, at a small model's decode
+sizes most of a layer's time, and the GIL for their duration, which the overlap schedule's scheduler
+thread (rollout/overlap.py) or a server's event loop uses meanwhile.
 
-`enable(model, ops)` (the runner, when the CPU kernels are loaded) marks the layers whose structure it
-covers: a dense MLP, no tensor parallelism. `prepare` then decides once per forward, `call` per layer,
-and either returns None, so the Python layer runs, whenever anything differs from the op's
-assumptions: LoRA adapters in the step, batch-invariant or HF-numerics mode, a compiled (captured)
-step, autograd, a dtype or head_dim the kernels lack, another attention backend or KV pool dtype. Not here: the embedding, the final norm and
-the LM head (one op each, already).
+`enable(model, ops)` (the runner, when the CPU kernels are loaded) marks the layers whose structure the op
+covers (a dense gated MLP, one rank) and builds the FusedModel when all are covered. Per step, either
+path returns None, so the modules run, wherever anything differs from the ops' assumptions: LoRA
+adapters, batch-invariant or HF-numerics mode, a compiled (captured) step, autograd, a dtype or
+head_dim the kernels lack, another attention backend or KV pool dtype; the whole-model op also leaves
+input embeddings, all-position logits and an fp32 or vocab-parallel LM head to the modules.
 """
 
 from __future__ import annotations
@@ -145,10 +148,10 @@ class FusedModel:
     every layer, final norm, LM head -> next-token logits [bs, vocab] fp32, bitwise the module's.
 
     Built once by `enable` when every layer is covered (and the embedding and LM head are not vocab-
-    parallel); what never changes after loading (the modules, norm weights, dtype, eps, head geometry) is
-    resolved then. The op's parameter list is cached and rebuilt only when a prepacked shadow changed
-    (a weight update repacks): the Parameters themselves keep their identity through every update and
-    release (their .data changes in place). `args` needs only the batch, the KV pool and the attention
+    parallel); what never changes after loading (the modules, dtype, eps, head geometry) is resolved then.
+    The op's parameter list is cached and rebuilt only when a prepacked shadow changed (a weight update
+    repacks): the Parameters themselves keep their identity through every update and release (their
+    .data changes in place), and the KV pool is read from the runner at each step. `args` needs only the batch, the KV pool and the attention
     backend, not the step's forward context or the backend's plan, so the overlap schedule prepares a
     step on its scheduler thread while the previous one runs (runner/model_runner.py prepare_forward)."""
 
@@ -164,10 +167,10 @@ class FusedModel:
         self.geometry = (first.num_heads, first.num_kv_heads, first.attn.scaling)
         self.head_dim = first.head_dim
         self.eps = self.layers[0].input_layernorm.eps
-        self._key: tuple | None = None
-        self._params: list = []
-        self._kinds: list[int] = []
-        self._head: tuple = ()
+        self.qk_eps = 0.0  # set by build, from the layers' q/k norms
+        # (packed-shadow key, layer params, layer kinds, (head params, head kind)), replaced as one tuple so
+        # a thread preparing a step never reads half of a refresh.
+        self._cache: tuple = (None, [], [], ([], DENSE))
 
     @classmethod
     def build(cls, causal_lm: nn.Module, ops) -> FusedModel | None:
@@ -189,18 +192,21 @@ class FusedModel:
         plan.qk_eps = args[0][3]
         return plan
 
-    def _refresh(self) -> None:
+    def _lists(self) -> tuple:
+        """The op's parameter lists, rebuilt only when a prepacked shadow changed (a weight update repacks)."""
         key = tuple(id(m.packed) for m in self.linears)
-        if key == self._key:
-            return
+        cache = self._cache
+        if cache[0] == key:
+            return cache
         params, kinds = [], []
         for layer in self.layers:
             p, k, _, _ = _layer_args(layer, self.dtype)
             params += p
             kinds += k
         head = self.causal_lm.lm_head
-        self._head = ([head.weight, None], DENSE) if head.packed is None else _linear(head)
-        self._params, self._kinds, self._key = params, kinds, key
+        cache = (key, params, kinds, ([head.weight, None], DENSE) if head.packed is None else _linear(head))
+        self._cache = cache
+        return cache
 
     def args(self, fb: ForwardBatch, pool, backend) -> tuple | None:
         """model_forward's arguments for `fb`, or None where the module's forward must run."""
@@ -213,13 +219,12 @@ class FusedModel:
         plan = None if plan_of is None else plan_of(fb, self.dtype, pool.dtype, self.head_dim)
         if plan is None:
             return None
-        self._refresh()
+        _, params, kinds, (head_params, head_kind) = self._lists()
         model = self.causal_lm.model
         rotary = model.rotary_emb
         last = None if fb.forward_mode.is_decode() else last_token_indices(fb, fb.input_ids.device)
-        head_params, head_kind = self._head
         return (fb.input_ids, fb.positions, model.embed_tokens.weight, rotary.cos_cached, rotary.sin_signed_cached,
-                self._params, self._kinds, self.eps, self.qk_eps, model.norm.weight, head_params, head_kind, last,
+                params, kinds, self.eps, self.qk_eps, model.norm.weight, head_params, head_kind, last,
                 pool.k_buffer, pool.v_buffer, fb.out_cache_loc, *plan, *self.geometry)
 
     def run(self, args: tuple) -> torch.Tensor:

@@ -6,6 +6,7 @@ request's KV is freed once, after the step launched ahead of its last one)."""
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 import torch
@@ -135,15 +136,27 @@ def test_control_between_steps_equals_off(control, tiny_llama, make_engine):
 
 
 def test_disable_overlap_schedule_is_an_engine_option_and_a_server_flag(tiny_llama, make_engine):
-    """SGLang's disable_overlap_schedule: None (the default) is off on the CPU (on for CUDA), False turns it
-    on, True off, over the Engine and the server flags (--[no-]disable-overlap-schedule); a non-bool is refused
-    by name."""
+    """SGLang's disable_overlap_schedule: None (the default) is on for CUDA and, on the CPU, on only for a small
+    model with the fused forward (off without the CPU kernels or for a model stepping on every core), False
+    turns it on, True off, over the Engine and the server flags (--[no-]disable-overlap-schedule); a non-bool
+    is refused by name."""
     from rollout.server.args import parse_args
 
     assert parse_args(["--model-path", "m", "--disable-overlap-schedule"])[1]["disable_overlap_schedule"] is True
     assert parse_args(["--model-path", "m", "--no-disable-overlap-schedule"])[1]["disable_overlap_schedule"] is False
     assert parse_args(["--model-path", "m"])[1]["disable_overlap_schedule"] is None
-    assert make_engine(tiny_llama).scheduler.overlap is None  # CPU default
+    from runner import cpu_kernels
+    from rollout import scheduler
+
+    default = make_engine(tiny_llama)
+    assert (default.scheduler.overlap is not None) == (default.runner.model.fused_model is not None)
+    assert (default.runner.model.fused_model is not None) == cpu_kernels.has_avx512()
+    assert make_engine(tiny_llama, cpu_kernels=False).scheduler.overlap is None  # no fused forward: off
+    scheduler_default = scheduler._overlap_by_default
+    assert not scheduler_default(types.SimpleNamespace(device=torch.device("cpu"), model=None))
+    big = types.SimpleNamespace(fused_model=object(), parameters=lambda: [torch.empty(scheduler.SINGLE_THREAD_MAX_WEIGHTS)])
+    assert not scheduler_default(types.SimpleNamespace(device=torch.device("cpu"), model=big))
+    assert scheduler_default(types.SimpleNamespace(device=torch.device("cuda"), model=None))
     assert make_engine(tiny_llama, disable_overlap_schedule=False).scheduler.overlap is not None
     assert make_engine(tiny_llama, disable_overlap_schedule=True).scheduler.overlap is None
     with pytest.raises(ValueError, match="disable_overlap_schedule"):

@@ -17,7 +17,8 @@ from tests.rollout.oracle import hf_generate
 
 PROMPT = [5, 6, 7, 8, 9]
 SP = dict(max_new_tokens=6, temperature=0, ignore_eos=True)
-KW = dict(device="cpu", show_progress=False, disable_cuda_graph=True)
+# The plain schedule, whose steps are each a range on the scheduler thread (the overlap schedule has its own test).
+KW = dict(device="cpu", show_progress=False, disable_cuda_graph=True, disable_overlap_schedule=True)
 
 
 def _trace(message: str) -> list[dict]:
@@ -126,7 +127,7 @@ def test_bad_profile_calls_are_refused_and_the_engine_keeps_serving(make_engine,
 def test_overlap_schedule_profiles_the_forward_worker(make_engine, tiny_llama, tmp_path):
     """With the overlap schedule the model's aten ops run on its forward worker, and the trace holds them
     there (a profile on the scheduler thread would hold none)."""
-    engine = make_engine(tiny_llama, disable_overlap_schedule=False, **KW)
+    engine = make_engine(tiny_llama, **{**KW, "disable_overlap_schedule": False})
     worker = engine.scheduler.overlap.worker._thread
     engine.start_profile(output_dir=str(tmp_path))
     engine.generate(input_ids=PROMPT, sampling_params=SP)

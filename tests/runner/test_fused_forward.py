@@ -173,3 +173,27 @@ def test_model_forward_rejects_partial_layer_lists_by_name(cpu_ops):
                               [0, 0, 0, 0], 1e-6, 0.0, torch.ones(16), [torch.zeros(8, 16), None], 0, None, buf, buf,
                               x, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), x, None,
                               1, 1, 0.25)
+
+
+def test_fused_forward_reads_weights_updated_and_repacked_since(make_engine, ckpt_factory, monkeypatch):
+    """After update_weights_from_tensor (which repacks the prepacked shadows), the fused op computes with
+    the new weights: its outputs change, and equal the modules' on the same updated engine."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(prepack, "MIN_PACK_NUMEL", 0)
+    path = ckpt_factory("qwen2")
+    engine = make_engine(path)
+    prompts = random_prompts([6, 13], seed=12)
+    params = dict(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    before = _generate(engine, prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    update = [(n, t + 0.05 * torch.randn(t.shape, generator=g)) for n, t in hf.state_dict().items()
+              if n.endswith(("q_proj.weight", "down_proj.weight", "lm_head.weight"))]
+    ok, msg = engine.update_weights_from_tensor(update)
+    assert ok, msg
+    after = _generate(engine, prompts, params)
+    assert after != before
+    _set_fused(engine, False)
+    engine.flush_cache()
+    assert _generate(engine, prompts, params) == after
