@@ -145,8 +145,8 @@ def test_disable_overlap_schedule_is_an_engine_option_and_a_server_flag(tiny_lla
     assert parse_args(["--model-path", "m", "--disable-overlap-schedule"])[1]["disable_overlap_schedule"] is True
     assert parse_args(["--model-path", "m", "--no-disable-overlap-schedule"])[1]["disable_overlap_schedule"] is False
     assert parse_args(["--model-path", "m"])[1]["disable_overlap_schedule"] is None
-    from runner import cpu_kernels
     from rollout import scheduler
+    from runner import cpu_kernels
 
     default = make_engine(tiny_llama)
     assert (default.scheduler.overlap is not None) == (default.runner.model.fused_model is not None)
