@@ -5,7 +5,10 @@ used by the torch-native attention backend, see runner/attention/cpu_decode.py),
 `add_rms_norm` (runner/csrc/rms_norm.cpp, used by runner/layers/norm.py) and `rotary`
 (runner/csrc/rotary.cpp, used by runner/layers/rotary.py). All are AVX-512 code (F, BW, VL); they exist
 because at decode sizes the equivalent torch op chains cost their per-op overhead and extra passes, not
-arithmetic (figures in each source and in the README).
+arithmetic (figures in each source and in the README). Over them, `decoder_layer` / `model_forward`
+(runner/csrc/decoder_layer.cpp, used by runner/models/fused_layer.py) run a Llama layer or the whole
+forward as one op, and `sample_plain` (runner/csrc/sampler.cpp, used by runner/sampler.py) the plain
+sampling path: ATen and oneDNN calls in the modules' order, bitwise their results, without the GIL.
 
 How it is built. torch.utils.cpp_extension compiles the sources with -O3 -march=native and -fopenmp
 (about 25 s on 2 cores, once: the build is cached under TORCH_EXTENSIONS_DIR, by default

@@ -1,7 +1,8 @@
-// One Llama-family decoder layer on the CPU as a single op: input RMSNorm (with the residual add),
-// q|k|v projection, optional per-head q/k RMSNorm (Qwen3), rotary, the K/V write into the paged pool,
-// paged attention, o_proj, post-attention RMSNorm, and the gated MLP. Called from
-// runner/models/fused_layer.py, which decides when it applies.
+// One Llama-family decoder layer on the CPU as a single op (decoder_layer): input RMSNorm (with the
+// residual add), q|k|v projection, optional per-head q/k RMSNorm (Qwen3), rotary, the K/V write into the
+// paged pool, paged attention, o_proj, post-attention RMSNorm, and the gated MLP; and the whole forward
+// (model_forward): embedding, the step's cos/sin rows, every layer, the final norm and the LM head.
+// Called from runner/models/fused_layer.py, which decides when they apply.
 //
 // Why. It runs exactly the ops the Python layer runs, in the same order, on the same kernels
 // (this extension's norm, rotary and attention; oneDNN's prepacked linears or at::linear; at::silu and
