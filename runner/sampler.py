@@ -305,7 +305,11 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def plain(logits: torch.Tensor, info: SamplingBatchInfo) -> bool:
     """Whether this batch samples on the plain path runner/csrc/sampler.cpp computes: CPU fp32 logits, no
     logit processor, no truncation, only the token's own (default) logprob."""
-    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[0] > 0
+    bs = logits.shape[0] if logits.dim() == 2 else -1
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and bs > 0
+            and info.temperatures.dtype == torch.float32 and info.seeds.dtype == torch.int64
+            and info.steps.dtype == torch.int64 and info.temperatures.shape == info.seeds.shape == info.steps.shape == (bs,)
+            and (info.seed_mix is None or (info.seed_mix.dtype == torch.int64 and info.seed_mix.shape == (bs,)))
             and info.seen_mask is None and info.output_counts is None and info.logit_bias is None
             and info.banned_mask is None and not needs_truncation(info) and info.top_logprobs_num == 0
             and info.token_ids is None and info.original_rows is None and not info.return_raw_logprob)

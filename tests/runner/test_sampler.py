@@ -297,16 +297,18 @@ def test_plain_cpu_op_is_bitwise_the_python_path(cpu_ops, vocab):
             assert torch.equal(got.logprobs.isnan(), ref.logprobs.isnan())
 
 
-@pytest.mark.parametrize("extra", ["top_k", "logit_bias", "top_logprobs", "raw"])
+@pytest.mark.parametrize("extra", ["top_k", "logit_bias", "top_logprobs", "raw", "fp64_temperatures"])
 def test_batches_beyond_the_plain_path_keep_the_python_sampler(cpu_ops, monkeypatch, extra):
-    """Truncation, a logit processor, top logprobs or raw logprobs: the op is not called, and the result is
-    the Python path's."""
+    """Truncation, a logit processor, top logprobs, raw logprobs or per-row tensors of another dtype than the
+    op takes: the op is not called, and the result is the Python path's."""
     fast = Sampler()
     fast.cpu_ops = cpu_ops
     rows = [{"temperature": 1.0, "seed": 3, "top_k": 5 if extra == "top_k" else -1}]
     info = _info(rows, top_logprobs_num=2 if extra == "top_logprobs" else 0, return_raw_logprob=extra == "raw")
     if extra == "logit_bias":
         info.logit_bias = torch.zeros(1, VOCAB)
+    if extra == "fp64_temperatures":
+        info.temperatures = info.temperatures.double()
     calls = []
     monkeypatch.setattr(fast, "cpu_ops", type("Ops", (), {"sample_plain": lambda *a: calls.append(a)})())
     got = fast(_logits(1), info)
