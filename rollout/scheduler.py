@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 SINGLE_THREAD_MAX_WEIGHTS = 2_000_000
 
 
+def _steps_on_one_thread(model) -> bool:
+    """Whether a CPU model is small enough to step on one intra-op thread (SINGLE_THREAD_MAX_WEIGHTS)."""
+    return sum(p.numel() for p in model.parameters()) < SINGLE_THREAD_MAX_WEIGHTS
+
+
 def _overlap_by_default(runner) -> bool:
     """disable_overlap_schedule=None: the overlap schedule on CUDA; on the CPU only where it measured faster,
     a model whose whole forward is one C++ op that releases the GIL (runner/models/fused_layer.py) and
@@ -59,9 +64,7 @@ def _overlap_by_default(runner) -> bool:
     if getattr(device, "type", "cpu") == "cuda":
         return True
     model = getattr(runner, "model", None)
-    if getattr(model, "fused_model", None) is None:
-        return False
-    return sum(p.numel() for p in model.parameters()) < SINGLE_THREAD_MAX_WEIGHTS
+    return getattr(model, "fused_model", None) is not None and _steps_on_one_thread(model)
 
 
 @dataclass
@@ -336,9 +339,8 @@ class Scheduler:
         if (threading.current_thread() is threading.main_thread() or model is None
                 or getattr(self.runner.device, "type", None) != "cpu"):
             return
-        weights = sum(p.numel() for p in model.parameters())
         before = torch.get_num_threads()
-        if weights < SINGLE_THREAD_MAX_WEIGHTS and before > 1:
+        if before > 1 and _steps_on_one_thread(model):
             torch.set_num_threads(1)
             restore = threading.Thread(target=torch.set_num_threads, args=(before,), name="restore-num-threads")
             restore.start()

@@ -256,7 +256,7 @@ class ModelRunner:
         if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
             # Freed storages would be read (or written) out of bounds.
             raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
-        if prepared is None and self.lora_manager is None and self.graph_runner is None:
+        if prepared is None:
             prepared = self.prepare_forward(fb)
         if prepared is not None:
             # The whole forward as one op (runner/models/fused_layer.py): bitwise the eager path's logits.

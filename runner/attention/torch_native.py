@@ -159,31 +159,27 @@ class TorchNativeAttnBackend:
                                                     seq_lens=seq_lens[:bs], bs=bs)
 
     # ---- attention -------------------------------------------------------------------------
+    def _kernel_applies(self, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether a layer of this geometry attends through the paged kernel (runner/attention/cpu_decode.py)."""
+        return (self.decode_op is not None and not batch_invariant.is_enabled()
+                and cpu_decode.usable(dtype, cache_dtype, head_dim))
+
     def kernel_plan_of(self, fb: ForwardBatch, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int):
-        """`paged_kernel_plan` for `fb` made from the batch alone, without planning the backend's step (so a
-        thread may prepare a step while another one runs on the backend's current plan); None as there."""
-        if self.decode_op is None or batch_invariant.is_enabled() or not cpu_decode.usable(dtype, cache_dtype, head_dim):
+        """(req_to_token, req_pool_indices, seq_lens, extend_lens) for `fb` when a layer of this geometry runs
+        the paged kernel (extend_lens None for decode), else None. Made from the batch alone, without planning
+        the backend's step, so a thread may prepare a step while another one runs on the backend's current
+        plan; the fused forward (runner/models/fused_layer.py) attends through it only where `_attend` would."""
+        if not self._kernel_applies(dtype, cache_dtype, head_dim):
             return None
         ext = None if fb.forward_mode.is_decode() else torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
         return self.req_to_token, fb.req_pool_indices.contiguous(), fb.seq_lens.contiguous(), ext
-
-    def paged_kernel_plan(self, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int):
-        """(req_to_token, req_pool_indices, seq_lens, extend_lens) when this step's attention for a layer of
-        this geometry runs the paged kernel (extend_lens None for decode), else None. The fused decoder layer
-        (runner/models/fused_layer.py) attends through it only when `_attend` would."""
-        md = self.forward_metadata
-        if (self.decode_op is None or md is None or batch_invariant.is_enabled()
-                or not cpu_decode.usable(dtype, cache_dtype, head_dim)):
-            return None
-        return self.req_to_token, md.req_pool_indices.contiguous(), md.seq_lens.contiguous(), md.extend_lens
 
     def _attend(self, q: torch.Tensor, layer, fb: ForwardBatch | None) -> torch.Tensor:
         md = self.forward_metadata
         bs = md.bs
         hq, d = layer.num_heads, layer.head_dim
         pool = get_forward_context().token_to_kv_pool
-        if (self.decode_op is not None and not batch_invariant.is_enabled()
-                and cpu_decode.usable(q.dtype, pool.dtype, d) and not (torch.is_grad_enabled() and q.requires_grad)):
+        if self._kernel_applies(q.dtype, pool.dtype, d) and not (torch.is_grad_enabled() and q.requires_grad):
             return cpu_decode.paged_attention(
                 self.decode_op, q.view(-1, hq, d), pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
                 self.req_to_token, md.req_pool_indices, md.seq_lens, md.extend_lens, layer.scaling)  # [tokens, hq, d]

@@ -84,8 +84,7 @@ class Step(NamedTuple):
 
 def prepare(ops, hidden: torch.Tensor, fb: ForwardBatch, head_dim: int) -> Step | None:
     """The per-forward half of the decision (once per step, not per layer): a Step when this forward's layers
-    may run fused, else None. hidden: the embedding output [num_tokens, hidden_size] (or any tensor of its
-    dtype and device)."""
+    may run fused, else None. hidden: the embedding output [num_tokens, hidden_size]."""
     dtype = hidden.dtype
     if (ops is None or fb.forward_mode.is_idle() or dtype not in cpu_kernels.DTYPES or hidden.device.type != "cpu"
             or torch.is_grad_enabled() or torch.compiler.is_compiling() or batch_invariant.is_enabled()
@@ -93,10 +92,10 @@ def prepare(ops, hidden: torch.Tensor, fb: ForwardBatch, head_dim: int) -> Step 
         return None
     ctx = get_forward_context()
     pool = ctx.token_to_kv_pool
-    plan_of = getattr(ctx.attn_backend, "paged_kernel_plan", None)
+    plan_of = getattr(ctx.attn_backend, "kernel_plan_of", None)
     if plan_of is None or getattr(pool, "dtype", None) != dtype:
         return None
-    plan = plan_of(dtype, pool.dtype, head_dim)
+    plan = plan_of(fb, dtype, pool.dtype, head_dim)
     return None if plan is None else Step(ops, pool, plan)
 
 
@@ -151,9 +150,10 @@ class FusedModel:
     parallel); what never changes after loading (the modules, dtype, eps, head geometry) is resolved then.
     The op's parameter list is cached and rebuilt only when a prepacked shadow changed (a weight update
     repacks): the Parameters themselves keep their identity through every update and release (their
-    .data changes in place), and the KV pool is read from the runner at each step. `args` needs only the batch, the KV pool and the attention
-    backend, not the step's forward context or the backend's plan, so the overlap schedule prepares a
-    step on its scheduler thread while the previous one runs (runner/model_runner.py prepare_forward)."""
+    .data changes in place), and the KV pool is read from the runner at each step. `args` needs only the
+    batch, the KV pool and the attention backend, not the step's forward context or the backend's plan,
+    so the overlap schedule prepares a step on its scheduler thread while the previous one runs
+    (runner/model_runner.py prepare_forward)."""
 
     def __init__(self, causal_lm: nn.Module, ops) -> None:
         model = causal_lm.model
