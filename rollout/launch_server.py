@@ -31,6 +31,7 @@ import uvicorn
 
 from rollout.server.app import create_app
 from rollout.server.args import ServerArgs, parse_args
+from rollout.server.gc_freeze import freeze_heap
 
 logger = logging.getLogger("rollout.server")
 
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"rollout server ready at http://{server_args.host}:{server_args.port}", flush=True)
 
         threading.Thread(target=announce, daemon=True).start()
+        freeze_heap()  # start-up's objects leave the collector's scans (rollout/server/gc_freeze.py)
         # uvicorn turns SIGINT/SIGTERM into a graceful exit, then re-raises the signal into the handler
         # that was installed before it: make that one a no-op, so the engine is shut down below and the
         # process exits 0 instead of dying by the signal.

@@ -35,8 +35,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "rms_norm.cpp", "rotary.cpp",
-                                                                 "decoder_layer.cpp", "sampler.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "lanes.h"]  # included by the sources; part of the build's hash
+                                                                 "decoder_layer.cpp", "sampler.cpp", "direct.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("lanes.h", "entry_points.h")]  # included by the sources; part of the build's hash
 DTYPES = (torch.float32, torch.bfloat16)  # what every kernel computes; other dtypes keep torch's ops
 # -ffp-contract=off: a multiply-add is fused only where the source says so (the rotary must round its
 # products as torch does).
@@ -106,7 +106,7 @@ def _put_ninja_on_path() -> None:
 
 
 def _build():
-    """Compile (or load the cached build) and return the op namespace."""
+    """Compile (or load the cached build) and return (the op namespace, the direct-call module)."""
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
@@ -116,9 +116,9 @@ def _build():
     sources = hashlib.sha1(text).hexdigest()[:8]
     name = f"rollout_cpu_kernels_{_cpu_tag()}_{sources}"
     _clear_stale_lock(name)
-    load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)
-    return torch.ops.rollout_cpu
+    module = load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                  is_python_module=True, verbose=False)
+    return torch.ops.rollout_cpu, module
 
 
 def load(required: bool = False):
@@ -130,7 +130,7 @@ def load(required: bool = False):
                 if not has_avx512():
                     _state["ops"], _state["reason"] = None, f"this CPU lacks AVX-512 ({'/'.join(AVX512_FLAGS)})"
                 else:
-                    _state["ops"], _state["reason"] = _build(), None
+                    (_state["ops"], _state["direct"]), _state["reason"] = _build(), None
             except Exception as e:  # noqa: BLE001 - any build failure means: use torch's ops
                 _state["ops"], _state["reason"] = None, f"the kernels did not build ({type(e).__name__}: {str(e)[:500]})"
             if _state["reason"] is not None and not required:
@@ -139,6 +139,13 @@ def load(required: bool = False):
             raise RuntimeError(f"cpu_kernels=True but the engine's CPU kernels are not usable: {_state['reason']}; "
                                f"set cpu_kernels=None (use them when they work) or False")
         return _state["ops"]
+
+
+def direct():
+    """The extension's pybind11 module (runner/csrc/direct.cpp: FusedWeights, model_forward, sample_plain,
+    called without torch.ops' GIL round trips), or None when the kernels are not loaded (`load` first)."""
+    with _lock:
+        return _state.get("direct") if _state.get("ops") is not None else None
 
 
 def enabled(setting: bool | None, device: torch.device):

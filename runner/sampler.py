@@ -316,8 +316,8 @@ def plain(logits: torch.Tensor, info: SamplingBatchInfo) -> bool:
 
 
 class Sampler:
-    # torch.ops.rollout_cpu when the engine's CPU kernels are loaded (set by the runner): a plain batch then
-    # samples in one C++ op, bitwise the Python path below, without the GIL.
+    # The CPU kernels' direct-call module (runner/cpu_kernels.py direct(), set by the runner): a plain batch
+    # then samples in one C++ call, bitwise the Python path below, without the GIL.
     cpu_ops = None
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:

@@ -89,3 +89,11 @@ def cpu_ops():
     if ops is None:
         pytest.fail(f"the CPU kernels did not load on an AVX-512 CPU: {cpu_kernels._state.get('reason')}")
     return ops
+
+
+@pytest.fixture(scope="session")
+def cpu_direct(cpu_ops):
+    """The same kernels' pybind11 module (runner/csrc/direct.cpp), what the runner calls every step."""
+    from runner import cpu_kernels
+
+    return cpu_kernels.direct()

@@ -246,7 +246,8 @@ class EngineClient(RemoteGeneration):
         return self._state["tokenizer_path"]
 
     def add_finish_observer(self, fn) -> None:
-        """fn(req) once per finished request, on this side's reader thread (quick; no engine calls)."""
+        """fn(req) once per finished request, on the event loop of the call it belongs to (quick; no engine
+        calls)."""
         self._finish_observers = [*self._finish_observers, fn]
 
     def remove_finish_observer(self, fn) -> None:

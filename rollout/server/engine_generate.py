@@ -3,10 +3,17 @@
 `RemoteGeneration` (mixed into EngineClient, rollout/server/engine_client.py) holds `_calls`, one `_Call`
 per `async_generate` call: its sink (the stream's queue) and this side's copy of each of its requests (a
 `Req`, so outputs are built by the same rollout.outputs.build_output as in-process). It sends the
-"generate" and "abort" messages, and handles the "submitted" and "out" ones: per "out" message it applies
-every delta (rollout/server/engine_deltas.py is the format) and makes ONE `call_soon_threadsafe` per event
-loop to hand the chunks to their streams' queues. When the child dies or a message cannot be sent, the
-calls it concerns end here (as abort, or with the error).
+"generate" and "abort" messages, and handles the "submitted" and "out" ones.
+
+An "out" message (one engine step) costs the reader thread one `call_soon_threadsafe` per event loop; the
+deltas (rollout/server/engine_deltas.py is the format) are applied on the loop that owns the call, so the
+copies are only ever touched by one thread and a chunk needs no snapshot. A stream's queue holds at most
+one item per request: while one is queued and unread, later deltas only bring the copy it will be built
+from up to date (a final one turns it into the final item). That is the coalescing the HTTP stream does
+anyway (a chunk is a cumulative snapshot, so a newer one supersedes it, as SGLang's stream_interval skips),
+done before any output is built: a reader that keeps up still sees every token. When the child dies or a
+message cannot be sent, the calls it concerns end here (as abort, or with the error), on their loops,
+after whatever was applied before.
 
 What it does not do: own the pipe, its threads or the lock (EngineClient does: `_send`, `_lock`, `_dead`,
 `_ids`, `tokenizer`, `_load` and `_finish_observers` are its attributes), or run anything of the model.
@@ -15,6 +22,7 @@ What it does not do: own the pipe, its threads or the lock (EngineClient does: `
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import defaultdict
 
@@ -29,16 +37,35 @@ logger = logging.getLogger("rollout.server.engine_client")
 
 
 class _Call:
-    """One generate call on this side: its sink (the stream's queue), and its requests once submitted."""
+    """One generate call on this side: its sink (the stream's queue), its requests once submitted, and the
+    unread item of each request in that queue (its index -> [kind, req], touched only on `loop`)."""
 
-    __slots__ = ("loop", "sink", "reqs", "num_open", "submitted")
+    __slots__ = ("loop", "sink", "reqs", "num_open", "submitted", "unread")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.sink = AsyncSink(loop)
         self.reqs: list[Req] = []
-        self.num_open = 0
+        self.num_open = 0  # requests whose final delta the reader thread has not yet seen
         self.submitted: asyncio.Future = loop.create_future()
+        self.unread: dict[int, list] = {}
+
+    def offer(self, kind: str, req: Req) -> None:
+        """On `loop`: queue `req`'s output, or, while one is queued unread, let that one stand for it."""
+        item = self.unread.get(req.index)
+        if item is not None:
+            if kind == "final":
+                item[0] = "final"
+            return
+        if self.sink.closed:
+            return
+        item = self.unread[req.index] = [kind, req]
+        self.sink.queue.put_nowait(item)
+
+    def build(self, client: RemoteGeneration, req: Req, final: bool) -> dict:
+        """The stream took `req`'s item out of the queue (and builds it at once, on the loop)."""
+        self.unread.pop(req.index, None)
+        return client._output(req, final)
 
 
 class RemoteGeneration:
@@ -53,19 +80,18 @@ class RemoteGeneration:
             call.loop.call_soon_threadsafe(_set_exception, call.submitted, err)
 
     def _end_calls(self, calls: dict[int, _Call], reason: str) -> None:
-        """The engine process is gone: every request of `calls` still open ends as abort with `reason`."""
+        """The engine process is gone: every request of `calls` still open ends as abort with `reason`, on
+        its loop, after the deltas handed to that loop before."""
         by_loop: dict = defaultdict(list)
         for call in calls.values():
             if not call.reqs:
                 call.loop.call_soon_threadsafe(_set_exception, call.submitted, EngineProcessError(reason))
-            for req in call.reqs:
-                if not req.finished:
-                    req.finished_reason = FinishReason("abort", message=reason)
-                    req.error = reason
-                    by_loop[call.loop].append((call.sink, ("final", req)))
+            else:
+                by_loop[call.loop].append(call)
         if calls:
             logger.error("%s: %d call(s) in flight end as abort", reason, len(calls))
-        self._hand_over(by_loop)
+        for loop, ended in by_loop.items():
+            self._on_loop(loop, _abort_all, ended, reason)
 
     def _on_submitted(self, call_id: int, ok: bool, value) -> None:
         call = self._calls.get(call_id)
@@ -80,44 +106,28 @@ class RemoteGeneration:
         call.loop.call_soon_threadsafe(_set_result, call.submitted, single)
 
     def _on_out(self, deltas: list, load: dict) -> None:
+        """One engine step's deltas (reader thread): each call's bookkeeping here, the deltas themselves
+        applied on the calls' loops (`_apply_deltas`), with one wake-up per loop."""
         self._load = load
         by_loop: dict = defaultdict(list)
-        finished = []
         for delta in deltas:
-            call_id, index, final = delta[:3]
-            call = self._calls.get(call_id)
+            call = self._calls.get(delta[0])
             if call is None:  # its process-side abort raced the final: nobody waits
                 continue
-            req = call.reqs[index]
-            if req.finished:  # ended already (an output the engine process could not send)
-                continue
-            engine_deltas.apply(req, delta)
-            if final:
+            if delta[2]:  # final
                 call.num_open -= 1
                 if not call.num_open:
-                    self._calls.pop(call_id, None)
-                finished.append(req)
-                item = ("final", req)
-            else:
-                item = ("chunk", req.snapshot())
-            if not call.sink.closed:
-                by_loop[call.loop].append((call.sink, item))
-        self._hand_over(by_loop)
-        for req in finished:
-            for fn in self._finish_observers:
-                try:
-                    fn(req)
-                except Exception:  # noqa: BLE001 - an observer's bug must not lose outputs
-                    logger.exception("finish observer %r failed", fn)
+                    self._calls.pop(delta[0], None)
+            by_loop[call.loop].append((call, delta))
+        for loop, items in by_loop.items():
+            self._on_loop(loop, _apply_deltas, items, self._finish_observers)
 
     @staticmethod
-    def _hand_over(by_loop: dict) -> None:
-        """One wake-up per event loop for everything this message carried."""
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_distribute, items)
-            except RuntimeError:  # that loop is closed: nobody reads these
-                pass
+    def _on_loop(loop, fn, *args) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # that loop is closed: nobody reads these
+            pass
 
     def _abort_call(self, call_id: int, reqs=None) -> None:
         """The caller stopped reading: the engine aborts the call's requests at its next step boundary."""
@@ -162,17 +172,40 @@ class RemoteGeneration:
             raise
         reqs = call.reqs
         if stream:
-            return AsyncStream(reqs, call.sink, self._output, lambda _reqs: self._abort_call(call_id))
+            return AsyncStream(reqs, call.sink, functools.partial(call.build, self),
+                               lambda _reqs: self._abort_call(call_id))
         def cancelled() -> None:
             call.sink.closed = True
             self._abort_call(call_id)
 
-        return await gather_final_outputs(call.sink, reqs, self._output, cancelled, single)
+        return await gather_final_outputs(call.sink, reqs, functools.partial(call.build, self), cancelled, single)
 
-def _distribute(items: list) -> None:
-    for sink, item in items:
-        if not sink.closed:
-            sink.queue.put_nowait(item)
+def _apply_deltas(items: list, observers: list) -> None:
+    """On the calls' loop: bring each copy up to date and offer its output to its stream."""
+    for call, delta in items:
+        req = call.reqs[delta[1]]
+        if req.finished:  # ended already (an output the engine process could not send)
+            continue
+        engine_deltas.apply(req, delta)
+        if not delta[2]:
+            call.offer("chunk", req)
+            continue
+        call.offer("final", req)
+        for fn in observers:
+            try:
+                fn(req)
+            except Exception:  # noqa: BLE001 - an observer's bug must not lose outputs
+                logger.exception("finish observer %r failed", fn)
+
+
+def _abort_all(calls: list, reason: str) -> None:
+    """On the calls' loop: every request not finished ends as abort with `reason`."""
+    for call in calls:
+        for req in call.reqs:
+            if not req.finished:
+                req.finished_reason = FinishReason("abort", message=reason)
+                req.error = reason
+                call.offer("final", req)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -1,6 +1,6 @@
 """SGLang's native control endpoints: cache, scheduling, memory and the MoE expert-distribution record.
 
-/flush_cache, /pause_generation (abort, retract or in_place), /continue_generation, /drain, /abort_request,
+/flush_cache, /freeze_gc, /pause_generation (abort, retract or in_place), /continue_generation, /drain, /abort_request,
 /release_memory_occupation and /resume_memory_occupation (refused with the server flag to restart with
 when the memory saver is off), SGLang's three expert-distribution paths (a dense engine answers 400), and
 /start_profile and /stop_profile (torch.profiler traces of the engine's steps, rollout/profiler.py).
@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from rollout.server import security
+from rollout.server.gc_freeze import freeze_heap
 from rollout.server.common import JSONResponse, engine_error, error_response, run_blocking
 from rollout.server.native import Body
 
@@ -35,6 +36,15 @@ async def flush_cache(request: Request):
     if ok is False:
         return Response("Cache not flushed: requests are running or waiting.\n", status_code=400)
     return Response("Cache flushed.\n", status_code=200)
+
+
+@router.api_route("/freeze_gc", methods=["GET", "POST"])
+async def freeze_gc(request: Request):
+    """SGLang's /freeze_gc: every object alive now, in this process and in the engine's, moves to the
+    permanent generation, so later collections skip it (the server already did so once when it started)."""
+    freeze_heap()
+    await run_blocking(request, request.app.state.engine.freeze_gc)
+    return Response("Garbage collection frozen.\n", status_code=200)
 
 
 class PauseGenerationReqInput(Body):

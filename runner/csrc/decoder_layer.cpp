@@ -21,6 +21,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "entry_points.h"
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -30,7 +32,7 @@
 namespace {
 
 using at::Tensor;
-using OptList = c10::List<std::optional<Tensor>>;
+using rollout_cpu::OptList;
 
 c10::OperatorHandle op_handle(const char* name, const char* overload) {
   // Kept in function-local statics at first use; the dispatcher keeps a handle valid for the process.
@@ -175,6 +177,10 @@ OptList slice(const OptList& p, int64_t start, int64_t n) {
   return out;
 }
 
+}  // namespace
+
+namespace rollout_cpu {
+
 // The whole forward of runner/models/llama.py's LlamaForCausalLM as one op: embedding, the cos/sin rows
 // of this step's positions, every decoder layer above, the final norm and the LM head (at every row
 // for decode, at `last_index` rows for extend), logits in fp32. Per layer `layer_params` holds
@@ -218,7 +224,7 @@ Tensor model_forward(const Tensor& input_ids, const Tensor& positions, const Ten
   return linear(hidden, head, head_kind, "lm_head").to(at::kFloat);
 }
 
-}  // namespace
+}  // namespace rollout_cpu
 
 TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
   m.def("decoder_layer(Tensor hidden, Tensor? residual, Tensor cos, Tensor sin, Tensor ln1, Tensor ln2, float eps, "
@@ -235,11 +241,11 @@ TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
-  m.impl("model_forward", &model_forward);
+  m.impl("model_forward", &rollout_cpu::model_forward);
 }
 
 // A oneDNN-prepacked weight is an MkldnnCPU tensor, and a call that holds one dispatches on that key.
 TORCH_LIBRARY_IMPL(rollout_cpu, MkldnnCPU, m) {
   m.impl("decoder_layer", &decoder_layer);
-  m.impl("model_forward", &model_forward);
+  m.impl("model_forward", &rollout_cpu::model_forward);
 }

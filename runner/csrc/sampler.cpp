@@ -12,6 +12,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "entry_points.h"
+
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -81,6 +83,10 @@ Tensor inverse_cdf(const Tensor& probs, const Tensor& u) {
   const Tensor pos = at::searchsorted(local_cdf, target, false, true).clamp_(std::nullopt, c - 1);
   return (chunk * c + pos).squeeze(1).clamp_(std::nullopt, vocab - 1);
 }
+
+}  // namespace
+
+namespace rollout_cpu {
 
 // logits: [bs, vocab] fp32; temperatures [bs] fp32 (0 = greedy); seeds [bs] int64 and seed_mix
 // (splitmix64(seeds), when the batch info already has it); steps [bs] int64 -> (ids [bs] int64,
@@ -155,11 +161,11 @@ std::tuple<Tensor, Tensor> sample_plain(const Tensor& logits, const Tensor& temp
   return {ids, logprobs};
 }
 
-}  // namespace
+}  // namespace rollout_cpu
 
 TORCH_LIBRARY_FRAGMENT(rollout_cpu, m) {
   m.def("sample_plain(Tensor logits, Tensor temperatures, Tensor seeds, Tensor? seed_mix, Tensor steps, "
         "bool all_greedy, bool has_greedy, bool need_temperature, bool want_logprobs) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) { m.impl("sample_plain", &sample_plain); }
+TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) { m.impl("sample_plain", &rollout_cpu::sample_plain); }

@@ -168,15 +168,17 @@ class FusedModel:
         self.head_dim = first.head_dim
         self.eps = self.layers[0].input_layernorm.eps
         self.qk_eps = 0.0  # set by build, from the layers' q/k norms
-        # (packed-shadow key, layer params, layer kinds, (head params, head kind)), replaced as one tuple so
-        # a thread preparing a step never reads half of a refresh.
-        self._cache: tuple = (None, [], [], ([], DENSE))
+        self.direct = cpu_kernels.direct()  # runner/csrc/direct.cpp: the op without torch.ops' GIL round trips
+        # (packed-shadow key, the direct module's FusedWeights of the parameter lists), replaced as one tuple
+        # so a thread preparing a step never reads half of a refresh.
+        self._cache: tuple = (None, None)
 
     @classmethod
     def build(cls, causal_lm: nn.Module, ops) -> FusedModel | None:
         model = getattr(causal_lm, "model", None)
         layers = getattr(model, "layers", None)
-        if (ops is None or not layers or model.embed_tokens.tp is not None or causal_lm.lm_head.tp is not None
+        if (ops is None or cpu_kernels.direct() is None or not layers or model.embed_tokens.tp is not None
+                or causal_lm.lm_head.tp is not None
                 or any(getattr(layer, "fused_ops", None) is None for layer in layers)):
             return None
         plan = cls(causal_lm, ops)
@@ -192,21 +194,23 @@ class FusedModel:
         plan.qk_eps = args[0][3]
         return plan
 
-    def _lists(self) -> tuple:
-        """The op's parameter lists, rebuilt only when a prepacked shadow changed (a weight update repacks)."""
+    def _weights(self):
+        """The op's FusedWeights (the layers' and the LM head's parameter lists, held on the C++ side), rebuilt
+        only when a prepacked shadow changed (a weight update repacks)."""
         key = tuple(id(m.packed) for m in self.linears)
         cache = self._cache
         if cache[0] == key:
-            return cache
+            return cache[1]
         params, kinds = [], []
         for layer in self.layers:
             p, k, _, _ = _layer_args(layer, self.dtype)
             params += p
             kinds += k
         head = self.causal_lm.lm_head
-        cache = (key, params, kinds, ([head.weight, None], DENSE) if head.packed is None else _linear(head))
-        self._cache = cache
-        return cache
+        head_params, head_kind = ([head.weight, None], DENSE) if head.packed is None else _linear(head)
+        weights = self.direct.FusedWeights(params, kinds, head_params, head_kind, self.eps, self.qk_eps, *self.geometry)
+        self._cache = (key, weights)
+        return weights
 
     def args(self, fb: ForwardBatch, pool, backend) -> tuple | None:
         """model_forward's arguments for `fb`, or None where the module's forward must run."""
@@ -219,14 +223,13 @@ class FusedModel:
         plan = None if plan_of is None else plan_of(fb, self.dtype, pool.dtype, self.head_dim)
         if plan is None:
             return None
-        _, params, kinds, (head_params, head_kind) = self._lists()
         model = self.causal_lm.model
         rotary = model.rotary_emb
         last = None if fb.forward_mode.is_decode() else last_token_indices(fb, fb.input_ids.device)
-        return (fb.input_ids, fb.positions, model.embed_tokens.weight, rotary.cos_cached, rotary.sin_signed_cached,
-                params, kinds, self.eps, self.qk_eps, model.norm.weight, head_params, head_kind, last,
-                pool.k_buffer, pool.v_buffer, fb.out_cache_loc, *plan, *self.geometry)
+        return (self._weights(), fb.input_ids, fb.positions, model.embed_tokens.weight, rotary.cos_cached,
+                rotary.sin_signed_cached, model.norm.weight, last, pool.k_buffer, pool.v_buffer, fb.out_cache_loc, *plan)
 
     def run(self, args: tuple) -> torch.Tensor:
-        """The logits [bs, vocab] fp32 of prepared `args` (the GIL is released while the op runs)."""
-        return self.ops.model_forward(*args)
+        """The logits [bs, vocab] fp32 of prepared `args`. The GIL is released from the op's start to its
+        return, with no hand-back in between (runner/csrc/direct.cpp says why that needs a direct call)."""
+        return self.direct.model_forward(*args)

@@ -163,16 +163,20 @@ def test_a_failing_fused_op_falls_back_to_the_modules_once_and_loses_nothing(mak
     assert all(len(ids) == 8 for ids, _ in got)
 
 
-def test_model_forward_rejects_partial_layer_lists_by_name(cpu_ops):
+def test_model_forward_rejects_partial_layer_lists_by_name(cpu_ops, cpu_direct):
     """The op checks its flattened layer description before touching the pool: a list that is not whole
-    layers is refused, naming the counts."""
+    layers is refused, naming the counts, through torch.ops and through the direct call alike (a
+    RuntimeError with the message alone, no C++ backtrace)."""
     x = torch.zeros(2, dtype=torch.int64)
     buf = torch.zeros(1, 4, 1, 16)
+    table, norm, head = torch.zeros(4, 16), torch.ones(16), [torch.zeros(8, 16), None]
+    plan = (torch.zeros(1, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), x, None)
     with pytest.raises(RuntimeError, match=r"do not describe whole layers"):
-        cpu_ops.model_forward(x, x, torch.zeros(8, 16), torch.zeros(4, 16), torch.zeros(4, 16), [None] * 13,
-                              [0, 0, 0, 0], 1e-6, 0.0, torch.ones(16), [torch.zeros(8, 16), None], 0, None, buf, buf,
-                              x, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), x, None,
-                              1, 1, 0.25)
+        cpu_ops.model_forward(x, x, torch.zeros(8, 16), table, table, [None] * 13, [0, 0, 0, 0], 1e-6, 0.0, norm,
+                              head, 0, None, buf, buf, x, *plan, 1, 1, 0.25)
+    weights = cpu_direct.FusedWeights([None] * 13, [0, 0, 0, 0], head, 0, 1e-6, 0.0, 1, 1, 0.25)
+    with pytest.raises(RuntimeError, match=r"^model_forward: 13 layer params and 4 kinds do not describe whole"):
+        cpu_direct.model_forward(weights, x, x, torch.zeros(8, 16), table, table, norm, None, buf, buf, x, *plan)
 
 
 def test_fused_forward_reads_weights_updated_and_repacked_since(make_engine, ckpt_factory, monkeypatch):

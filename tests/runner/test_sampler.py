@@ -266,12 +266,12 @@ def test_inverse_cdf_matches_the_naive_running_sum(vocab):
 
 
 @pytest.mark.parametrize("vocab", [1, 50, 128, 300, 1000])
-def test_plain_cpu_op_is_bitwise_the_python_path(cpu_ops, vocab):
+def test_plain_cpu_op_is_bitwise_the_python_path(cpu_direct, vocab):
     """runner/csrc/sampler.cpp on plain batches (no processors, no truncation): the same ids and logprobs,
     bit for bit, as the Python path, for greedy, sampled and mixed rows, any temperature, with and without
     logprobs, -inf and NaN logits, and a seed mix the batch info already holds."""
     fast = Sampler()
-    fast.cpu_ops = cpu_ops
+    fast.cpu_ops = cpu_direct
     g = torch.Generator().manual_seed(vocab)
     for trial in range(40):
         bs = int(torch.randint(1, 17, (1,), generator=g))
@@ -298,11 +298,11 @@ def test_plain_cpu_op_is_bitwise_the_python_path(cpu_ops, vocab):
 
 
 @pytest.mark.parametrize("extra", ["top_k", "logit_bias", "top_logprobs", "raw", "fp64_temperatures"])
-def test_batches_beyond_the_plain_path_keep_the_python_sampler(cpu_ops, monkeypatch, extra):
+def test_batches_beyond_the_plain_path_keep_the_python_sampler(cpu_direct, monkeypatch, extra):
     """Truncation, a logit processor, top logprobs, raw logprobs or per-row tensors of another dtype than the
     op takes: the op is not called, and the result is the Python path's."""
     fast = Sampler()
-    fast.cpu_ops = cpu_ops
+    fast.cpu_ops = cpu_direct
     rows = [{"temperature": 1.0, "seed": 3, "top_k": 5 if extra == "top_k" else -1}]
     info = _info(rows, top_logprobs_num=2 if extra == "top_logprobs" else 0, return_raw_logprob=extra == "raw")
     if extra == "logit_bias":

@@ -81,14 +81,18 @@ def test_requests_rebuilt_from_deltas_equal_the_engines():
                 sink.put(("final" if r.finished else "chunk", r))
             batcher.flush()
             client._on_out(*pipe.messages[-1][1:])
+            assert call.sink.queue.qsize() == (0 if step == 0 else 3)  # applied on the loop, not this thread
+            loop.run_until_complete(asyncio.sleep(0))
+            for mine, theirs in zip(call.reqs, reqs):
+                for name in ("output_ids", "output_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
+                             "input_logprobs", "num_retractions", "cached_tokens", "finished_reason", "prompt_ids"):
+                    assert getattr(mine, name) == getattr(theirs, name), (step, name)
+            # Nobody reads: each request keeps one unread item, brought up to date, final at the end.
+            items = [call.sink.queue._queue[i] for i in range(call.sink.queue.qsize())]
+            assert [(kind, req.index) for kind, req in items] == [("final" if step == 4 else "chunk", i) for i in range(3)]
+            assert all(req is mine for (_, req), mine in zip(items, call.reqs))
         assert len(pipe.messages) == 5  # one message per step, whatever the number of requests
-        for mine, theirs in zip(call.reqs, reqs):
-            for name in ("output_ids", "output_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
-                         "input_logprobs", "num_retractions", "cached_tokens", "finished_reason", "prompt_ids"):
-                assert getattr(mine, name) == getattr(theirs, name), name
-        assert call.sink.queue.qsize() == 0  # handed to the loop in one call, not put from this thread
-        loop.run_until_complete(asyncio.sleep(0))
-        assert call.sink.queue.qsize() == 3 * 5 and 7 not in client._calls
+        assert 7 not in client._calls
     finally:
         loop.close()
 
@@ -108,6 +112,7 @@ def test_a_delta_that_cannot_be_built_ends_the_request_as_abort():
         sink.put(("final", req))
         batcher.flush()
         client._on_out(*pipe.messages[-1][1:])
+        loop.run_until_complete(asyncio.sleep(0))
         mine = call.reqs[0]
         assert mine.finished_reason.type == "abort" and "internal error" in mine.finished_reason.message
         assert 3 not in client._calls

@@ -247,6 +247,22 @@ def test_drain_reaches_the_child(client):
     assert client.post("/drain", json={}).json() == {"success": True, "remaining_requests": 0}
 
 
+def test_engine_process_froze_its_heap_and_freeze_gc_reaches_both(split, client):
+    """The engine process froze its start-up objects once its Engine was built (so the collector never
+    walks torch's and the model's objects again); /freeze_gc freezes this process and the child."""
+    import gc
+
+    from rollout.server import gc_freeze
+
+    before = split.engine.run_on_engine(gc_freeze.frozen_count)
+    assert before > 1000  # torch, transformers and the Engine: hundreds of thousands here
+    junk = [[i] for i in range(5000)]  # alive now: frozen by the call below
+    assert client.post("/freeze_gc").status_code == 200
+    assert client.get("/freeze_gc").status_code == 200  # SGLang answers both
+    assert gc.get_freeze_count() >= len(junk)
+    assert split.engine.run_on_engine(gc_freeze.frozen_count) >= before
+
+
 def test_child_threads_match_in_process_engine(split):
     """The engine process runs as many torch threads as an Engine in the server's own process would."""
     assert split.engine.engine_num_threads == torch.get_num_threads()

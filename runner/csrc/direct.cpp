@@ -1,0 +1,110 @@
+// The per-step ops as plain Python functions (pybind11), beside their torch.ops registrations: what
+// runner/models/fused_layer.py (model_forward) and runner/sampler.py (sample_plain) call every step.
+//
+// Why not torch.ops. A torch.ops call copies its arguments into an IValue stack, releases the GIL, runs
+// the kernel, and drops the stack while the GIL is still released. Since torch's PyObject preservation,
+// a tensor that has a Python object takes the GIL whenever its C++ reference count goes from 2 to 1,
+// which is what dropping such a copy does: model_forward's ~15 weights per layer, the KV pool and the
+// step's own tensors each took the GIL once at the end of every step, and whenever another thread was
+// running Python (the overlap schedule's scheduler, a server's event loop) each of those waited for it,
+// up to a switch interval (5 ms) apiece: a 0.6 ms decode step of the tiny model took 44 ms beside a
+// thread spinning in Python (bench/gil_convoy.py).
+//
+// Here the arguments are converted and dropped while the GIL is held, and the kernel runs without it:
+// the layers' parameter lists live in a `FusedWeights` built once (runner/models/fused_layer.py keeps
+// it until a weight update repacks), so the C++ copies made inside the forward never bring a tensor's
+// count down to 1, and no GIL is taken between the release and the return.
+//
+// What it does not do: compute anything itself (it calls decoder_layer.cpp's and sampler.cpp's
+// functions), or check more than they do.
+// Only what the bindings need (torch/extension.h would also compile the C++ frontend: ~40 s more here).
+#include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "entry_points.h"
+
+namespace {
+
+namespace py = pybind11;
+using at::Tensor;
+
+// The layers' and the LM head's parameters and the model's constants, as model_forward takes them.
+struct FusedWeights {
+  rollout_cpu::OptList layer_params;
+  std::vector<int64_t> layer_kinds;
+  rollout_cpu::OptList head;
+  int64_t head_kind;
+  double eps, qk_eps;
+  int64_t num_heads, num_kv_heads;
+  double scale;
+};
+
+rollout_cpu::OptList to_list(const std::vector<std::optional<Tensor>>& v) {
+  rollout_cpu::OptList out;
+  out.reserve(v.size());
+  for (const auto& t : v) out.push_back(t);
+  return out;
+}
+
+// c10::Error's what() carries a C++ backtrace; the Python error gets only the message, as torch.ops gives.
+template <typename F>
+auto without_gil(F&& f) -> decltype(f()) {
+  try {
+    py::gil_scoped_release release;
+    return f();
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(e.what_without_backtrace());
+  }
+}
+
+// FusedWeights as fused_layer.py's cache holds it; input_ids, positions: [num_tokens]; the embedding,
+// rotary tables, final norm and KV pool are passed per step (a resume may reallocate them)
+// -> logits [bs, vocab] fp32.
+Tensor model_forward(const FusedWeights& w, const Tensor& input_ids, const Tensor& positions, const Tensor& embed,
+                     const Tensor& cos_table, const Tensor& sin_table, const Tensor& norm,
+                     const std::optional<Tensor>& last_index, const Tensor& k_buffer, const Tensor& v_buffer,
+                     const Tensor& out_cache_loc, const Tensor& req_to_token, const Tensor& req_pool_indices,
+                     const Tensor& seq_lens, const std::optional<Tensor>& extend_lens) {
+  return without_gil([&] {
+    return rollout_cpu::model_forward(input_ids, positions, embed, cos_table, sin_table, w.layer_params,
+                                      w.layer_kinds, w.eps, w.qk_eps, norm, w.head, w.head_kind, last_index,
+                                      k_buffer, v_buffer, out_cache_loc, req_to_token, req_pool_indices, seq_lens,
+                                      extend_lens, w.num_heads, w.num_kv_heads, w.scale);
+  });
+}
+
+std::tuple<Tensor, Tensor> sample_plain(const Tensor& logits, const Tensor& temperatures, const Tensor& seeds,
+                                        const std::optional<Tensor>& seed_mix, const Tensor& steps, bool all_greedy,
+                                        bool has_greedy, bool need_temperature, bool want_logprobs) {
+  return without_gil([&] {
+    return rollout_cpu::sample_plain(logits, temperatures, seeds, seed_mix, steps, all_greedy, has_greedy,
+                                     need_temperature, want_logprobs);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "rollout-engine's per-step CPU ops, called without torch.ops' GIL round trips (runner/csrc/direct.cpp)";
+  py::class_<FusedWeights>(m, "FusedWeights")
+      .def(py::init([](const std::vector<std::optional<Tensor>>& layer_params, std::vector<int64_t> layer_kinds,
+                       const std::vector<std::optional<Tensor>>& head, int64_t head_kind, double eps, double qk_eps,
+                       int64_t num_heads, int64_t num_kv_heads, double scale) {
+             return FusedWeights{to_list(layer_params), std::move(layer_kinds), to_list(head), head_kind, eps, qk_eps,
+                                 num_heads, num_kv_heads, scale};
+           }),
+           py::arg("layer_params"), py::arg("layer_kinds"), py::arg("head"), py::arg("head_kind"), py::arg("eps"),
+           py::arg("qk_eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("scale"))
+      .def_property_readonly("num_layer_params", [](const FusedWeights& w) { return w.layer_params.size(); });
+  m.def("model_forward", &model_forward, "runner/csrc/decoder_layer.cpp model_forward over a FusedWeights");
+  m.def("sample_plain", &sample_plain, "runner/csrc/sampler.cpp sample_plain");
+}
