@@ -186,6 +186,11 @@ class _StreamBase:
         self._abort = abort
         self._num_open = len(reqs)
 
+    @property
+    def done(self) -> bool:
+        """Every request's final output has been taken (nothing more will come)."""
+        return not self._num_open
+
     def _on_item(self, item) -> dict:
         kind, req = item
         final = kind == "final"

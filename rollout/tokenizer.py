@@ -15,6 +15,21 @@ from rollout.request import Req
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def _rust_decoder(tokenizer):
+    """The `tokenizers.Tokenizer` whose decode is exactly `tokenizer.decode` (a transformers fast tokenizer
+    whose _decode is the library's own and applies no clean-up of tokenization spaces), else None."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its own decode is used
+        return None
+    if (tokenizer is None or not isinstance(tokenizer, TokenizersBackend)
+            or type(tokenizer)._decode is not TokenizersBackend._decode
+            or type(tokenizer).decode is not TokenizersBackend.decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return None
+    return getattr(tokenizer, "_tokenizer", None)
+
+
 class TokenizerWrapper:
     def __init__(self, model_path: str, skip_init: bool = False) -> None:
         self.tokenizer = None
@@ -23,6 +38,7 @@ class TokenizerWrapper:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(root))
+        self._rust = _rust_decoder(self.tokenizer)
 
     def eos_token_ids(self, config_eos: list[int], model_path: str) -> list[int]:
         ids = set(config_eos)
@@ -51,8 +67,14 @@ class TokenizerWrapper:
         if self.tokenizer is None:
             return None
         sp = req.sampling_params if req is not None else None
+        skip = sp.skip_special_tokens if sp else True
+        if self._rust is not None and type(ids) is list:
+            # What transformers' decode reaches for a fast tokenizer without clean-up (spaces_between_special_
+            # tokens is a slow-tokenizer option it ignores): the Rust decoder, without ~4 us of argument
+            # conversion per call. Every stream chunk is decoded, so that is most of a chunk's detokenizing.
+            return self._rust.decode(ids, skip_special_tokens=skip)
         return self.tokenizer.decode(
-            ids, skip_special_tokens=sp.skip_special_tokens if sp else True,
+            ids, skip_special_tokens=skip,
             spaces_between_special_tokens=sp.spaces_between_special_tokens if sp else True,
         )
 

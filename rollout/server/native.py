@@ -172,21 +172,23 @@ async def sse(chunks, post=lambda c: c):
     engine delivered while the previous write was going out is sent as one write, keeping only each
     sequence's newest snapshot (a cumulative chunk supersedes the older ones; SGLang's stream_interval
     skips the same way): a client that keeps up sees every token, one that falls behind costs the server
-    no extra encode. Closing this generator (the client went away mid-stream) closes `chunks`, which
-    aborts the engine request and frees its KV."""
+    no extra encode. The last outputs and `[DONE]` go out in one write. Closing this generator (the client
+    went away mid-stream) closes `chunks`, which aborts the engine request and frees its KV."""
     started: set[int] = set()  # sequences whose first chunk was sent
+    done = b"data: [DONE]\n\n"
     try:
         async for chunk in chunks:
             if chunk["index"] not in started:
                 started.add(chunk["index"])
-                yield b"data: " + dumpb(post(chunk)) + b"\n\n"
+                yield b"data: " + dumpb(post(chunk)) + b"\n\n" + (done if chunks.done else b"")
                 continue
             ready = chunks.ready_nowait(keep_first_of=started)
             firsts = [c for c in ready if c["index"] not in started]
             started.update(c["index"] for c in firsts)
             batch = firsts + coalesce([chunk, *(c for c in ready if not any(c is f for f in firsts))])
-            yield b"".join(b"data: " + dumpb(post(c)) + b"\n\n" for c in batch)
-        yield b"data: [DONE]\n\n"
+            yield b"".join(b"data: " + dumpb(post(c)) + b"\n\n" for c in batch) + (done if chunks.done else b"")
+        if not started:  # nothing was streamed (no request): the end still says so
+            yield done
     finally:
         await chunks.aclose()
 

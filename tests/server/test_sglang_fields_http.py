@@ -80,7 +80,8 @@ def test_get_model_info_reports_the_checkpoint_loaded_from_disk(server, client, 
 def test_streamed_generate_sends_the_first_token_at_once(server):
     """A streamed /generate of 24 tokens whose reader only gets to it after all 24 exist (the tiny model
     outruns the event loop) still sends the first token as its own first event, then the newest
-    snapshot (all 24, extending the first), then [DONE]; over HTTP too the first event holds 1 token."""
+    snapshot (all 24, extending the first) with [DONE] in the same write; over HTTP too the first event
+    holds 1 token."""
     import asyncio
     import json
     import time
@@ -101,8 +102,8 @@ def test_streamed_generate_sends_the_first_token_at_once(server):
         return [part async for part in sse(stream)]
 
     parts = asyncio.run(read_late())
-    events = [json.loads(e[6:]) for p in parts[:-1] for e in p.split(b"\n\n") if e]
-    assert parts[-1] == b"data: [DONE]\n\n" and len(parts) == 3  # first token alone, then the rest in one write
+    events = [json.loads(e[6:]) for p in parts for e in p.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert parts[-1].endswith(b"\n\ndata: [DONE]\n\n") and len(parts) == 2  # first token alone, then the rest
     assert [e["output_ids"] for e in events] == [want[:1], want] and len(want) == 24
     lines = []
     with server.client() as c, c.stream("POST", "/generate", json=dict(input_ids=PROMPT, sampling_params=sp,
