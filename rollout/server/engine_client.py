@@ -30,6 +30,7 @@ import itertools
 import logging
 import pickle
 import queue
+import select
 import threading
 import weakref
 
@@ -39,6 +40,11 @@ from rollout.server.engine_process import EngineProcessError
 from rollout.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger("rollout.server.engine_client")
+DIRECT_OPS = ("generate", "abort")  # the messages a request's path sends; everything else takes the sender thread
+# The pipe is a Unix socket pair (multiprocessing.Pipe(duplex=True)): one that polls writable has at least
+# three quarters of its send buffer (~200 KB) free, and send_bytes writes a frame this small (a 4-byte
+# header, then the pickle) in one write that cannot block.
+DIRECT_MAX_BYTES = 4096 - 4
 
 
 class _RunnerView:
@@ -80,6 +86,11 @@ class EngineClient(RemoteGeneration):
         self._dead: str | None = None  # why the engine process is gone
         self._closing = False
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        # The pipe has one writer at a time (`_write_lock`); `_queued` counts messages handed to the sender
+        # thread and not yet written (under `_count_lock`), so a direct write never overtakes one.
+        self._write_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._queued = 0
         self._bye = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name="engine-client-sender", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="engine-client-reader", daemon=True)
@@ -113,6 +124,8 @@ class EngineClient(RemoteGeneration):
                 return
             self._closing = True
         if self._dead is None:
+            with self._count_lock:
+                self._queued += 1
             self._outbox.put(("shutdown",))
             self._bye.wait(timeout_s)
         self._outbox.put(None)
@@ -133,7 +146,36 @@ class EngineClient(RemoteGeneration):
             raise EngineProcessError(self._dead)
         if self._closing:
             raise RuntimeError("engine is shut down")
+        if msg[0] in DIRECT_OPS and self._send_direct(msg):
+            return
+        with self._count_lock:
+            self._queued += 1
         self._outbox.put(msg)
+
+    def _send_direct(self, msg: tuple) -> bool:
+        """Write a small message from the calling thread (the event loop) when that cannot block: nothing
+        queued before it, and the pipe has room for all of it (see DIRECT_MAX_BYTES). Handing a request to the sender thread cost its admission a GIL hand-over in this busy
+        process, ~5 ms at the median and ~24 ms at p90 on the streaming benchmark, every request. False:
+        the sender thread takes it (too big, a message queued ahead, the pipe full, or unpicklable)."""
+        try:
+            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - the sender thread fails that call with the reason
+            return False
+        if len(data) > DIRECT_MAX_BYTES or not self._write_lock.acquire(blocking=False):
+            return False
+        try:
+            with self._count_lock:
+                if self._queued:
+                    return False
+            fd = self._conn.fileno()
+            if not select.select([], [fd], [], 0)[1]:
+                return False
+            self._conn.send_bytes(data)
+            return True
+        except (OSError, ValueError):  # the child is gone: the reader says why; the call fails as it would
+            return False
+        finally:
+            self._write_lock.release()
 
     def _send_loop(self) -> None:
         while True:
@@ -141,11 +183,16 @@ class EngineClient(RemoteGeneration):
             if msg is None:
                 return
             try:
-                self._conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+                data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+                with self._write_lock:
+                    self._conn.send_bytes(data)
             except (OSError, ValueError):  # the child is gone: the reader says why
                 return
             except Exception as e:  # noqa: BLE001 - an argument that does not pickle: fail that call only
                 self._fail_message(msg, e)
+            finally:
+                with self._count_lock:
+                    self._queued -= 1
 
     def _fail_message(self, msg: tuple, e: Exception) -> None:
         err = TypeError(f"cannot send {msg[0]!r} to the engine process: {type(e).__name__}: {e}")

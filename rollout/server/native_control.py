@@ -21,8 +21,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from rollout.server import security
-from rollout.server.gc_freeze import freeze_heap
 from rollout.server.common import JSONResponse, engine_error, error_response, run_blocking
+from rollout.server.gc_freeze import freeze_heap
 from rollout.server.native import Body
 
 router = APIRouter()

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from rollout.sampling_params import SamplingParams
 from rollout.request import Req
+from rollout.sampling_params import SamplingParams
 from rollout.tokenizer import TokenizerWrapper
 from tests.checkpoints import make_tokenizer
 
@@ -34,7 +34,7 @@ def test_decode_equals_the_hf_tokenizers_decode(tok_dir, skip_special):
     rng = random.Random(0)
     req = _req(skip_special_tokens=skip_special)
     vocab = len(hf)
-    for trial in range(300):
+    for _ in range(300):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
         assert wrapper.decode(ids, req) == hf.decode(ids, skip_special_tokens=skip_special), ids
     text = "naïve café → 東京 ok"

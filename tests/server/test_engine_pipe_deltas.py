@@ -120,3 +120,44 @@ def test_a_delta_that_cannot_be_built_ends_the_request_as_abort():
         assert not batcher.deltas
     finally:
         loop.close()
+
+
+def _writer(monkeypatch=None):
+    """An EngineClient's sending half over a real pipe, with no sender thread (what reaches `child` was
+    written directly; what is in `client._outbox` waits for the thread)."""
+    import multiprocessing
+    import queue
+    import threading
+
+    parent, child = multiprocessing.Pipe(duplex=True)
+    client = object.__new__(EngineClient)
+    client._conn, client._dead, client._closing = parent, None, False
+    client._outbox, client._queued = queue.SimpleQueue(), 0
+    client._write_lock, client._count_lock = threading.Lock(), threading.Lock()
+    return client, child
+
+
+def test_small_request_messages_are_written_directly_and_never_overtake_queued_ones(monkeypatch):
+    """A small generate or abort goes onto the pipe from the calling thread; a large one, or any message
+    while one waits for the sender thread, or a pipe without room, is queued for the thread instead, so
+    the pipe's order is the order of the calls."""
+    from rollout.server import engine_client
+
+    client, child = _writer()
+    client._send(("generate", 1, ([[5, 6, 7]], True), {"sampling_params": None}))
+    assert child.poll(1) and pickle.loads(child.recv_bytes())[:2] == ("generate", 1)
+    assert client._outbox.empty() and client._queued == 0
+
+    big = ("generate", 2, ([list(range(5000))], True), {})
+    client._send(big)  # over DIRECT_MAX_BYTES: the sender thread's
+    assert client._queued == 1 and client._outbox.get_nowait() is big and not child.poll(0.05)
+    client._send(("abort", 2))  # small, but behind a queued message: queued too
+    assert client._outbox.get_nowait() == ("abort", 2) and client._queued == 2 and not child.poll(0.05)
+    client._queued = 0
+
+    monkeypatch.setattr(engine_client.select, "select", lambda r, w, x, t: ([], [], []))  # no room
+    client._send(("abort", 3))
+    assert client._outbox.get_nowait() == ("abort", 3) and not child.poll(0.05)
+    client._queued = 0
+    client._send(("call", 4, "flush_cache", (), {}))  # control calls always take the thread
+    assert client._outbox.get_nowait()[0] == "call"
