@@ -120,6 +120,10 @@ class RemoteGeneration:
                     self._calls.pop(delta[0], None)
             by_loop[call.loop].append((call, delta))
         for loop, items in by_loop.items():
+            # Finals first: their streams are written first on the loop, and a client that waits for a
+            # request's end to send the next one (the engine's free slot) sends it a little sooner. A
+            # request has one delta per step, so no request's own order changes.
+            items.sort(key=lambda item: not item[1][2])
             self._on_loop(loop, _apply_deltas, items, self._finish_observers)
 
     @staticmethod
