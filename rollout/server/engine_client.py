@@ -12,8 +12,9 @@ Messages on the private pipe (pickled; engine_process.py says why that is safe),
 ("generate", call_id, (ids per prompt, single), kwargs), ("abort", call_id), ("call", call_id, method or
 function, args, kwargs), ("shutdown",). Child -> parent: ("submitted", call_id, ok, (requests, single) or
 error), ("out", deltas, load) once per engine step, ("reply", call_id, ok, value or error, state),
-("bye",). One sender thread writes (an event loop never blocks on the pipe) and one reader thread reads
-and dispatches; the generate calls ("submitted", "out": deltas applied to this side's copy of each
+("bye",). A request's small "generate" and "abort" go onto the pipe from the event loop when that cannot
+block (`_send_direct`); everything else, and those whenever a message is queued ahead, is written by one
+sender thread (an event loop never blocks on the pipe). One reader thread reads and dispatches; the generate calls ("submitted", "out": deltas applied to this side's copy of each
 request, one wake-up per event loop) are handled by rollout/server/engine_generate.py, mixed in here.
 
 When the child dies, every request in flight ends as abort with the reason, every waiting call raises
