@@ -120,10 +120,6 @@ class RemoteGeneration:
                     self._calls.pop(delta[0], None)
             by_loop[call.loop].append((call, delta))
         for loop, items in by_loop.items():
-            # Finals first: their streams are written first on the loop, and a client that waits for a
-            # request's end to send the next one (the engine's free slot) sends it a little sooner. A
-            # request has one delta per step, so no request's own order changes.
-            items.sort(key=lambda item: not item[1][2])
             self._on_loop(loop, _apply_deltas, items, self._finish_observers)
 
     @staticmethod
@@ -185,21 +181,25 @@ class RemoteGeneration:
         return await gather_final_outputs(call.sink, reqs, functools.partial(call.build, self), cancelled, single)
 
 def _apply_deltas(items: list, observers: list) -> None:
-    """On the calls' loop: bring each copy up to date and offer its output to its stream."""
+    """On the calls' loop: bring each copy up to date (in the engine's order), then offer the outputs to
+    their streams, finished requests first: their streams are written first, and a client that waits for a
+    request's end to send its next one (the engine's free slot) sends it a little sooner."""
+    finals, chunks = [], []
     for call, delta in items:
         req = call.reqs[delta[1]]
         if req.finished:  # ended already (an output the engine process could not send)
             continue
         engine_deltas.apply(req, delta)
-        if not delta[2]:
-            call.offer("chunk", req)
-            continue
+        (finals if delta[2] else chunks).append((call, req))
+    for call, req in finals:
         call.offer("final", req)
         for fn in observers:
             try:
                 fn(req)
             except Exception:  # noqa: BLE001 - an observer's bug must not lose outputs
                 logger.exception("finish observer %r failed", fn)
+    for call, req in chunks:
+        call.offer("chunk", req)  # a request that also finished in this message keeps its final item
 
 
 def _abort_all(calls: list, reason: str) -> None:

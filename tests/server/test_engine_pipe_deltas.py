@@ -161,3 +161,30 @@ def test_small_request_messages_are_written_directly_and_never_overtake_queued_o
     client._queued = 0
     client._send(("call", 4, "flush_cache", (), {}))  # control calls always take the thread
     assert client._outbox.get_nowait()[0] == "call"
+
+
+def test_finished_requests_are_offered_first_and_keep_their_final():
+    """In one step's message, the requests that finished reach their stream's queue before those that only
+    got a token, and a request's own deltas are applied in the engine's order (a chunk and its final in
+    one message leave one final item)."""
+    engine, pipe = _FakeEngine(), _FakePipe()
+    batcher = _Batcher(engine, pipe)
+    reqs = [_req(0, return_logprob=False), _req(1, return_logprob=False)]
+    sink = _CallSink(5, batcher, {5: None}, len(reqs))
+    client, call, loop = _parent(5, [_skeleton(r) for r in reqs])
+    try:
+        reqs[0].output_ids.append(11)
+        sink.put(("chunk", reqs[0]))
+        reqs[1].output_ids.append(12)
+        sink.put(("chunk", reqs[1]))
+        reqs[1].output_ids.append(13)
+        reqs[1].finished_reason = FinishReason("length", matched=2)
+        sink.put(("final", reqs[1]))
+        batcher.flush()
+        client._on_out(*pipe.messages[-1][1:])
+        loop.run_until_complete(asyncio.sleep(0))
+        items = [call.sink.queue._queue[i] for i in range(call.sink.queue.qsize())]
+        assert [(kind, req.index) for kind, req in items] == [("final", 1), ("chunk", 0)]
+        assert call.reqs[1].output_ids == [12, 13] and call.reqs[1].finished_reason.type == "length"
+    finally:
+        loop.close()
