@@ -17,8 +17,8 @@
 //
 // What it does not do: compute anything itself (it calls decoder_layer.cpp's and sampler.cpp's
 // functions), or check more than they do.
-// Only what the bindings need (torch/extension.h would also compile the C++ frontend: ~40 s more here).
-#include <ATen/ATen.h>
+// Only what the bindings need: tensor types, not ATen's operator declarations (torch/extension.h would
+// also compile the C++ frontend).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>

@@ -2,7 +2,8 @@
 // torch.ops registrations, stay in decoder_layer.cpp and sampler.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>
