@@ -125,9 +125,7 @@ class EngineClient(RemoteGeneration):
                 return
             self._closing = True
         if self._dead is None:
-            with self._count_lock:
-                self._queued += 1
-            self._outbox.put(("shutdown",))
+            self._enqueue(("shutdown",))
             self._bye.wait(timeout_s)
         self._outbox.put(None)
         self._process.join(timeout_s if self._dead is None else 5)
@@ -149,15 +147,20 @@ class EngineClient(RemoteGeneration):
             raise RuntimeError("engine is shut down")
         if msg[0] in DIRECT_OPS and self._send_direct(msg):
             return
+        self._enqueue(msg)
+
+    def _enqueue(self, msg: tuple) -> None:
+        """For the sender thread; counted until written, so no direct write overtakes it."""
         with self._count_lock:
             self._queued += 1
         self._outbox.put(msg)
 
     def _send_direct(self, msg: tuple) -> bool:
         """Write a small message from the calling thread (the event loop) when that cannot block: nothing
-        queued before it, and the pipe has room for all of it (see DIRECT_MAX_BYTES). Handing a request to the sender thread cost its admission a GIL hand-over in this busy
-        process, ~5 ms at the median and ~24 ms at p90 on the streaming benchmark, every request. False:
-        the sender thread takes it (too big, a message queued ahead, the pipe full, or unpicklable)."""
+        queued before it, and the pipe has room for all of it (see DIRECT_MAX_BYTES). Handing a request to
+        the sender thread cost its admission a GIL hand-over in this busy process, ~5 ms at the median and
+        ~24 ms at p90 on the streaming benchmark, every request. False: the sender thread takes it (too
+        big, a message queued ahead, the pipe full, or unpicklable)."""
         try:
             data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001 - the sender thread fails that call with the reason

@@ -44,7 +44,6 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 from rollout.server import engine_deltas as deltas
-from rollout.server.gc_freeze import freeze_heap
 
 logger = logging.getLogger("rollout.server.engine_process")
 
@@ -307,7 +306,7 @@ def run(conn, engine_kwargs: dict, num_threads: int) -> None:
         finally:
             conn.close()
         sys.exit(1)
-    freeze_heap()  # the Engine's and the imports' objects leave the collector's scans (gc_freeze.py)
+    engine.freeze_gc()  # the Engine's and the imports' objects leave the collector's scans (gc_freeze.py says why)
     info = {"args": engine.args, "context_len": engine.runner.context_len, "state": _state(engine),
             "pid": os.getpid(), "num_threads": torch.get_num_threads()}
     conn.send_bytes(pickle.dumps(("ready", info)))

@@ -1,7 +1,8 @@
-"""freeze_heap(): collect once, then move every object alive to the permanent generation (gc.freeze).
+"""freeze_heap(): collect once, then move every object alive to the permanent generation (gc.freeze), what
+Engine.freeze_gc does in the engine's process.
 
 Why the server processes do it once they have started (rollout/launch_server.py for the HTTP process,
-rollout/server/engine_process.py for the engine's): each holds ~350k objects from importing torch,
+rollout/server/engine_process.py, through Engine.freeze_gc, for the engine's): each holds ~350k objects from importing torch,
 transformers, pydantic and FastAPI, and a streaming server keeps enough per-request objects alive that the
 collector promotes them into the oldest generation steadily. Every full collection then walked the whole
 heap: streaming 1000 requests x 32 tokens of the tiny model, 64 at once, the HTTP process ran two of

@@ -103,8 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                  num_heads, num_kv_heads, scale};
            }),
            py::arg("layer_params"), py::arg("layer_kinds"), py::arg("head"), py::arg("head_kind"), py::arg("eps"),
-           py::arg("qk_eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("scale"))
-      .def_property_readonly("num_layer_params", [](const FusedWeights& w) { return w.layer_params.size(); });
+           py::arg("qk_eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("scale"));
   m.def("model_forward", &model_forward, "runner/csrc/decoder_layer.cpp model_forward over a FusedWeights");
   m.def("sample_plain", &sample_plain, "runner/csrc/sampler.cpp sample_plain");
 }

@@ -155,9 +155,9 @@ class FusedModel:
     so the overlap schedule prepares a step on its scheduler thread while the previous one runs
     (runner/model_runner.py prepare_forward)."""
 
-    def __init__(self, causal_lm: nn.Module, ops) -> None:
+    def __init__(self, causal_lm: nn.Module) -> None:
         model = causal_lm.model
-        self.ops, self.causal_lm = ops, causal_lm
+        self.causal_lm = causal_lm
         self.dtype = model.embed_tokens.weight.dtype
         self.layers = list(model.layers)
         self.linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -181,7 +181,7 @@ class FusedModel:
                 or causal_lm.lm_head.tp is not None
                 or any(getattr(layer, "fused_ops", None) is None for layer in layers)):
             return None
-        plan = cls(causal_lm, ops)
+        plan = cls(causal_lm)
         dtype = plan.dtype
         args = [_layer_args(layer, dtype) for layer in layers]
         if (dtype not in cpu_kernels.DTYPES or any(a is None for a in args)
