@@ -12,8 +12,11 @@ request finished, and the CPU seconds the run cost the client process and the se
 (server_cpu_s: the server and its engine process together; engine_process_cpu_s: the engine process's
 share; on a shared machine the split says which side pays for the HTTP overhead). Then it runs the identical workload through `Engine.async_generate(stream=True)`
 in this process and prints the HTTP overhead as the ratio of the two throughputs: `--repeat` pairs of
-(server, Engine) runs back to back, both kept up throughout, and the median of the pairs' ratios. Every wait is
-bounded.
+(server, Engine) runs back to back, both kept up throughout, and the median of the pairs' ratios. The last line also says which schedule each side
+ran (`schedule`): on the CPU the server's engine defaults to the plain one and an in-process Engine to the
+overlap for a small fused model (rollout/scheduler.py `set_cpu_overlap_default`);
+`--engine-args="... --disable-overlap-schedule"` (or `--no-disable-overlap-schedule`) puts both on the same
+one. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -246,6 +249,11 @@ def main() -> None:
                 inproc = summary(f"engine, pair {i + 1}", wall, results, len(reqs), engine_cpu_s=own_cpu_s() - cpu0)
                 ratios.append(http["tok_per_s"] / inproc["tok_per_s"])
                 pairs.append((http, inproc))
+            # Which schedule each side ran: the server's processes default to the plain one on the CPU
+            # (rollout/scheduler.py set_cpu_overlap_default), an Engine here to the overlap for a small model.
+            info = httpx.get(url + "/get_server_info", timeout=30).json()
+            schedules = {"http": "overlap" if info.get("num_overlapped_steps") else "plain",
+                         "engine": "overlap" if engine.get_server_info().get("num_overlapped_steps") else "plain"}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -257,7 +265,8 @@ def main() -> None:
                       "pair_ratios": [round(r, 3) for r in ratios],
                       "p50_ttft_ms_http": [h["p50_ttft_ms"] for h, _ in pairs],
                       "p50_latency_ms_http": [h["p50_latency_ms"] for h, _ in pairs],
-                      "all_finished": finished, "load_avg": round(os.getloadavg()[0], 2)}), flush=True)
+                      "all_finished": finished, "schedule": schedules,
+                      "load_avg": round(os.getloadavg()[0], 2)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ It does not own the engine: whoever built the engine shuts it down (launch_serve
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,7 +87,16 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
+        # An EngineClient reads the engine's messages on this loop while the app runs (no thread hand-over
+        # per engine step; rollout/server/engine_pipe.py), and on its own thread again before shutdown.
+        attached = hasattr(app.state.engine, "attach_loop")
+        if attached:
+            app.state.engine.attach_loop(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            if attached:
+                app.state.engine.detach_loop()
         app.state.engine_shut_down = True
         if hasattr(app.state.engine, "remove_finish_observer"):  # the engine may outlive this app (tests)
             app.state.engine.remove_finish_observer(app.state.request_metrics)

@@ -14,8 +14,11 @@ function, args, kwargs), ("shutdown",). Child -> parent: ("submitted", call_id, 
 error), ("out", deltas, load) once per engine step, ("reply", call_id, ok, value or error, state),
 ("bye",). A request's small "generate" and "abort" go onto the pipe from the event loop when that cannot
 block (`_send_direct`); everything else, and those whenever a message is queued ahead, is written by one
-sender thread (an event loop never blocks on the pipe). One reader thread reads and dispatches; the generate calls ("submitted", "out": deltas applied to this side's copy of each
-request, one wake-up per event loop) are handled by rollout/server/engine_generate.py, mixed in here.
+sender thread (an event loop never blocks on the pipe). A PipeReader (rollout/server/engine_pipe.py) reads and
+dispatches, on its thread or, once `attach_loop` was called (the HTTP app does at start-up), on the server's event
+loop; the generate calls ("submitted", "out": deltas applied to this side's copy of each request, at once on
+the reading loop, one wake-up per other event loop) are handled by rollout/server/engine_generate.py, mixed in
+here.
 
 When the child dies, every request in flight ends as abort with the reason, every waiting call raises
 RuntimeError, and `is_alive()` turns False (/health answers 503). Every wait is bounded.
@@ -25,6 +28,7 @@ What it does not do: run anything of the model, or restart a dead engine process
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import itertools
@@ -37,13 +41,14 @@ import weakref
 
 from rollout.server import engine_process
 from rollout.server.engine_generate import RemoteGeneration, _Call
+from rollout.server.engine_pipe import PipeReader, write_frame
 from rollout.server.engine_process import EngineProcessError
 from rollout.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger("rollout.server.engine_client")
 DIRECT_OPS = ("generate", "abort")  # the messages a request's path sends; everything else takes the sender thread
 # The pipe is a Unix socket pair (multiprocessing.Pipe(duplex=True)): one that polls writable has at least
-# three quarters of its send buffer (~200 KB) free, and send_bytes writes a frame this small (a 4-byte
+# three quarters of its send buffer (~200 KB) free, and write_frame writes a frame this small (a 4-byte
 # header, then the pickle) in one write that cannot block.
 DIRECT_MAX_BYTES = 4096 - 4
 
@@ -94,9 +99,8 @@ class EngineClient(RemoteGeneration):
         self._queued = 0
         self._bye = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name="engine-client-sender", daemon=True)
-        self._reader = threading.Thread(target=self._read_loop, name="engine-client-reader", daemon=True)
         self._sender.start()
-        self._reader.start()
+        self._reader = PipeReader(conn, self._dispatch, self._on_eof)
         # multiprocessing joins a non-daemonic child at exit, and the child waits for this pipe to close:
         # a client nobody shut down would hang the interpreter's exit, so shut it down first.
         ref = weakref.ref(self)
@@ -115,6 +119,15 @@ class EngineClient(RemoteGeneration):
                                                 start_timeout_s)
         return cls(conn, proc, info)
 
+    def attach_loop(self, loop) -> None:
+        """Read the engine's messages on `loop` (call it on that loop's thread): the HTTP app does for its
+        lifetime, so outputs for the calls on its loop are applied there with no thread in between."""
+        self._reader.attach(loop)
+
+    def detach_loop(self) -> None:
+        """Read on the reader's own thread again (the app's shutdown; any thread, bounded)."""
+        self._reader.detach()
+
     def is_alive(self) -> bool:
         return self._dead is None and self._process.is_alive()
 
@@ -124,13 +137,15 @@ class EngineClient(RemoteGeneration):
             if self._closing:
                 return
             self._closing = True
+        self._reader.detach()  # "bye" and the last outputs must not wait for a loop (this may be its thread)
         if self._dead is None:
             self._enqueue(("shutdown",))
             self._bye.wait(timeout_s)
         self._outbox.put(None)
         self._process.join(timeout_s if self._dead is None else 5)
         engine_process.stop(self._process, 5)
-        self._reader.join(5)
+        self._reader.wait_eof(5)
+        self._reader.close()
         self._conn.close()
 
     def __enter__(self) -> EngineClient:
@@ -174,7 +189,7 @@ class EngineClient(RemoteGeneration):
             fd = self._conn.fileno()
             if not select.select([], [fd], [], 0)[1]:
                 return False
-            self._conn.send_bytes(data)
+            write_frame(fd, data)
             return True
         except (OSError, ValueError):  # the child is gone: the reader says why; the call fails as it would
             return False
@@ -189,7 +204,7 @@ class EngineClient(RemoteGeneration):
             try:
                 data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
                 with self._write_lock:
-                    self._conn.send_bytes(data)
+                    write_frame(self._conn.fileno(), data)
             except (OSError, ValueError):  # the child is gone: the reader says why
                 return
             except Exception as e:  # noqa: BLE001 - an argument that does not pickle: fail that call only
@@ -207,24 +222,23 @@ class EngineClient(RemoteGeneration):
         elif msg[0] == "generate":
             self._fail_call(msg[1], err)
 
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                msg = pickle.loads(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                break
-            op = msg[0]
-            try:
-                if op == "out":
-                    self._on_out(msg[1], msg[2])
-                elif op == "submitted":
-                    self._on_submitted(*msg[1:])
-                elif op == "reply":
-                    self._on_reply(*msg[1:])
-                elif op == "bye":
-                    self._bye.set()
-            except Exception:  # a bug here must not stop every other request's outputs
-                logger.exception("handling the engine process's %r message failed", op)
+    def _dispatch(self, msg: tuple) -> None:
+        """One message from the engine process (on the reader's thread or its loop)."""
+        op = msg[0]
+        try:
+            if op == "out":
+                self._on_out(msg[1], msg[2])
+            elif op == "submitted":
+                self._on_submitted(*msg[1:])
+            elif op == "reply":
+                self._on_reply(*msg[1:])
+            elif op == "bye":
+                self._bye.set()
+        except Exception:  # a bug here must not stop every other request's outputs
+            logger.exception("handling the engine process's %r message failed", op)
+
+    def _on_eof(self) -> None:
+        """The pipe closed (on a thread): the child exited or is exiting."""
         self._process.join(2)
         code = self._process.exitcode
         self._on_child_gone("engine is shut down" if self._closing else
@@ -242,6 +256,10 @@ class EngineClient(RemoteGeneration):
 
     # ---- control: calls into the engine process ----------------------------------------------
     def _call(self, name, args: tuple = (), kwargs: dict | None = None):
+        loop = self._reader.loop
+        if loop is not None and asyncio._get_running_loop() is loop:  # its reply could never be read
+            raise RuntimeError(f"EngineClient.{getattr(name, '__name__', name)} blocks until the engine answers, "
+                               "and this event loop reads the answers: call it from a thread (run_in_executor)")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._ids)
         with self._lock:
@@ -255,7 +273,7 @@ class EngineClient(RemoteGeneration):
                 return fut.result(timeout=1.0)
             except concurrent.futures.TimeoutError:
                 if not self._process.is_alive() and not fut.done():
-                    self._reader.join(5)
+                    self._reader.wait_eof(5)
                     if not fut.done():
                         raise EngineProcessError(self._dead or "the engine process is gone") from None
 

@@ -5,9 +5,11 @@ per `async_generate` call: its sink (the stream's queue) and this side's copy of
 `Req`, so outputs are built by the same rollout.outputs.build_output as in-process). It sends the
 "generate" and "abort" messages, and handles the "submitted" and "out" ones.
 
-An "out" message (one engine step) costs the reader thread one `call_soon_threadsafe` per event loop; the
-deltas (rollout/server/engine_deltas.py is the format) are applied on the loop that owns the call, so the
-copies are only ever touched by one thread and a chunk needs no snapshot. A stream's queue holds at most
+An "out" message (one engine step) is applied at once when it is read on the loop that owns the calls (the
+HTTP server's case: EngineClient.attach_loop), and costs one `call_soon_threadsafe` per other event loop
+(read on the reader's thread); either way the deltas (rollout/server/engine_deltas.py is the format) are
+applied on the loop that owns the call, so the copies are only ever touched by one thread and a chunk
+needs no snapshot. A stream's queue holds at most
 one item per request: while one is queued and unread, later deltas only bring the copy it will be built
 from up to date (a final one turns it into the final item). That is the coalescing the HTTP stream does
 anyway (a chunk is a cumulative snapshot, so a newer one supersedes it, as SGLang's stream_interval skips),
@@ -99,15 +101,15 @@ class RemoteGeneration:
             return
         if not ok:
             self._calls.pop(call_id, None)
-            call.loop.call_soon_threadsafe(_set_exception, call.submitted, value)
+            self._on_loop(call.loop, _set_exception, call.submitted, value)
             return
         skeletons, single = value
         call.reqs, call.num_open = skeletons, len(skeletons)
-        call.loop.call_soon_threadsafe(_set_result, call.submitted, single)
+        self._on_loop(call.loop, _set_result, call.submitted, single)
 
     def _on_out(self, deltas: list, load: dict) -> None:
-        """One engine step's deltas (reader thread): each call's bookkeeping here, the deltas themselves
-        applied on the calls' loops (`_apply_deltas`), with one wake-up per loop."""
+        """One engine step's deltas (as read): each call's bookkeeping here, the deltas themselves applied
+        on the calls' loops (`_apply_deltas`): at once on the reading loop, one wake-up per other loop."""
         self._load = load
         by_loop: dict = defaultdict(list)
         for delta in deltas:
@@ -124,6 +126,10 @@ class RemoteGeneration:
 
     @staticmethod
     def _on_loop(loop, fn, *args) -> None:
+        """fn(*args) on `loop`: now, when this is that loop's thread (the pipe is read on it), else soon."""
+        if asyncio._get_running_loop() is loop:
+            fn(*args)
+            return
         try:
             loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # that loop is closed: nobody reads these
