@@ -351,6 +351,29 @@ def _wait_ready(proc: subprocess.Popen, port: int) -> None:
     raise AssertionError("".join(lines))
 
 
+def test_reading_moves_to_the_app_loop_and_back(tiny_llama, oracle):
+    """While an app serves an EngineClient its loop reads the pipe; once the app stops, the reader thread
+    does again and the client still answers (a generate from a loop of this thread equals the in-process
+    Engine's greedy tokens), and a second app can take the pipe over."""
+    client = EngineClient.spawn({"model_path": str(tiny_llama), **ENGINE_KW}, start_timeout_s=START_TIMEOUT_S)
+    body = dict(input_ids=PROMPTS[2], sampling_params=GREEDY)
+    greedy_ids = oracle.generate(**body)["output_ids"]
+    try:
+        for _ in range(2):
+            args = ServerArgs(port=free_port())
+            thread = ServerThread(create_app(client, args), args).start()
+            try:
+                assert client._reader.loop is not None
+                with httpx.Client(base_url=thread.url, timeout=TIMEOUT) as c:
+                    assert c.post("/generate", json=body).json()["output_ids"] == greedy_ids
+            finally:
+                thread.stop()
+            assert client._reader.loop is None
+            assert asyncio.run(client.async_generate(**body))["output_ids"] == greedy_ids
+    finally:
+        client.shutdown()
+
+
 def test_dead_child_ends_requests_with_an_error(tiny_llama):
     """The engine process dying mid-stream ends the stream with finish_reason abort naming the cause (no
     hang), then /health is 503 and new requests get 503."""
