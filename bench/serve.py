@@ -13,10 +13,8 @@ request finished, and the CPU seconds the run cost the client process and the se
 share; on a shared machine the split says which side pays for the HTTP overhead). Then it runs the identical workload through `Engine.async_generate(stream=True)`
 in this process and prints the HTTP overhead as the ratio of the two throughputs: `--repeat` pairs of
 (server, Engine) runs back to back, both kept up throughout, and the median of the pairs' ratios. The last line also says which schedule each side
-ran (`schedule`): on the CPU the server's engine defaults to the plain one and an in-process Engine to the
-overlap for a small fused model (rollout/scheduler.py `set_cpu_overlap_default`);
-`--engine-args="... --disable-overlap-schedule"` (or `--no-disable-overlap-schedule`) puts both on the same
-one. Every wait is bounded.
+ran (`schedule`: "overlap" if any decode step was launched ahead); `--engine-args` with
+`--disable-overlap-schedule` (or `--no-disable-overlap-schedule`) sets both. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -249,8 +247,7 @@ def main() -> None:
                 inproc = summary(f"engine, pair {i + 1}", wall, results, len(reqs), engine_cpu_s=own_cpu_s() - cpu0)
                 ratios.append(http["tok_per_s"] / inproc["tok_per_s"])
                 pairs.append((http, inproc))
-            # Which schedule each side ran: the server's processes default to the plain one on the CPU
-            # (rollout/scheduler.py set_cpu_overlap_default), an Engine here to the overlap for a small model.
+            # Which schedule each side ran (both take the same default from the same flags).
             info = httpx.get(url + "/get_server_info", timeout=30).json()
             schedules = {"http": "overlap" if info.get("num_overlapped_steps") else "plain",
                          "engine": "overlap" if engine.get_server_info().get("num_overlapped_steps") else "plain"}

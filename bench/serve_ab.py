@@ -8,7 +8,8 @@ this one, with `--b-args`), both up for the whole run (an idle server costs noth
 engine's scheduler sleep), warms both, then runs bench/serve.py's raw-client workload (`--num-requests`
 streams, `--concurrency` in flight) against A and B in turn, `--repeat` pairs, swapping which goes first
 each pair so a burst of a neighbour's load hits both alike. Prints each pair's tok/s and ratio with the
-load average, then the median of the pair ratios (A/B). bench/serve.py compares a server with the
+load average, then the median of the pair ratios (A/B) and the CPU seconds a run cost each server (its
+two processes together, Linux /proc). bench/serve.py compares a server with the
 in-process Engine; this compares two servers, where a code or flag change should show. Every wait is
 bounded.
 """
@@ -26,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import machine  # noqa: E402
-from bench.serve import run_raw, workload  # noqa: E402
+from bench.serve import run_raw, tree_cpu_s, workload  # noqa: E402
 from rollout.launch_server import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,11 +73,15 @@ def main() -> None:
         urls = [u for _, u in servers]
         for url in urls:  # warm-ups
             asyncio.run(run_raw(url, reqs[: 2 * args.concurrency], args.concurrency, args.timeout))
-        ratios, tps = [], ([], [])
+        ratios, tps, cpus = [], ([], []), ([], [])
         for i in range(args.repeat):
             got = {}
             for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+                cpu0 = tree_cpu_s(servers[side][0].pid)[0]
                 wall, results = asyncio.run(run_raw(urls[side], reqs, args.concurrency, args.timeout))
+                cpu1 = tree_cpu_s(servers[side][0].pid)[0]
+                if cpu0 is not None and cpu1 is not None:
+                    cpus[side].append(cpu1 - cpu0)
                 if sum(r[3] == "length" for r in results) != len(reqs):
                     raise RuntimeError(f"side {'AB'[side]}: not every request finished")
                 got[side] = sum(r[2] for r in results) / wall
@@ -88,6 +93,9 @@ def main() -> None:
               f"{sum(r > 1 for r in ratios)}); A {statistics.median(tps[0]):.0f} tok/s, "
               f"B {statistics.median(tps[1]):.0f} tok/s (medians); A: {args.a_args or '(defaults)'}; "
               f"B: {args.b_args or '(defaults)'} in {args.b_checkout}", flush=True)
+        if cpus[0] and cpus[1]:  # the server and its engine process together, per run of the workload
+            print(f"server CPU-s per run (both processes, medians): A {statistics.median(cpus[0]):.2f}, "
+                  f"B {statistics.median(cpus[1]):.2f}", flush=True)
     finally:
         for proc, _ in servers:
             proc.terminate()

@@ -79,8 +79,7 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "disable_overlap_schedule": ("bool or None", "True: no overlap schedule, each decode step is built only after "
                                  "the previous one finished (rollout.overlap); False: overlap on; None (default): on "
                                  "for CUDA, and on the CPU for a small model whose forward is one fused op (where it "
-                                 "measured faster) except in the HTTP server's processes (launch_server), else "
-                                 "off; outputs are the same either way"),
+                                 "measured faster), else off; outputs are the same either way"),
     "attention_backend": ("None, 'torch_native', 'flashinfer' (SGLang's 'fa3', 'triton' ... are refused)",
                           "attention kernels, chosen once"),
     "disable_cuda_graph": ("bool", "no captured decode step"),

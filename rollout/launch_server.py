@@ -83,9 +83,7 @@ def build_engine(server_args: ServerArgs, engine_kwargs: dict):
     None (the reason printed) if the engine process failed to start."""
     if server_args.engine_in_process:
         from rollout import Engine
-        from rollout.scheduler import set_cpu_overlap_default
 
-        set_cpu_overlap_default(False)  # HTTP work shares this process's cores (rollout/scheduler.py says why)
         return Engine(**engine_kwargs)
     import torch
 

@@ -54,35 +54,17 @@ def _steps_on_one_thread(model) -> bool:
     return sum(p.numel() for p in model.parameters()) < SINGLE_THREAD_MAX_WEIGHTS
 
 
-# Whether disable_overlap_schedule=None may turn the overlap schedule on for a CPU engine of this process
-# (set_cpu_overlap_default). The HTTP server turns it off in its processes: see that function.
-_cpu_overlap_default = True
-
-
-def set_cpu_overlap_default(on: bool) -> None:
-    """Process-wide: whether CPU engines built from now on with disable_overlap_schedule=None may use the
-    overlap schedule. launch_server turns it off in the processes of the HTTP server (the engine process,
-    or the server's own with --engine-in-process): the overlap's second thread pays only where a core is
-    free for it, and beside the HTTP process and its clients none is. bench/serve_ab.py, 64 streams on the
-    tiny model, 2 cores: the plain schedule served 1.00-1.12x the overlap's tok/s (three runs) on 25-40%
-    less of the engine process's CPU. An explicit disable_overlap_schedule=False still turns it on."""
-    global _cpu_overlap_default
-    _cpu_overlap_default = bool(on)
-
-
 def _overlap_by_default(runner) -> bool:
     """disable_overlap_schedule=None: the overlap schedule on CUDA; on the CPU only where it measured faster,
     a model whose whole forward is one C++ op that releases the GIL (runner/models/fused_layer.py) and
     that steps on one intra-op thread (SINGLE_THREAD_MAX_WEIGHTS), so the scheduler thread has the other
-    core: the tiny preset 1.10-1.38x (bench/overlap.py), and not in an HTTP server's processes
-    (set_cpu_overlap_default). A model stepping on every core loses that core's share to the scheduler
-    thread: 40M 1.02x, 0.5B bf16 0.98x, so there it stays off."""
+    core: the tiny preset 1.10-1.12x (bench/overlap.py). A model stepping on every core loses that core's
+    share to the scheduler thread: 40M 1.02x, 0.5B bf16 0.98x, so there it stays off."""
     device = getattr(runner, "device", None)
     if getattr(device, "type", "cpu") == "cuda":
         return True
     model = getattr(runner, "model", None)
-    return (_cpu_overlap_default and getattr(model, "fused_model", None) is not None
-            and _steps_on_one_thread(model))
+    return getattr(model, "fused_model", None) is not None and _steps_on_one_thread(model)
 
 
 @dataclass

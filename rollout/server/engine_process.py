@@ -297,9 +297,7 @@ def run(conn, engine_kwargs: dict, num_threads: int) -> None:
     torch.set_num_threads(num_threads)  # what the engine would get in the server's own process
     try:
         from rollout.engine import Engine
-        from rollout.scheduler import set_cpu_overlap_default
 
-        set_cpu_overlap_default(False)  # this process shares the cores with the HTTP one (scheduler.py says why)
         engine = Engine(**engine_kwargs)
     except BaseException as e:  # noqa: BLE001 - the reason goes to the server, which exits with it
         reason = f"{type(e).__name__}: {e}"

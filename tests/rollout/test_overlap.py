@@ -137,8 +137,8 @@ def test_control_between_steps_equals_off(control, tiny_llama, make_engine):
 
 def test_disable_overlap_schedule_is_an_engine_option_and_a_server_flag(tiny_llama, make_engine):
     """SGLang's disable_overlap_schedule: None (the default) is on for CUDA and, on the CPU, on only for a small
-    model with the fused forward (off without the CPU kernels, for a model stepping on every core, or in
-    the HTTP server's processes: set_cpu_overlap_default), False turns it on, True off, over the Engine and the server flags (--[no-]disable-overlap-schedule); a non-bool
+    model with the fused forward (off without the CPU kernels or for a model stepping on every core), False
+    turns it on, True off, over the Engine and the server flags (--[no-]disable-overlap-schedule); a non-bool
     is refused by name."""
     from rollout.server.args import parse_args
 
@@ -159,17 +159,6 @@ def test_disable_overlap_schedule_is_an_engine_option_and_a_server_flag(tiny_lla
     assert scheduler_default(types.SimpleNamespace(device=torch.device("cuda"), model=None))
     assert make_engine(tiny_llama, disable_overlap_schedule=False).scheduler.overlap is not None
     assert make_engine(tiny_llama, disable_overlap_schedule=True).scheduler.overlap is None
-    # The HTTP server's processes turn the CPU default off; CUDA and an explicit False are unaffected.
-    small = types.SimpleNamespace(fused_model=object(), parameters=lambda: [torch.empty(10)])
-    assert scheduler_default(types.SimpleNamespace(device=torch.device("cpu"), model=small))
-    scheduler.set_cpu_overlap_default(False)
-    try:
-        assert not scheduler_default(types.SimpleNamespace(device=torch.device("cpu"), model=small))
-        assert scheduler_default(types.SimpleNamespace(device=torch.device("cuda"), model=None))
-        assert make_engine(tiny_llama).scheduler.overlap is None
-        assert make_engine(tiny_llama, disable_overlap_schedule=False).scheduler.overlap is not None
-    finally:
-        scheduler.set_cpu_overlap_default(True)
     with pytest.raises(ValueError, match="disable_overlap_schedule"):
         make_engine(tiny_llama, disable_overlap_schedule="yes")
 

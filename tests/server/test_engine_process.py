@@ -269,20 +269,6 @@ def test_child_threads_match_in_process_engine(split):
     assert split.engine.engine_num_threads == torch.get_num_threads()
 
 
-def test_engine_process_runs_the_plain_schedule_on_the_cpu(client, oracle):
-    """disable_overlap_schedule=None in the engine process: the plain schedule on the CPU (it shares the
-    cores with the HTTP process; rollout/scheduler.py), where the same Engine in this process overlaps:
-    no decode step is launched ahead however many are run."""
-    if oracle.runner.model.fused_model is not None:  # the only CPU case the in-process default overlaps
-        assert oracle.scheduler.overlap is not None
-    before = client.get("/get_server_info").json()
-    r = client.post("/generate", json={"input_ids": PROMPTS, "sampling_params": dict(GREEDY, max_new_tokens=16)})
-    assert r.status_code == 200, r.text
-    after = client.get("/get_server_info").json()
-    assert after["num_decode_steps"] - before["num_decode_steps"] >= 15
-    assert after["num_overlapped_steps"] == before["num_overlapped_steps"]
-
-
 def test_blocking_call_on_the_reading_loop_is_refused(split):
     """The app reads the engine's messages on its loop; a blocking call made on that loop raises at once,
     naming the method, instead of waiting for an answer the blocked loop could never read."""
