@@ -186,17 +186,23 @@ class RadixCache:
             access, _, leaf = heapq.heappop(heap)
             if leaf.lock_ref or leaf.last_access != access or leaf not in self._leaf_set:
                 continue  # stale
-            self._free_slots(leaf.value)
             freed += len(leaf.key)
-            self.evictable_size -= len(leaf.key)
-            self._leaf_set.discard(leaf)
-            parent = leaf.parent
-            del parent.children[leaf.key[0]]
-            if parent.parent is not None and not parent.children:
-                self._leaf_set.add(parent)
-                if parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            parent = self._remove_leaf(leaf)
+            if parent is not None and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def _remove_leaf(self, leaf: TreeNode) -> TreeNode | None:
+        """Free an unlocked leaf's slots and unlink it. -> its parent if that is a leaf now (never a root)."""
+        self._free_slots(leaf.value)
+        self.evictable_size -= len(leaf.key)
+        self._leaf_set.discard(leaf)
+        parent = leaf.parent
+        del parent.children[leaf.key[0]]
+        if parent.parent is not None and not parent.children:
+            self._leaf_set.add(parent)
+            return parent
+        return None
 
     def _rebuild_evict_heap(self) -> None:
         self._heap_clock = next(_clock)

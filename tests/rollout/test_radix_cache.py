@@ -13,7 +13,7 @@ from rollout.radix_cache import RadixCache
 
 class NaiveEvictCache(RadixCache):
     """The reference: every call walks every node and evicts the least recently used unlocked leaf,
-    one at a time, until enough is freed."""
+    one at a time, until enough is freed (the leaf set and sizes are checked against a walk separately)."""
 
     def evict(self, num_tokens: int) -> int:
         freed = 0
@@ -22,14 +22,8 @@ class NaiveEvictCache(RadixCache):
             if not leaves:
                 break
             _, _, leaf = min(leaves)
-            self._free_slots(leaf.value)
             freed += len(leaf.key)
-            self.evictable_size -= len(leaf.key)
-            self._leaf_set.discard(leaf)
-            parent = leaf.parent
-            del parent.children[leaf.key[0]]
-            if parent.parent is not None and not parent.children:
-                self._leaf_set.add(parent)
+            self._remove_leaf(leaf)  # the unlinking is shared; which leaf goes is what is checked
         return freed
 
 
