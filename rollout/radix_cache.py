@@ -157,8 +157,12 @@ class RadixCache:
                 self.protected_size -= len(node.key)
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "radix cache lock underflow"
-            if not node.lock_ref and not node.children and self._evict_heap is not None:
-                heapq.heappush(self._evict_heap, (node.last_access, id(node), node))  # an evictable leaf now
+            heap = self._evict_heap
+            if not node.lock_ref and not node.children and heap is not None:
+                if len(heap) > 2 * len(self._leaf_set) + 64:  # mostly stale (no eviction for a while): rebuild
+                    self._evict_heap = None  # at the next evict, rather than grow with every request
+                else:
+                    heapq.heappush(heap, (node.last_access, id(node), node))  # an evictable leaf now
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
@@ -209,15 +213,3 @@ class RadixCache:
         self._evict_heap = [(n.last_access, id(n), n) for n in self._leaf_set if n.lock_ref == 0]
         heapq.heapify(self._evict_heap)
 
-    def _leaves(self) -> list[TreeNode]:
-        return list(self._leaf_set)
-
-    def _walk_leaves(self) -> list[TreeNode]:
-        """The leaves found by walking every namespace's tree (what `_leaf_set` must equal; tests check)."""
-        out, stack = [], list(self.roots.values())
-        while stack:
-            node = stack.pop()
-            if not node.children and node.parent is not None:
-                out.append(node)
-            stack.extend(node.children.values())
-        return out

@@ -48,7 +48,7 @@ class _Call:
         self.loop = loop
         self.sink = AsyncSink(loop)
         self.reqs: list[Req] = []
-        self.num_open = 0  # requests whose final delta the reader thread has not yet seen
+        self.num_open = 0  # requests whose final delta has not been read yet
         self.submitted: asyncio.Future = loop.create_future()
         self.unread: dict[int, list] = {}
 
@@ -79,7 +79,7 @@ class RemoteGeneration:
         """Its "generate" message could not be sent: the caller's await raises `err`."""
         call = self._calls.pop(call_id, None)
         if call is not None:
-            call.loop.call_soon_threadsafe(_set_exception, call.submitted, err)
+            self._on_loop(call.loop, _set_exception, call.submitted, err)
 
     def _end_calls(self, calls: dict[int, _Call], reason: str) -> None:
         """The engine process is gone: every request of `calls` still open ends as abort with `reason`, on
@@ -87,7 +87,7 @@ class RemoteGeneration:
         by_loop: dict = defaultdict(list)
         for call in calls.values():
             if not call.reqs:
-                call.loop.call_soon_threadsafe(_set_exception, call.submitted, EngineProcessError(reason))
+                self._on_loop(call.loop, _set_exception, call.submitted, EngineProcessError(reason))
             else:
                 by_loop[call.loop].append(call)
         if calls:

@@ -11,6 +11,17 @@ import torch
 from rollout.radix_cache import RadixCache
 
 
+def _walk_leaves(cache: RadixCache) -> list:
+    """The leaves found by walking every namespace's tree (what the cache's kept leaf set must equal)."""
+    out, stack = [], list(cache.roots.values())
+    while stack:
+        node = stack.pop()
+        if not node.children and node.parent is not None:
+            out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
 class NaiveEvictCache(RadixCache):
     """The reference: every call walks every node and evicts the least recently used unlocked leaf,
     one at a time, until enough is freed (the leaf set and sizes are checked against a walk separately)."""
@@ -18,7 +29,7 @@ class NaiveEvictCache(RadixCache):
     def evict(self, num_tokens: int) -> int:
         freed = 0
         while freed < num_tokens:
-            leaves = [(n.last_access, id(n), n) for n in self._walk_leaves() if n.lock_ref == 0]
+            leaves = [(n.last_access, id(n), n) for n in _walk_leaves(self) if n.lock_ref == 0]
             if not leaves:
                 break
             _, _, leaf = min(leaves)
@@ -59,7 +70,7 @@ def _run(seed: int, steps: int = 600):
         elif not locked:  # no request uses the adapter: unload it
             assert caches[0].drop_namespace("lora-a") == caches[1].drop_namespace("lora-a")
         for c in caches:
-            assert set(map(id, c._leaves())) == set(map(id, c._walk_leaves()))
+            assert set(map(id, c._leaf_set)) == set(map(id, _walk_leaves(c)))
         assert caches[0].evictable_size == caches[1].evictable_size
         assert caches[0].protected_size == caches[1].protected_size
     assert logs[0] == logs[1]
