@@ -35,6 +35,7 @@ from rollout.batch import SamplingInfoCache, decode_batch, extend_batch, prompt_
 from rollout.kv_manager import KVManager
 from rollout.overlap import OverlapDecoder
 from rollout.request import FinishReason, Req, extend_runs
+from runner import cpu_kernels
 from runner.sampler import prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,16 @@ def _overlap_by_default(runner) -> bool:
     """disable_overlap_schedule=None: the overlap schedule on CUDA; on the CPU only where it measured faster,
     a model whose whole forward is one C++ op that releases the GIL (runner/models/fused_layer.py) and
     that steps on one intra-op thread (SINGLE_THREAD_MAX_WEIGHTS), so the scheduler thread has the other
-    core: the tiny preset 1.10-1.12x (bench/overlap.py). A model stepping on every core loses that core's
-    share to the scheduler thread: 40M 1.02x, 0.5B bf16 0.98x, so there it stays off."""
+    core, on an AVX-512 CPU: the tiny preset 1.01-1.12x at batch 16 and 1.38x at batch 64 on a 2-core Zen 4
+    (bench/overlap.py). On an AVX2 CPU (the kernels' 8-lane path) the same runs measured 0.80-0.84x and
+    0.96x on a 2-core EPYC, so there it stays off. A model stepping on every core loses that core's share
+    to the scheduler thread: 40M 1.02x, 0.5B bf16 0.98x, so there it stays off too."""
     device = getattr(runner, "device", None)
     if getattr(device, "type", "cpu") == "cuda":
         return True
     model = getattr(runner, "model", None)
-    return getattr(model, "fused_model", None) is not None and _steps_on_one_thread(model)
+    return (getattr(model, "fused_model", None) is not None and _steps_on_one_thread(model)
+            and cpu_kernels.kernel_isa() == "avx512")
 
 
 @dataclass

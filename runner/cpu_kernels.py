@@ -3,7 +3,8 @@
 What is in it: `paged_decode_attention` / `paged_extend_attention` (runner/csrc/paged_decode_attention.cpp,
 used by the torch-native attention backend, see runner/attention/cpu_decode.py), `rms_norm` /
 `add_rms_norm` (runner/csrc/rms_norm.cpp, used by runner/layers/norm.py) and `rotary`
-(runner/csrc/rotary.cpp, used by runner/layers/rotary.py). All are AVX-512 code (F, BW, VL); they exist
+(runner/csrc/rotary.cpp, used by runner/layers/rotary.py). All are written once against 16-lane vectors
+(runner/csrc/lanes.h) that compile to AVX-512 (F, BW, VL) or to AVX2 + FMA, whichever the CPU has; they exist
 because at decode sizes the equivalent torch op chains cost their per-op overhead and extra passes, not
 arithmetic (figures in each source and in the README). Over them, `decoder_layer` / `model_forward`
 (runner/csrc/decoder_layer.cpp, used by runner/models/fused_layer.py) run a Llama layer or the whole
@@ -15,10 +16,11 @@ How it is built. torch.utils.cpp_extension compiles the sources with -O3 -march=
 ~/.cache/torch_extensions, in a directory named after this CPU's model and feature flags, since a
 -march=native build is only valid on CPUs like the one that built it, and after the sources). It needs a C++ compiler and
 ninja (a dependency of this package). The OpenMP runtime it links is the libgomp torch already
-loaded, so its threads are torch's. On a CPU without AVX-512 nothing is built and torch's ops run.
+loaded, so its threads are torch's. On a CPU with neither AVX-512 nor AVX2 + FMA nothing is built and torch's
+ops run.
 
-The switch is `RunnerConfig.cpu_kernels`: None (default) uses the kernels when they build on an AVX-512
-CPU, logging once why not otherwise; True requires them (a build failure is an error at start-up,
+The switch is `RunnerConfig.cpu_kernels`: None (default) uses the kernels when they build on an AVX-512 or
+AVX2 CPU, logging once why not otherwise; True requires them (a build failure is an error at start-up,
 naming its cause); False never builds them. Not here: when each kernel applies (its caller decides).
 """
 
@@ -80,16 +82,28 @@ def _clear_stale_lock(name: str) -> None:
             os.remove(lock)
 
 
-AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")  # what the vector paths use (masked 16-bit loads: BW + VL)
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")  # the AVX-512 path (masked 16-bit loads: BW + VL)
+AVX2_FLAGS = ("avx2", "fma")  # the AVX2 path (lanes.h: two 8-lane halves per vector)
 
 
-def has_avx512() -> bool:
-    """Whether this CPU reports the AVX-512 subsets the kernels' vector paths need (Linux /proc/cpuinfo)."""
+def kernel_isa() -> str | None:
+    """Which vector path of runner/csrc/lanes.h this CPU gets ("avx512", "avx2"), or None: neither, the
+    kernels are not built (Linux /proc/cpuinfo; None elsewhere)."""
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
-        return False
-    return all(f in flags.split() for f in AVX512_FLAGS)
+        return None
+    have = set(flags.split())
+    if all(f in have for f in AVX512_FLAGS):
+        return "avx512"
+    if all(f in have for f in AVX2_FLAGS):
+        return "avx2"
+    return None
+
+
+def has_kernels_isa() -> bool:
+    """Whether this CPU has a vector path the kernels compile to (AVX-512 or AVX2 + FMA)."""
+    return kernel_isa() is not None
 
 
 def _put_ninja_on_path() -> None:
@@ -123,12 +137,14 @@ def _build():
 
 def load(required: bool = False):
     """torch.ops.rollout_cpu (the paged attention, norm and rotary ops), built on the first call, or None
-    with the reason logged once (no compiler, no ninja, no AVX-512). `required`: raise instead, naming it."""
+    with the reason logged once (no compiler, no ninja, neither AVX-512 nor AVX2). `required`: raise instead,
+    naming it."""
     with _lock:
         if "ops" not in _state:
             try:
-                if not has_avx512():
-                    _state["ops"], _state["reason"] = None, f"this CPU lacks AVX-512 ({'/'.join(AVX512_FLAGS)})"
+                if not has_kernels_isa():
+                    _state["ops"], _state["reason"] = None, (f"this CPU has neither AVX-512 ({'/'.join(AVX512_FLAGS)}) "
+                                                             f"nor AVX2 ({'/'.join(AVX2_FLAGS)})")
                 else:
                     (_state["ops"], _state["direct"]), _state["reason"] = _build(), None
             except Exception as e:  # noqa: BLE001 - any build failure means: use torch's ops

@@ -79,15 +79,17 @@ def tiny_tied_ckpt(request, ckpt_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def cpu_ops():
-    """torch.ops.rollout_cpu, the engine's C++ CPU kernels (runner/cpu_kernels.py). On an AVX-512 CPU they must
-    load (CI installs g++; ninja is a dependency); without AVX-512 they are never built and the tests skip."""
+    """torch.ops.rollout_cpu, the engine's C++ CPU kernels (runner/cpu_kernels.py). On an AVX-512 or AVX2 CPU
+    they must load (CI installs g++; ninja is a dependency); without either they are never built and the tests
+    skip."""
     from runner import cpu_kernels
 
-    if not cpu_kernels.has_avx512():
-        pytest.skip("no AVX-512 on this CPU: the CPU kernels are not built, the engine uses torch's ops")
+    if not cpu_kernels.has_kernels_isa():
+        pytest.skip("neither AVX-512 nor AVX2 on this CPU: the CPU kernels are not built, the engine uses torch's ops")
     ops = cpu_kernels.load()
     if ops is None:
-        pytest.fail(f"the CPU kernels did not load on an AVX-512 CPU: {cpu_kernels._state.get('reason')}")
+        pytest.fail(f"the CPU kernels did not load on an {cpu_kernels.kernel_isa()} CPU: "
+                    f"{cpu_kernels._state.get('reason')}")
     return ops
 
 

@@ -8,9 +8,9 @@
 // token sees all of its request's slots; new token j of an extend sees the cached prefix and new
 // tokens 0..j (causal). Two passes over those slots: scores q.k for every key (fp32), then a softmax
 // over them and the weighted sum of V rows. Accumulation is fp32 whatever the cache dtype (fp32 or
-// bf16; bf16 is widened to fp32 exactly). AVX-512 intrinsics over a compile-time head_dim (16 fp32
-// lanes per vector); threads are torch's OpenMP team on the calling thread (the pool every torch CPU
-// op uses). AVX-512 only: without it the loader keeps torch's ops and never builds this.
+// bf16; bf16 is widened to fp32 exactly). 16-lane vectors (lanes.h: AVX-512, or AVX2 + FMA) over a
+// compile-time head_dim; threads are torch's OpenMP team on the calling thread (the pool every torch CPU
+// op uses). Without AVX-512 or AVX2 the loader keeps torch's ops and never builds this.
 //
 // Not here: sliding windows, soft caps, sinks, fp16 caches. The Python side routes those to SDPA.
 #include <ATen/ATen.h>
@@ -30,27 +30,24 @@ namespace {
 using namespace rollout_lanes;
 
 // ---- head_dim = 16 * NV; query heads of a group in chunks of GC <= 4, so a chunk's q rows (or
-// accumulators) and the current K (or V) row stay in the 32 vector registers.
-constexpr __mmask16 kAll = 0xFFFF;
+// accumulators) and the current K (or V) row stay in AVX-512's 32 vector registers (AVX2 spills some).
 
 // e^x for x <= 0 (scores minus their max) on 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by a
 // degree-6 Taylor polynomial (relative error < 2e-7 on that interval), 2^n by the exponent bits.
 // Inputs below -87 are clamped there (e^-87 ~ 1.6e-38, the smallest normal fp32).
-inline __m512 exp_nonpos16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+inline V16 exp_nonpos16(V16 x) {
+  x = vmax(x, vset1(-87.0f));
+  const V16 n = vfloor(vfmadd(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  V16 r = vfnmadd(n, vset1(0.693145751953125f), x);
+  r = vfnmadd(n, vset1(1.42860682030941723212e-6f), r);
+  V16 p = vset1(1.0f / 720.0f);
+  p = vfmadd(p, r, vset1(1.0f / 120.0f));
+  p = vfmadd(p, r, vset1(1.0f / 24.0f));
+  p = vfmadd(p, r, vset1(1.0f / 6.0f));
+  p = vfmadd(p, r, vset1(0.5f));
+  p = vfmadd(p, r, vset1(1.0f));
+  p = vfmadd(p, r, vset1(1.0f));
+  return vmul(p, vexp2i(n));
 }
 
 // Slots are scattered through the pool (decode steps interleave requests), so the hardware
@@ -65,18 +62,18 @@ inline void prefetch_row(const T* p) {
 template <int NV, int GC, typename T>
 void scores_chunk(const float* __restrict q, const T* __restrict k_base, int64_t slot_stride,
                   const int64_t* __restrict slots, int64_t len, float* __restrict scores) {
-  __m512 qv[GC][NV];
+  V16 qv[GC][NV];
   for (int g = 0; g < GC; ++g)
-    for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_loadu_ps(q + g * NV * 16 + j * 16);
+    for (int j = 0; j < NV; ++j) qv[g][j] = vloadu(q + g * NV * 16 + j * 16);
   for (int64_t t = 0; t < len; ++t) {
     if (t + kPrefetch < len) prefetch_row<NV>(k_base + slots[t + kPrefetch] * slot_stride);
     const T* k = k_base + slots[t] * slot_stride;
-    __m512 kv[NV];
-    for (int j = 0; j < NV; ++j) kv[j] = load16(k + j * 16, kAll);
+    V16 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = load16(k + j * 16, all_lanes());
     for (int g = 0; g < GC; ++g) {
-      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kv[j], a);
-      scores[g * len + t] = _mm512_reduce_add_ps(a);
+      V16 a = vmul(qv[g][0], kv[0]);
+      for (int j = 1; j < NV; ++j) a = vfmadd(qv[g][j], kv[j], a);
+      scores[g * len + t] = vsum(a);
     }
   }
 }
@@ -84,21 +81,21 @@ void scores_chunk(const float* __restrict q, const T* __restrict k_base, int64_t
 template <int NV, int GC, typename T>
 void values_chunk(const T* __restrict v_base, int64_t slot_stride, const int64_t* __restrict slots, int64_t len,
                   const float* __restrict probs, float* __restrict acc) {
-  __m512 av[GC][NV];
+  V16 av[GC][NV];
   for (int g = 0; g < GC; ++g)
-    for (int j = 0; j < NV; ++j) av[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) av[g][j] = vzero();
   for (int64_t t = 0; t < len; ++t) {
     if (t + kPrefetch < len) prefetch_row<NV>(v_base + slots[t + kPrefetch] * slot_stride);
     const T* v = v_base + slots[t] * slot_stride;
-    __m512 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load16(v + j * 16, kAll);
+    V16 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(v + j * 16, all_lanes());
     for (int g = 0; g < GC; ++g) {
-      const __m512 p = _mm512_set1_ps(probs[g * len + t]);
-      for (int j = 0; j < NV; ++j) av[g][j] = _mm512_fmadd_ps(p, vv[j], av[g][j]);
+      const V16 p = vset1(probs[g * len + t]);
+      for (int j = 0; j < NV; ++j) av[g][j] = vfmadd(p, vv[j], av[g][j]);
     }
   }
   for (int g = 0; g < GC; ++g)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + g * NV * 16 + j * 16, av[g][j]);
+    for (int j = 0; j < NV; ++j) vstoreu(acc + g * NV * 16 + j * 16, av[g][j]);
 }
 
 // Softmax of each of `group` rows of `len` scores, in place (unnormalized: e^(s - max)); returns
@@ -106,22 +103,22 @@ void values_chunk(const T* __restrict v_base, int64_t slot_stride, const int64_t
 inline void softmax_rows(float* scores, int64_t len, int group, float* inv_sum) {
   for (int g = 0; g < group; ++g) {
     float* sg = scores + g * len;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
+    V16 mv = vset1(-INFINITY);
     int64_t t = 0;
-    for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
-    const __mmask16 tail = lanes(len - t);
-    mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, sg + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sum = _mm512_setzero_ps();
+    for (; t + 16 <= len; t += 16) mv = vmax(mv, vloadu(sg + t));
+    const Mask tail = lanes(len - t);
+    mv = vmask_max(mv, tail, load16(sg + t, tail));
+    const V16 m = vset1(vmaxall(mv));
+    V16 sum = vzero();
     for (t = 0; t + 16 <= len; t += 16) {
-      const __m512 p = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
-      _mm512_storeu_ps(sg + t, p);
-      sum = _mm512_add_ps(sum, p);
+      const V16 p = exp_nonpos16(vsub(vloadu(sg + t), m));
+      vstoreu(sg + t, p);
+      sum = vadd(sum, p);
     }
-    const __m512 p = exp_nonpos16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), m));
-    _mm512_mask_storeu_ps(sg + t, tail, p);
-    sum = _mm512_mask_add_ps(sum, tail, sum, p);
-    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    const V16 p = exp_nonpos16(vsub(load16(sg + t, tail), m));
+    store16(sg + t, p, tail);
+    sum = vmask_add(sum, tail, p);
+    inv_sum[g] = 1.0f / vsum(sum);
   }
 }
 
@@ -219,12 +216,12 @@ void run(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t b = tok_req[t], len = tok_len[t];
       const T* qt = qp + (t * hq + h * group) * D;  // q is [num_tokens, hq, D] contiguous
       for (int i = 0; i < group * D; i += 16)
-        _mm512_storeu_ps(qf.data() + i, _mm512_mul_ps(load16(qt + i, kAll), _mm512_set1_ps(fscale)));
+        vstoreu(qf.data() + i, vmul(load16(qt + i, all_lanes()), vset1(fscale)));
       scores.resize(static_cast<size_t>(group) * len);
       attend_one<D, T>(qf.data(), kp + h * D, vp + h * D, slot_stride, r2t + rows[b] * r2t_stride, len, group,
                        scores.data(), acc.data(), inv_sum.data());
       T* ot = op + (t * hq + h * group) * D;
-      for (int i = 0; i < group * D; i += 16) store16(ot + i, _mm512_loadu_ps(acc.data() + i), kAll);
+      for (int i = 0; i < group * D; i += 16) store16(ot + i, vloadu(acc.data() + i), all_lanes());
     }
   }
 }

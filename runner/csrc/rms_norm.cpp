@@ -26,25 +26,24 @@ using namespace rollout_lanes;
 // One row: (optionally) s = round(x + r) written to res_out, then out = w * round(s * rsqrt(mean(s^2) + eps)).
 template <typename T>
 void norm_row(const T* x, const T* res, const T* w, T* out, T* res_out, int64_t h, float eps) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  V16 acc[4] = {vzero(), vzero(), vzero(), vzero()};
   int k = 0;
   for (int64_t i = 0; i < h; i += 16, k = (k + 1) & 3) {
-    const __mmask16 m = lanes(h - i);
-    __m512 s = load16(x + i, m);
+    const Mask m = lanes(h - i);
+    V16 s = load16(x + i, m);
     if (res != nullptr) {
-      s = round_like(_mm512_add_ps(s, load16(res + i, m)), T());
+      s = round_like(vadd(s, load16(res + i, m)), T());
       store16(res_out + i, s, m);
     }
-    acc[k] = _mm512_fmadd_ps(s, s, acc[k]);
+    acc[k] = vfmadd(s, s, acc[k]);
   }
-  const float var = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]))) /
-                    static_cast<float>(h);
-  const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(var + eps));
+  const float var = vsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3]))) / static_cast<float>(h);
+  const V16 r = vset1(1.0f / std::sqrt(var + eps));
   const T* src = res != nullptr ? res_out : x;
   for (int64_t i = 0; i < h; i += 16) {
-    const __mmask16 m = lanes(h - i);
-    const __m512 y = round_like(_mm512_mul_ps(load16(src + i, m), r), T());
-    store16(out + i, _mm512_mul_ps(load16(w + i, m), y), m);
+    const Mask m = lanes(h - i);
+    const V16 y = round_like(vmul(load16(src + i, m), r), T());
+    store16(out + i, vmul(load16(w + i, m), y), m);
   }
 }
 

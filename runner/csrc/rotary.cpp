@@ -4,7 +4,7 @@
 // add, no fused multiply-add; a bf16 product of bf16 factors is exact in fp32 before its rounding).
 // It reads x through its token and head strides (a q|k view out of the fused qkv projection needs no
 // copy) and writes a contiguous [num_tokens, heads, head_dim]. Loaded with the other kernels
-// (runner/cpu_kernels.py); AVX-512 only.
+// (runner/cpu_kernels.py); AVX-512 or AVX2 (lanes.h).
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <omp.h>
@@ -23,15 +23,15 @@ template <typename T>
 inline void rotate_row(const T* x, const T* c, const T* s, T* out, int64_t d) {
   const int64_t half = d / 2;
   for (int64_t i = 0; i < half; i += 16) {
-    const __mmask16 m = lanes(half - i);
-    const __m512 lo = load16(x + i, m), hi = load16(x + half + i, m);
+    const Mask m = lanes(half - i);
+    const V16 lo = load16(x + i, m), hi = load16(x + half + i, m);
     // out[i] = x[i] * c[i] + x[i + half] * s[i]; out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half]
-    const __m512 a = round_like(_mm512_mul_ps(lo, load16(c + i, m)), T());
-    const __m512 b = round_like(_mm512_mul_ps(hi, load16(s + i, m)), T());
-    store16(out + i, _mm512_add_ps(a, b), m);
-    const __m512 e = round_like(_mm512_mul_ps(hi, load16(c + half + i, m)), T());
-    const __m512 f = round_like(_mm512_mul_ps(lo, load16(s + half + i, m)), T());
-    store16(out + half + i, _mm512_add_ps(e, f), m);
+    const V16 a = round_like(vmul(lo, load16(c + i, m)), T());
+    const V16 b = round_like(vmul(hi, load16(s + i, m)), T());
+    store16(out + i, vadd(a, b), m);
+    const V16 e = round_like(vmul(hi, load16(c + half + i, m)), T());
+    const V16 f = round_like(vmul(lo, load16(s + half + i, m)), T());
+    store16(out + half + i, vadd(e, f), m);
   }
 }
 

@@ -11,7 +11,7 @@ import torch
 
 from runner import cpu_kernels
 from runner.attention import cpu_decode
-from tests.needs import needs_avx512
+from tests.needs import needs_cpu_kernels
 from tests.rollout.oracle import EnginePool, hf_generate, random_prompts
 
 
@@ -129,18 +129,18 @@ def test_kernel_rejects_bad_input_by_name(op, change, message):
 
 
 def test_loader_falls_back_with_a_reason_or_raises_when_required(monkeypatch, caplog):
-    """A CPU without AVX-512 (nothing built) or a failed build: None and one log line saying why;
-    required=True raises it; False never builds."""
+    """A CPU with neither AVX-512 nor AVX2 (nothing built) or a failed build: None and one log line saying
+    why; required=True raises it; False never builds."""
     def broken():
         raise OSError("no compiler here")
 
     def never():
-        raise AssertionError("built without AVX-512")
+        raise AssertionError("built without a vector path")
 
-    for avx512, build, reason in [(True, broken, "no compiler here"), (False, never, "lacks AVX-512")]:
+    for isa, build, reason in [("avx2", broken, "no compiler here"), (None, never, "neither AVX-512")]:
         monkeypatch.setattr(cpu_kernels, "_state", {})
         monkeypatch.setattr(cpu_kernels, "_build", build)
-        monkeypatch.setattr(cpu_kernels, "has_avx512", lambda avx512=avx512: avx512)
+        monkeypatch.setattr(cpu_kernels, "kernel_isa", lambda isa=isa: isa)
         with caplog.at_level(logging.INFO, logger="runner.cpu_kernels"):
             assert cpu_kernels.load() is None
         assert reason in caplog.text
@@ -157,7 +157,7 @@ def make_engine():
     pool.close()
 
 
-@needs_avx512
+@needs_cpu_kernels
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])  # head_dim 32 (and q/k norms) and head_dim 16
 def test_engine_with_kernel_matches_hf_generate(make_engine, ckpt_factory, arch):
     """Greedy decode through the kernel gives HF generate's tokens, and logprobs within float rounding of
@@ -235,7 +235,7 @@ def test_extend_kernel_rejects_inconsistent_lengths(op, ext, message):
         op.paged_extend_attention(q, k, v, r2t, torch.tensor([0, 1]), lens, torch.tensor(ext), 0.125)
 
 
-@needs_avx512
+@needs_cpu_kernels
 def test_engine_fp16_model_keeps_torch_ops_where_no_kernel_exists(make_engine, ckpt_factory):
     """An fp16 model (no fp16 kernels) decodes on torch's attention and norm with the kernels loaded, giving
     the tokens and logprobs of the engine with them off."""
@@ -251,7 +251,7 @@ def test_engine_fp16_model_keeps_torch_ops_where_no_kernel_exists(make_engine, c
         assert on["meta_info"]["output_token_logprobs"] == off["meta_info"]["output_token_logprobs"]
 
 
-@needs_avx512
+@needs_cpu_kernels
 def test_engine_kernel_path_equals_sdpa_path_under_chunking_sharing_and_sampling(make_engine, ckpt_factory):
     """Small prefill chunks (prefixed extends), prompts that share prefixes (prefix-cache hits), n=3 seeded
     samples per prompt and mixed lengths: the kernel path gives the SDPA path's tokens, logprobs to float

@@ -10,10 +10,10 @@ import torch
 
 from runner.layers import prepack
 from runner.models import fused_layer
-from tests.needs import needs_avx512
+from tests.needs import needs_cpu_kernels
 from tests.rollout.oracle import EnginePool, hf_generate, random_prompts
 
-pytestmark = needs_avx512
+pytestmark = needs_cpu_kernels
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_fused_forward_equals_module_forward_bitwise(make_engine, ckpt_factory, 
 
 
 def test_fused_greedy_decode_matches_hf_generate(make_engine, ckpt_factory):
-    """Through the fused op (the default on an AVX-512 CPU), greedy tokens are HF generate's and the
+    """Through the fused op (the default on an AVX-512 or AVX2 CPU), greedy tokens are HF generate's and the
     logprobs are within float rounding of HF's."""
     from transformers import AutoModelForCausalLM
 

@@ -13,7 +13,7 @@ import torch
 from runner.attention.torch_native import TorchNativeAttnBackend
 from runner.forward_batch import ForwardBatch, ForwardContext, ForwardMode, forward_context
 from runner.memory.kv_pool import TokenToKVPool
-from tests.needs import needs_avx512
+from tests.needs import needs_cpu_kernels
 
 
 def _setup(dtype, hq, hkv, prefix, new, seed, slots=128, kernel=False, d=16):
@@ -42,7 +42,7 @@ def _setup(dtype, hq, hkv, prefix, new, seed, slots=128, kernel=False, d=16):
     return pool, req_to_token, backend, fb, layer, q
 
 
-@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_avx512)], ids=["sdpa", "kernel"])
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_cpu_kernels)], ids=["sdpa", "kernel"])
 @pytest.mark.parametrize("d", [16, 48], ids=lambda d: f"d{d}")  # 48: no kernel instance, SDPA either way
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 1), (6, 2), (3, 3), (14, 2)])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from runner import hf_numerics
 from runner.layers.norm import RMSNorm
-from tests.needs import needs_avx512
+from tests.needs import needs_cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_module_uses_the_kernel_only_where_enabled(ops, monkeypatch):
 
 
 @pytest.mark.parametrize("setting, target, on", [
-    pytest.param(None, None, True, marks=needs_avx512), pytest.param(True, None, True, marks=needs_avx512),
+    pytest.param(None, None, True, marks=needs_cpu_kernels), pytest.param(True, None, True, marks=needs_cpu_kernels),
     (False, None, False), (None, "fsdp", False)])
 def test_runner_enables_kernels_per_config(tiny_qwen3, setting, target, on):
     """Every RMSNorm of the model (q/k norms included) and its rotary get the kernels exactly when cpu_kernels

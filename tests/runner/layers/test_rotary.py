@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runner.layers.rotary import RotaryEmbedding, rotate_half
-from tests.needs import needs_avx512
+from tests.needs import needs_cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_kernel_is_bitwise_the_torch_expression(ops, dtype, shape):
     assert torch.equal(got, x * cos + x.roll(d // 2, -1) * sin_signed)
 
 
-@needs_avx512
+@needs_cpu_kernels
 def test_module_uses_the_kernel_only_where_it_may(ops):
     """With cpu_ops set, apply_one runs the kernel (same bits); under autograd, or for fp16, torch's ops."""
     rot, x, pos = _case(torch.float32, 5, 4, 32, 3)
