@@ -4,9 +4,10 @@
 // arithmetic the kernels use, and the live leading lanes of the last, partial vector.
 //
 // The kernels are written once against this header (V16, Mask, v* functions). Lane for lane both ISAs
-// compute the same IEEE operations; the horizontal sums and maxima reduce in one fixed tree (halves of
-// 8, 4, 2, then 1 lanes) on both, so a kernel's result is the same bits on an AVX2 and an AVX-512 CPU.
-// What differs is speed: AVX2 has half the width and half the registers.
+// compute the same IEEE operations, and the horizontal sums and maxima reduce in one fixed tree (halves
+// of 8, 4, 2, then 1 lanes) on both, so the two builds are meant to give the same bits (a build is one
+// ISA, so no test compares them on one machine; each is tested against torch where it runs). What
+// differs is speed: AVX2 has half the width and half the registers.
 //
 // Not here: fp16, other widths, ARM.
 #pragma once

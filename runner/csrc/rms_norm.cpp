@@ -8,7 +8,10 @@
 // Only the variance's summation order differs from torch's (16 fp32 lanes x 4 accumulators, then a
 // tree), so a result can differ from F.rms_norm by an ulp; rl_on_policy_target="fsdp" keeps torch's ops.
 // Loaded with paged_decode_attention.cpp as one extension (runner/cpu_kernels.py).
-#include <ATen/ATen.h>
+// The Tensor class and the two factory ops used, not all of ATen.h: ~5 s less compile per file.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 
 #include "lanes.h"
