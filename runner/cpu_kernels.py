@@ -169,3 +169,17 @@ def enabled(setting: bool | None, device: torch.device):
     if torch.device(device).type != "cpu" or setting is False:
         return None
     return load(required=setting is True)
+
+
+def main() -> None:
+    """`python3 -c "from runner.cpu_kernels import main; main()"` (.ci/run does): build (or find the cached build of) the kernels now and say which
+    vector path they took, or why they are off. Exits 0 either way: without them the engine runs torch's ops."""
+    import time
+
+    t0 = time.perf_counter()
+    ops = load()
+    took = time.perf_counter() - t0
+    if ops is None:
+        print(f"CPU kernels off (the engine uses torch's ops): {_state.get('reason')}")
+    else:
+        print(f"CPU kernels ready: the {kernel_isa()} path, {took:.1f} s to build or load")

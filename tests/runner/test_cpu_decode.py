@@ -150,6 +150,20 @@ def test_loader_falls_back_with_a_reason_or_raises_when_required(monkeypatch, ca
         caplog.clear()
 
 
+def test_build_step_says_which_path_or_why_not(monkeypatch, capsys):
+    """`cpu_kernels.main()` (.ci/run's build step) names the vector path it built, or the reason the kernels
+    are off, and does not raise either way."""
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "kernel_isa", lambda: None)
+    cpu_kernels.main()
+    assert "CPU kernels off" in capsys.readouterr().out and "neither AVX-512" in cpu_kernels._state["reason"]
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "kernel_isa", lambda: "avx2")
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: (object(), object()))
+    cpu_kernels.main()
+    assert "CPU kernels ready: the avx2 path" in capsys.readouterr().out
+
+
 @pytest.fixture
 def make_engine():
     pool = EnginePool()
