@@ -27,6 +27,7 @@ naming its cause); False never builds them. Not here: when each kernel applies (
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import threading
@@ -86,6 +87,7 @@ AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")  # the AVX-512 path (masked 1
 AVX2_FLAGS = ("avx2", "fma")  # the AVX2 path (lanes.h: two 8-lane halves per vector)
 
 
+@functools.cache  # the CPU does not change under a running process; callers ask once per engine
 def kernel_isa() -> str | None:
     """Which vector path of runner/csrc/lanes.h this CPU gets ("avx512", "avx2"), or None: neither, the
     kernels are not built (Linux /proc/cpuinfo; None elsewhere)."""

@@ -28,6 +28,18 @@
 
 namespace rollout_lanes {
 
+// The last steps of the fixed reduction tree, from 8 lanes: 8 -> 4 (lane i + lane i + 4) -> 2 -> 1.
+inline float hsum8(__m256 a) {
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+inline float hmax8(__m256 a) {
+  const __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_max_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_max_ss(c, _mm_movehdup_ps(c)));
+}
+
 #if defined(ROLLOUT_LANES_AVX512)
 
 using V16 = __m512;
@@ -55,19 +67,10 @@ inline V16 vexp2i(V16 n) {
 inline V16 vmask_max(V16 a, Mask m, V16 b) { return _mm512_mask_max_ps(a, m, a, b); }
 inline V16 vmask_add(V16 a, Mask m, V16 b) { return _mm512_mask_add_ps(a, m, a, b); }
 
-// The fixed reduction tree: 16 -> 8 (lane i + lane i + 8) -> 4 -> 2 -> 1.
-inline float vsum(V16 v) {
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
-}
-inline float vmaxall(V16 v) {
-  const __m256 a = _mm256_max_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  const __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_max_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_max_ss(c, _mm_movehdup_ps(c)));
-}
+// The fixed reduction tree: 16 -> 8 (lane i + lane i + 8), then hsum8 / hmax8.
+inline __m256 upper8(V16 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+inline float vsum(V16 v) { return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), upper8(v))); }
+inline float vmaxall(V16 v) { return hmax8(_mm256_max_ps(_mm512_castps512_ps256(v), upper8(v))); }
 
 inline V16 load16(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
 inline V16 load16(const c10::BFloat16* p, Mask m) {  // bf16 is the top half of an fp32: exact
@@ -132,18 +135,8 @@ inline V16 vblend(V16 a, Mask m, V16 b) {  // b on live lanes, a elsewhere
 inline V16 vmask_max(V16 a, Mask m, V16 b) { return vblend(a, m, vmax(a, b)); }
 inline V16 vmask_add(V16 a, Mask m, V16 b) { return vblend(a, m, vadd(a, b)); }
 
-inline float vsum(V16 v) {  // the same tree as the AVX-512 path
-  const __m256 a = _mm256_add_ps(v.lo, v.hi);
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
-}
-inline float vmaxall(V16 v) {
-  const __m256 a = _mm256_max_ps(v.lo, v.hi);
-  const __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_max_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_max_ss(c, _mm_movehdup_ps(c)));
-}
+inline float vsum(V16 v) { return hsum8(_mm256_add_ps(v.lo, v.hi)); }  // the same tree as the AVX-512 path
+inline float vmaxall(V16 v) { return hmax8(_mm256_max_ps(v.lo, v.hi)); }
 
 inline V16 load16(const float* p, Mask m) {
   if (m.n >= 16) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
