@@ -125,21 +125,22 @@ def main(argv=None) -> dict:
 
 
 def _time_decode_forwards(engine) -> list[float]:
-    """Record the seconds of each decode forward+sample of `engine` (on whichever thread runs it) into the
-    returned list: with overlap on, wall time minus their sum is what the worker spent waiting."""
+    """Record the seconds of each decode forward+sample of `engine` (on whichever thread runs it; the
+    read-back of its results is not counted) into the returned list: with overlap on, wall time minus
+    their sum is what the worker spent on anything else or waiting."""
     sched = engine.scheduler
-    inner = sched._forward_sample_ids
+    inner = sched._forward_sample_device
     spans: list[float] = []
 
-    def timed(fb, reqs, prompt_rows=None, prepared=None):
+    def timed(fb, reqs, **kwargs):
         t0 = time.perf_counter()
         try:
-            return inner(fb, reqs, prompt_rows, prepared=prepared)
+            return inner(fb, reqs, **kwargs)
         finally:
             if fb.forward_mode.is_decode():
                 spans.append(time.perf_counter() - t0)
 
-    sched._forward_sample_ids = timed
+    sched._forward_sample_device = timed
     return spans
 
 

@@ -53,7 +53,7 @@ _STOP = object()  # queued by ForwardWorker.close
 class Phased(NamedTuple):
     """A job in two parts. The worker runs `prologue`, then hands over the previous job's result, then runs
     `body`, whose value is this job's result. A decode step puts its own Python (filling its input ids from
-    the step before, writing its KV slots) in the prologue and the forward in the body: the scheduler
+    the step before) in the prologue and the forward in the body: the scheduler
     thread, woken by the previous step's result, then runs its host work while this thread is inside the
     forward's C++ op (which releases the GIL), instead of contending with this thread's Python for the GIL
     (on a 2-core CPU that contention had made the overlap schedule slower than the plain one)."""
@@ -227,7 +227,6 @@ class OverlapDecoder:
         pending = 0 if prev is None else 1
         fb = decode_batch(reqs, locs.to(device), device, pending=pending)
         fb.sampling_info = s._sampling_info(reqs, step_offset=pending)
-        src_t = None if prev is None else torch.tensor(src, dtype=torch.int64, device=device)
         # The fused forward's arguments, made here while step N runs (they read fb.input_ids when the step
         # runs, after the job fills it): the worker's own Python per step is then a few calls, and this
         # thread's host work runs while the worker is inside the op, which releases the GIL.
@@ -235,19 +234,31 @@ class OverlapDecoder:
         prepared = None if prepare is None else prepare(fb)
         s.stats["num_decode_steps"] += 1
 
+        # This step's KV slots go into the request table now, from this thread: step N (in flight) reads
+        # each row only up to its own length, and this step's slot sits one past it. The worker's stream
+        # (CUDA) waits for this thread's work queued before submit.
+        s.kv.write_decode(fb.req_pool_indices, fb.positions, fb.out_cache_loc)
+        # On the CPU the results are read back on the scheduler thread (_complete), off the worker's
+        # critical path; on CUDA the worker reads them on the stream that computed them.
+        rows_on_worker = device.type != "cpu"
+        # Rows of step N this step continues; None when it continues every row (the common case: a copy).
+        src_t = None
+        if prev is not None and src != list(range(len(prev.reqs))):
+            src_t = torch.tensor(src, dtype=torch.int64, device=device)
+
         out: dict = {}  # "ids": this step's sampled ids on the device, read by the step launched behind it
 
         def prologue():
-            if prev is not None:  # step N ran before this on the worker: its ids are this step's input
-                if "ids" not in prev.out:
-                    raise RuntimeError("the decode step this one continues failed")
-                fb.input_ids.copy_(prev.out["ids"].index_select(0, src_t))
-            s.kv.write_decode(fb.req_pool_indices, fb.positions, fb.out_cache_loc)
+            if prev is not None and "ids" not in prev.out:
+                raise RuntimeError("the decode step this one continues failed")
 
         def body():
-            ids, rows = s._forward_sample_ids(fb, reqs, prepared=prepared)
-            out["ids"] = ids
-            return ids, rows
+            # Step N ran before this on the worker: its sampled ids are this step's input, filled in by
+            # the same call that runs the forward where it can (one GIL hand-back per step).
+            fill = None if prev is None else (prev.out["ids"], src_t)
+            sample_out, _ = s._forward_sample_device(fb, reqs, prepared=prepared, fill=fill)
+            out["ids"] = sample_out.next_token_ids
+            return s._host_rows(sample_out, reqs) if rows_on_worker else sample_out
 
         return DecodeAhead(list(reqs), locs, self.worker.submit(Phased(prologue, body)), {id(r) for r in reqs},
                            out=out)
@@ -281,7 +292,9 @@ class OverlapDecoder:
     def _complete(self, step: DecodeAhead) -> list[Req]:
         s = self.s
         try:
-            _, results = step.future.result()
+            results = step.future.result()
+            if not isinstance(results, list):  # read back here, off the worker (see _launch)
+                results = s._host_rows(results, step.reqs)
         except Exception:
             # Re-run it on this thread with the plain schedule's attribution; what was launched behind it
             # read its ids, so it goes first.

@@ -521,17 +521,46 @@ class Scheduler:
         """(sampled ids [bs] on the device, host rows). fb.sampling_info, when set, was built by the caller
         (the overlap schedule builds it on the scheduler thread; this may run on its worker), and so was
         `prepared`, the runner's fused forward of fb (ModelRunner.prepare_forward), when given."""
+        out, logits_out = self._forward_sample_device(fb, reqs, prepared=prepared)
+        return out.next_token_ids, self._host_rows(out, reqs, logits_out if prompt_rows is not None else None,
+                                                   prompt_rows)
+
+    def _forward_sample_device(self, fb, reqs: list[Req], prepared=None, fill=None):
+        """The forward and sampling of fb, and the per-slot records they leave on the device: (the
+        SampleOutput, the LogitsOutput), nothing read back yet. fill: (ids, index or None), the overlap
+        schedule's step N+1: fb.input_ids first becomes step N's sampled ids (rows `index` of them). The
+        overlap schedule runs this on its worker and `_host_rows` on the scheduler thread (on the CPU), so
+        the worker's own Python per step is only this; with a prepared fused forward and the sampler's
+        plain path it is one C++ call (ModelRunner.forward_sample)."""
         if fb.sampling_info is None:
             fb.sampling_info = self._sampling_info(reqs)
-        logits_out = self.runner.forward(fb) if prepared is None else self.runner.forward(fb, prepared=prepared)
-        out = self.runner.sample(logits_out, fb)
-        ids = out.next_token_ids.tolist()  # the one device->host read (two with logprobs)
-        logprobs = [None] * len(ids) if out.logprobs is None else out.logprobs.tolist()
+        both = None
+        one_call = getattr(self.runner, "forward_sample", None)
+        if one_call is not None:
+            if prepared is None:
+                prepared = self.runner.prepare_forward(fb)
+            if prepared is not None:
+                both = one_call(fb, prepared, *(fill or (None, None)))
+        if both is not None:
+            logits_out, out = both
+        else:
+            if fill is not None:
+                ids, index = fill
+                fb.input_ids.copy_(ids if index is None else ids.index_select(0, index))
+            logits_out = self.runner.forward(fb) if prepared is None else self.runner.forward(fb, prepared=prepared)
+            out = self.runner.sample(logits_out, fb)
         if self.kv.slot_versions is not None:  # every slot this forward computed, under the current version
             self.kv.write_slot_versions(fb.out_cache_loc, self.weight_version)
         if self.kv.routed_experts is not None and self.recorder.last_routed_experts is not None:
             # [num_tokens, num_layers, top_k] in the batch's token order, as out_cache_loc
             self.kv.write_routed_experts(fb.out_cache_loc, self.recorder.last_routed_experts)
+        return out, logits_out
+
+    def _host_rows(self, out, reqs: list[Req], logits_out=None, prompt_rows=None) -> list[_Sampled]:
+        """A step's SampleOutput read back to the host, one _Sampled per request (on CUDA: on the stream
+        that produced it; the read is the step's sync)."""
+        ids = out.next_token_ids.tolist()  # the one device->host read (two with logprobs)
+        logprobs = [None] * len(ids) if out.logprobs is None else out.logprobs.tolist()
         tops = [None] * len(reqs)
         if out.top_logprobs is not None and any(r.return_logprob and r.top_logprobs_num for r in reqs):
             vals, toks = out.top_logprobs.tolist(), out.top_logprob_ids.tolist()
@@ -542,8 +571,7 @@ class Scheduler:
         prompt = [None] * len(reqs)
         if prompt_rows is not None:
             prompt = self._prompt_logprobs(logits_out.all_logits, reqs, prompt_rows)
-        return out.next_token_ids, [_Sampled(t, lp, top, il, p) for t, lp, top, il, p in zip(ids, logprobs, tops, ids_lps,
-                                                                                           prompt)]
+        return [_Sampled(t, lp, top, il, p) for t, lp, top, il, p in zip(ids, logprobs, tops, ids_lps, prompt)]
 
     def _prompt_logprobs(self, all_logits, reqs: list[Req], rows) -> list[list[tuple[int, tuple]]]:
         """Per request, the (position, (logprob, top, token_ids logprobs)) of the prompt positions this

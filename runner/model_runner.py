@@ -35,7 +35,7 @@ from runner.memory import occupation
 from runner.memory.kv_pool import ReqToTokenPool, TokenToKVPool
 from runner.memory.memory_saver import create_memory_saver
 from runner.models import fused_layer, get_model_class
-from runner.sampler import SampleOutput, Sampler
+from runner.sampler import SampleOutput, Sampler, plain_rows
 from runner.weights import routes
 from runner.weights.checkpoint import CheckpointIndex
 from runner.weights.delta import WeightHashes
@@ -250,16 +250,10 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch, prepared: tuple | None = None) -> LogitsOutput | None:
         if fb.forward_mode.is_idle():
             return None
-        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
-            torch.cuda.set_device(self.device)  # the current device is per thread (the scheduler's is not ours)
-        if not self.weights_valid:
-            raise RuntimeError(self.invalid_weights_message())
-        if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
-            # Freed storages would be read (or written) out of bounds.
-            raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
+        self._check_runnable()
         if prepared is None:
             prepared = self.prepare_forward(fb)
-        if prepared is not None:
+        if prepared is not None and self.model.fused_model is not None:  # (turned off since it was prepared?)
             # The whole forward as one op (runner/models/fused_layer.py): bitwise the eager path's logits.
             try:
                 with torch.inference_mode():
@@ -293,6 +287,38 @@ class ModelRunner:
               hf_numerics.mode(self.config.rl_on_policy_target == "fsdp")):
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb.input_ids, fb.positions, fb)
+
+    def _check_runnable(self) -> None:
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)  # the current device is per thread (the scheduler's is not ours)
+        if not self.weights_valid:
+            raise RuntimeError(self.invalid_weights_message())
+        if not (self.memory_saver.is_resident("weights") and self.memory_saver.is_resident("kv_cache")):
+            # Freed storages would be read (or written) out of bounds.
+            raise RuntimeError("memory is released: call resume_memory_occupation() before running the model")
+
+    @torch.no_grad()
+    def forward_sample(self, fb: ForwardBatch, prepared: tuple, fill_from: torch.Tensor | None = None,
+                       fill_index: torch.Tensor | None = None) -> tuple[LogitsOutput, SampleOutput] | None:
+        """`forward(fb, prepared)` then `sample`, as one C++ call that takes the GIL once (FusedModel.run_sample),
+        fb.input_ids first set to fill_from (rows fill_index of it, when given): the overlap schedule's decode
+        step on its worker. The same functions on the same tensors, so the same logits, ids and logprobs.
+        None, having done nothing, where the sampler's plain path does not apply or the fused forward is
+        off: the caller then fills and runs `forward` and `sample` itself."""
+        fm = getattr(self.model, "fused_model", None)
+        info = fb.sampling_info
+        if fm is None or self.sampler.cpu_ops is None or info is None or not plain_rows(fb.batch_size, info):
+            return None
+        self._check_runnable()
+        try:
+            with torch.inference_mode():
+                logits, ids, logprobs = fm.run_sample(prepared, fill_from, fill_index, info)
+        except Exception as e:  # noqa: BLE001 - as in forward: the modules' path runs this step and the next
+            logger.warning("the fused CPU forward failed (%s: %s); using the modules' forward from now on",
+                           type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+            self.model.fused_model = None
+            return None
+        return LogitsOutput(logits), SampleOutput(ids, logprobs if info.need_logprobs else None)
 
     @torch.no_grad()
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> SampleOutput:

@@ -306,8 +306,13 @@ def plain(logits: torch.Tensor, info: SamplingBatchInfo) -> bool:
     """Whether this batch samples on the plain path runner/csrc/sampler.cpp computes: CPU fp32 logits, no
     logit processor, no truncation, only the token's own (default) logprob."""
     bs = logits.shape[0] if logits.dim() == 2 else -1
-    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and bs > 0
-            and info.temperatures.dtype == torch.float32 and info.seeds.dtype == torch.int64
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and plain_rows(bs, info)
+
+
+def plain_rows(bs: int, info: SamplingBatchInfo) -> bool:
+    """`plain` for the sampling info of `bs` rows, whatever the logits (for a caller that makes CPU fp32
+    logits itself: runner/models/fused_layer.py run_sample)."""
+    return (bs > 0 and info.temperatures.dtype == torch.float32 and info.seeds.dtype == torch.int64
             and info.steps.dtype == torch.int64 and info.temperatures.shape == info.seeds.shape == info.steps.shape == (bs,)
             and (info.seed_mix is None or (info.seed_mix.dtype == torch.int64 and info.seed_mix.shape == (bs,)))
             and info.seen_mask is None and info.output_counts is None and info.logit_bias is None

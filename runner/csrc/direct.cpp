@@ -1,5 +1,6 @@
 // The per-step ops as plain Python functions (pybind11), beside their torch.ops registrations: what
-// runner/models/fused_layer.py (model_forward) and runner/sampler.py (sample_plain) call every step.
+// runner/models/fused_layer.py (model_forward, model_forward_sample) and runner/sampler.py (sample_plain)
+// call every step.
 //
 // Why not torch.ops. A torch.ops call copies its arguments into an IValue stack, releases the GIL, runs
 // the kernel, and drops the stack while the GIL is still released. Since torch's PyObject preservation,
@@ -17,11 +18,12 @@
 //
 // What it does not do: compute anything itself (it calls decoder_layer.cpp's and sampler.cpp's
 // functions), or check more than they do.
-// Only what the bindings need: tensor types, not ATen's operator declarations (torch/extension.h would
-// also compile the C++ frontend).
+// Only what the bindings need: tensor types and the one ATen op model_forward_sample calls itself, not all
+// of ATen's operator declarations (torch/extension.h would also compile the C++ frontend).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
+#include <ATen/ops/index_select.h>  // model_forward_sample fills a step's input ids
 
 #include <cstdint>
 #include <optional>
@@ -91,6 +93,39 @@ std::tuple<Tensor, Tensor> sample_plain(const Tensor& logits, const Tensor& temp
   });
 }
 
+// A decode step of the overlap schedule as one call (runner/models/fused_layer.py run_sample): input_ids
+// first takes the step before's sampled ids (`fill_from`, rows `fill_index` of it when given), then
+// model_forward, then sample_plain on its logits -> (logits, ids, logprobs), the same functions on the same
+// tensors as the three calls they replace, with the GIL taken once instead of three times: each time a
+// step gives it back, the scheduler thread's Python (building the next step meanwhile) may hold it.
+std::tuple<Tensor, Tensor, Tensor> model_forward_sample(
+    const FusedWeights& w, const Tensor& input_ids, const Tensor& positions, const Tensor& embed,
+    const Tensor& cos_table, const Tensor& sin_table, const Tensor& norm, const std::optional<Tensor>& last_index,
+    const Tensor& k_buffer, const Tensor& v_buffer, const Tensor& out_cache_loc, const Tensor& req_to_token,
+    const Tensor& req_pool_indices, const Tensor& seq_lens, const std::optional<Tensor>& extend_lens,
+    const std::optional<Tensor>& fill_from, const std::optional<Tensor>& fill_index, const Tensor& temperatures,
+    const Tensor& seeds, const std::optional<Tensor>& seed_mix, const Tensor& steps, bool all_greedy,
+    bool has_greedy, bool need_temperature, bool want_logprobs) {
+  return without_gil([&] {
+    if (fill_from.has_value()) {
+      if (fill_index.has_value()) {
+        Tensor out = input_ids;  // a view of the batch's index rows: written in place, never resized
+        at::index_select_out(out, *fill_from, 0, *fill_index);
+      } else {
+        input_ids.copy_(*fill_from);
+      }
+    }
+    Tensor logits = rollout_cpu::model_forward(input_ids, positions, embed, cos_table, sin_table, w.layer_params,
+                                               w.layer_kinds, w.eps, w.qk_eps, norm, w.head, w.head_kind,
+                                               last_index, k_buffer, v_buffer, out_cache_loc, req_to_token,
+                                               req_pool_indices, seq_lens, extend_lens, w.num_heads,
+                                               w.num_kv_heads, w.scale);
+    auto [ids, logprobs] = rollout_cpu::sample_plain(logits, temperatures, seeds, seed_mix, steps, all_greedy,
+                                                     has_greedy, need_temperature, want_logprobs);
+    return std::make_tuple(logits, ids, logprobs);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -106,4 +141,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("qk_eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("scale"));
   m.def("model_forward", &model_forward, "runner/csrc/decoder_layer.cpp model_forward over a FusedWeights");
   m.def("sample_plain", &sample_plain, "runner/csrc/sampler.cpp sample_plain");
+  m.def("model_forward_sample", &model_forward_sample,
+        "input ids from the step before, model_forward, then sample_plain, in one call without the GIL");
 }

@@ -233,3 +233,12 @@ class FusedModel:
         """The logits [bs, vocab] fp32 of prepared `args`. The GIL is released from the op's start to its
         return, with no hand-back in between (runner/csrc/direct.cpp says why that needs a direct call)."""
         return self.direct.model_forward(*args)
+
+    def run_sample(self, args: tuple, fill_from: torch.Tensor | None, fill_index: torch.Tensor | None,
+                   info) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step in one GIL-free call: args' input ids first set to fill_from (rows fill_index of it,
+        when given), then `run`, then the sampler's plain path (runner/sampler.py plain_rows must hold for
+        `info`) -> (logits [bs, vocab] fp32, ids [bs] int64, logprobs [bs] fp32 or empty)."""
+        return self.direct.model_forward_sample(
+            *args, fill_from, fill_index, info.temperatures, info.seeds, info.seed_mix, info.steps,
+            info.is_all_greedy, info.has_greedy, info.need_temperature, info.need_logprobs)

@@ -175,13 +175,17 @@ def test_decode_forwards_run_on_the_worker_with_one_thread(tiny_llama, make_engi
     thread, which (tiny CPU model) steps on one intra-op thread: one thread, one OpenMP pool."""
     engine = make_engine(tiny_llama, disable_overlap_schedule=False)
     seen: list[tuple[str, bool, int]] = []
-    real = engine.runner.forward
+    real, real_one_call = engine.runner.forward, engine.runner.forward_sample
 
-    def recording(fb):
+    def recording(fb, *args, **kwargs):
         seen.append((threading.current_thread().name, fb.forward_mode.is_decode(), torch.get_num_threads()))
-        return real(fb)
+        return real(fb, *args, **kwargs)
 
-    engine.runner.forward = recording
+    def recording_one_call(fb, *args, **kwargs):  # the decode step's forward and sampling in one call
+        seen.append((threading.current_thread().name, fb.forward_mode.is_decode(), torch.get_num_threads()))
+        return real_one_call(fb, *args, **kwargs)
+
+    engine.runner.forward, engine.runner.forward_sample = recording, recording_one_call
     engine.generate(input_ids=PROMPTS[:2], sampling_params={"max_new_tokens": 6, "ignore_eos": True})
     assert {name for name, decode, _ in seen if decode} == {"rollout-forward"}
     assert {name for name, decode, _ in seen if not decode} == {"rollout-forward"}

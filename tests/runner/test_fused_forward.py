@@ -29,16 +29,21 @@ def _set_fused(engine, on: bool) -> None:
 
 
 def _count_runs(monkeypatch, engine) -> list[int]:
-    """[whole-model op calls], counted on the engine's FusedModel."""
+    """[whole-model op calls], counted on the engine's FusedModel (the forward alone, or with the sampler)."""
     fm = engine.runner.model.fused_model
     calls = [0]
-    inner = fm.run
+    inner, inner_sample = fm.run, fm.run_sample
 
     def run(args):
         calls[0] += 1
         return inner(args)
 
+    def run_sample(*args):
+        calls[0] += 1
+        return inner_sample(*args)
+
     monkeypatch.setattr(fm, "run", run)
+    monkeypatch.setattr(fm, "run_sample", run_sample)
     return calls
 
 
@@ -149,10 +154,10 @@ def test_a_failing_fused_op_falls_back_to_the_modules_once_and_loses_nothing(mak
     params = dict(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     fm = engine.runner.model.fused_model
 
-    def broken(args):
+    def broken(*args):
         raise RuntimeError("simulated defect in the fused op")
 
-    fm.run = broken
+    fm.run = fm.run_sample = broken
     with caplog.at_level(logging.WARNING, logger="runner.model_runner"):
         got = _generate(engine, prompts, params)
     assert engine.runner.model.fused_model is None
