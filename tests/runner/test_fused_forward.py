@@ -206,3 +206,42 @@ def test_fused_forward_reads_weights_updated_and_repacked_since(make_engine, ckp
     _set_fused(engine, False)
     engine.flush_cache()
     assert _generate(engine, prompts, params) == after
+
+
+def test_forward_and_sampling_in_one_call_equal_the_two_calls_bitwise(make_engine, ckpt_factory):
+    """ModelRunner.forward_sample (what the overlap schedule's worker runs per decode step: input ids filled
+    from the step before, the fused forward and the plain sampler in one GIL-free call) gives bitwise the
+    logits, ids and logprobs of `forward` then `sample` on the same batch, with and without a row gather."""
+    from runner.forward_batch import LogitsOutput
+
+    path = ckpt_factory("qwen2", tie_word_embeddings=True)
+    engine = make_engine(path, disable_overlap_schedule=True)
+    runner, sched = engine.runner, engine.scheduler
+    inner = sched._forward_sample_device
+    checked: list[int] = []
+
+    def compare(fb, reqs, prepared=None, fill=None):
+        if fb.forward_mode.is_decode() and fill is None:
+            if fb.sampling_info is None:
+                fb.sampling_info = sched._sampling_info(reqs)
+            prepared = runner.prepare_forward(fb)
+            ids = fb.input_ids.clone()
+            logits = runner.forward(fb, prepared=prepared).next_token_logits.clone()
+            ref = runner.sample(LogitsOutput(logits), fb)
+            perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(len(checked)))
+            for fill_from, index in ((ids[perm], torch.argsort(perm)), (ids.clone(), None)):
+                fb.input_ids.zero_()  # the placeholder the overlap schedule builds the step with
+                got_logits, got = runner.forward_sample(fb, prepared, fill_from, index)
+                assert torch.equal(fb.input_ids, ids)
+                assert torch.equal(got_logits.next_token_logits, logits)
+                assert torch.equal(got.next_token_ids, ref.next_token_ids)
+                assert got.logprobs is not None and torch.equal(got.logprobs, ref.logprobs)
+            checked.append(len(ids))
+        return inner(fb, reqs, prepared=prepared, fill=fill)
+
+    sched._forward_sample_device = compare
+    prompts = random_prompts([5, 11, 23, 8], seed=4)
+    params = [dict(max_new_tokens=6, temperature=t, seed=3, ignore_eos=True) for t in (0.8, 0.0, 1.0, 1.3)]
+    outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    assert checked and max(checked) == 4
+    assert all(len(o["output_ids"]) == 6 for o in outs)
