@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in seconds for "
                    "the whole run (default: Python's 0.005); how long a thread waiting for the GIL lets the "
                    "holder run, see bench/gil_convoy.py")
+    p.add_argument("--no-pin", action="store_true", help="cpu_pin_overlap_threads=False: leave the overlap "
+                   "schedule's two threads unpinned (rollout/thread_pinning.py)")
     args = p.parse_args(argv)
     if args.switch_interval is not None and args.switch_interval <= 0:
         p.error("--switch-interval must be > 0")
@@ -67,7 +69,7 @@ def main(argv=None) -> dict:
     seq_len = args.prompt_len + args.output_len
     kwargs = dict(device="cpu", dtype=args.dtype, max_running_requests=max(num_seqs, 16),
                   context_length=seq_len + 16, max_total_tokens=num_seqs * (seq_len + 1) + 1024,
-                  show_progress=False, cuda_graph_bs=args.cuda_graph_bs)
+                  show_progress=False, cuda_graph_bs=args.cuda_graph_bs, cpu_pin_overlap_threads=not args.no_pin)
     sp = dict(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True, n=args.n, seed=1)
     engines = {"on": Engine(str(model_dir), disable_overlap_schedule=False, **kwargs),
                "off": Engine(str(model_dir), disable_overlap_schedule=True, **kwargs)}
@@ -106,6 +108,8 @@ def main(argv=None) -> dict:
                   f"load {loads[-1]:.2f}", flush=True)
         assert first["on"] == first["off"], "overlap on and off produced different tokens"
         overlapped = engines["on"].get_server_info()["num_overlapped_steps"]
+        overlap = engines["on"].scheduler.overlap
+        pinned = {role: sorted(cpus) for role, cpus in overlap.pinning.pinned.items()} if overlap else {}
     finally:
         for e in engines.values():
             e.shutdown()
@@ -114,11 +118,12 @@ def main(argv=None) -> dict:
               "cpu_ratio": statistics.median(tok_cpu_s["on"]) / statistics.median(tok_cpu_s["off"]),
               "load_min": min(loads), "load_max": max(loads), "num_overlapped_steps": overlapped,
               "forward_share_on": statistics.median(fwd_share["on"]),
-              "forward_share_off": statistics.median(fwd_share["off"])}
+              "forward_share_off": statistics.median(fwd_share["off"]), "pinned": pinned}
     print(f"overlap on {result['on_tok_s']:.0f} tok/s vs off {result['off_tok_s']:.0f} tok/s: "
           f"{result['ratio']:.3f}x (median of {args.repeat} pairs; best run each {result['best_ratio']:.3f}x; "
           f"tokens per CPU-second {result['cpu_ratio']:.3f}x; load average {result['load_min']:.2f}-"
-          f"{result['load_max']:.2f}; {overlapped} decode steps launched ahead)")
+          f"{result['load_max']:.2f}; {overlapped} decode steps launched ahead; threads pinned to CPUs: "
+          f"{pinned or 'no'})")
     print(f"decode forward+sample busy for {100 * result['forward_share_on']:.0f}% of the wall time with overlap "
           f"on, {100 * result['forward_share_off']:.0f}% off (the rest: host work not hidden, hand-overs, idle)")
     return result

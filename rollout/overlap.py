@@ -40,6 +40,7 @@ import torch
 
 from rollout.batch import decode_batch
 from rollout.request import Req
+from rollout.thread_pinning import OverlapPinning
 from runner.openmp_pool import release_thread_pool
 
 logger = logging.getLogger(__name__)
@@ -169,9 +170,15 @@ class DecodeAhead:
 class OverlapDecoder:
     """Runs the scheduler's decode steps on a ForwardWorker, one launched ahead of the next."""
 
-    def __init__(self, scheduler) -> None:
+    def __init__(self, scheduler, pinning: OverlapPinning | None = None) -> None:
         self.s = scheduler
-        self.worker = ForwardWorker(scheduler.runner.device, on_start=scheduler._set_step_threads)
+        self.pinning = pinning or OverlapPinning(False)  # the scheduler thread pins itself at its first step
+
+        def on_start():
+            scheduler._set_step_threads()
+            self.pinning.pin_worker(torch.get_num_threads())
+
+        self.worker = ForwardWorker(scheduler.runner.device, on_start=on_start)
         self.ahead: DecodeAhead | None = None  # launched, not yet processed
         # Set by the engine: True while something (a control call, a new request) waits to act at the
         # next step boundary; nothing is launched ahead then, so it waits for one step at most.
