@@ -87,6 +87,8 @@ ARG_HELP: dict[str, str] = {
                    "(default: when they build on an AVX-512 CPU; true: required; false: torch's ops)",
     "enable_deterministic_inference": "batch-invariant kernels: a request's ids and logprobs are bitwise the same "
                                       "in any batch (dense and MoE; CPU torch_native attention)",
+    "cpu_pin_overlap_threads": "with the overlap schedule on the CPU (a model stepping on one intra-op thread): "
+                               "pin its two threads to distinct CPUs (rollout/thread_pinning.py)",
     "in_batch_prefix_threshold": "shared prompt tokens that make a request wait a step to reuse another's KV",
     "show_progress": "progress bars in Engine.generate (in-process)",
     "enable_lora": "serve LoRA adapters (on by default when --lora-paths is given)",

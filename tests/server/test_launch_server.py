@@ -84,3 +84,28 @@ def test_subprocess_ready_and_sigterm(tiny_llama, flags):
             proc.kill()
             proc.wait(10)
         proc.stdout.close()
+
+
+def test_server_engine_defaults_to_the_plain_schedule_on_the_cpu(tiny_llama):
+    """The server builds a CPU engine with the plain schedule when disable_overlap_schedule is left at None
+    (the overlap's second thread has no free core beside the HTTP process); an explicit value is kept, and
+    a CUDA device keeps None (the overlap default there)."""
+    from rollout.launch_server import build_engine, server_engine_kwargs
+
+    assert server_engine_kwargs({"device": "cpu", "disable_overlap_schedule": None})["disable_overlap_schedule"] is True
+    assert server_engine_kwargs({})["disable_overlap_schedule"] is True
+    assert server_engine_kwargs({"device": "cpu", "disable_overlap_schedule": False})["disable_overlap_schedule"] is False
+    assert server_engine_kwargs({"device": "cuda:0", "disable_overlap_schedule": None})["disable_overlap_schedule"] is None
+    server, kw = parse_args(["--model-path", str(tiny_llama), "--max-total-tokens", "1024", "--engine-in-process"])
+    engine = build_engine(server, kw)
+    try:
+        assert engine.scheduler.overlap is None
+    finally:
+        engine.shutdown()
+    server, kw = parse_args(["--model-path", str(tiny_llama), "--max-total-tokens", "1024", "--engine-in-process",
+                             "--no-disable-overlap-schedule"])
+    engine = build_engine(server, kw)
+    try:
+        assert engine.scheduler.overlap is not None
+    finally:
+        engine.shutdown()
