@@ -224,6 +224,7 @@ class OverlapDecoder:
     def close(self) -> None:
         self.cancel()
         self.worker.close()
+        self.pinning.release()
 
     # ---- launching -------------------------------------------------------------------------------
     def _launch(self, reqs: list[Req], locs: torch.Tensor, prev: DecodeAhead | None,

@@ -13,7 +13,10 @@ What. `OverlapPinning` picks the CPUs once, at the scheduler's construction, fro
 affinity mask: the worker gets one CPU, the scheduler thread every other allowed CPU. Each thread pins
 itself (`pin_worker`, `pin_scheduler`: `os.sched_setaffinity(0, ...)` on Linux sets the calling thread's
 mask only). Several overlap engines in one process take different worker CPUs, counting down from the
-last allowed one.
+last allowed one, and so do engines in other processes of this machine: a worker CPU is claimed with an
+exclusive `flock` on a per-CPU file in the temp directory (released at shutdown, or by the OS when the
+process dies), so two CPU engines on Ray take different worker CPUs; where every allowed CPU is claimed
+already, nothing is pinned.
 
 What not. It pins nothing where fewer than two CPUs are allowed, off Linux, or when the worker steps
 on more than one intra-op thread (its OpenMP team would inherit the one-CPU mask); it never touches the
@@ -23,15 +26,12 @@ caller's threads (the main thread, a trainer's), only the engine's own two, whic
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
+import tempfile
 import threading
 
 logger = logging.getLogger(__name__)
-
-_counter = itertools.count()  # the n-th plan in this process takes the n-th CPU from the end
-_lock = threading.Lock()
 
 
 def allowed_cpus() -> list[int]:
@@ -45,26 +45,71 @@ def allowed_cpus() -> list[int]:
         return []
 
 
-def plan_cpus(allowed: list[int], index: int) -> tuple[set[int], set[int]] | None:
-    """(the worker's CPUs, the scheduler thread's CPUs) for the index-th plan over `allowed`, or None when
-    there are fewer than two: one CPU for the worker, counting down from the last, the rest for the
-    scheduler thread."""
-    if len(allowed) < 2:
-        return None
-    worker = allowed[-1 - index % len(allowed)]
+def plan_cpus(allowed: list[int], worker: int) -> tuple[set[int], set[int]]:
+    """(the worker's CPUs, the scheduler thread's CPUs): `worker` alone, and every other allowed CPU."""
     return {worker}, {c for c in allowed if c != worker}
 
 
-class OverlapPinning:
-    """The CPUs of one overlap schedule's two threads; each thread calls its own pin method."""
+def claims_directory() -> str:
+    """Where worker CPUs are claimed: one directory per user in the temp directory."""
+    return os.path.join(tempfile.gettempdir(), f"rollout-engine-cpus-{os.getuid()}")
 
-    def __init__(self, enabled: bool) -> None:
-        self.plan = None
-        if enabled and hasattr(os, "sched_setaffinity"):
-            with _lock:
-                index = next(_counter)
-            self.plan = plan_cpus(allowed_cpus(), index)
+
+class CpuClaims:
+    """Machine-wide claims on worker CPUs: an exclusive, non-blocking flock on `<dir>/cpu<N>.lock`. A lock
+    belongs to the open file, so a second claim of the same CPU fails in this process as in any other."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        self.directory = directory or claims_directory()
+
+    def claim(self, candidates: list[int]) -> tuple[int, int] | None:
+        """(cpu, fd) of the first of `candidates` nobody holds, now held through fd; None if all are held
+        (or claims cannot be made here: no fcntl, an unwritable directory)."""
+        try:
+            import fcntl
+
+            os.makedirs(self.directory, exist_ok=True)
+        except (ImportError, OSError):
+            return None
+        for cpu in candidates:
+            try:
+                fd = os.open(os.path.join(self.directory, f"cpu{cpu}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held by another engine
+                os.close(fd)
+                continue
+            return cpu, fd
+        return None
+
+
+class OverlapPinning:
+    """The CPUs of one overlap schedule's two threads; each thread calls its own pin method; `release()`
+    (at shutdown) gives the worker's CPU claim back."""
+
+    def __init__(self, enabled: bool, claims: CpuClaims | None = None) -> None:
+        self.plan: tuple[set[int], set[int]] | None = None
+        self._fd: int | None = None
         self.pinned: dict[str, set[int]] = {}  # role -> the CPUs it was pinned to (what tests and logs read)
+        if not enabled or not hasattr(os, "sched_setaffinity"):
+            return
+        allowed = allowed_cpus()
+        if len(allowed) < 2:
+            return
+        claimed = (claims or CpuClaims()).claim(allowed[::-1])  # from the last CPU down
+        if claimed is None:
+            logger.info("every allowed CPU already has an overlap worker pinned to it: this engine's threads "
+                        "stay unpinned")
+            return
+        cpu, self._fd = claimed
+        self.plan = plan_cpus(allowed, cpu)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # drops the flock
 
     def pin_worker(self, num_intra_op_threads: int) -> bool:
         """On the worker thread: pin it, if it steps on one intra-op thread. True if pinned."""

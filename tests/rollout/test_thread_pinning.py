@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from rollout.thread_pinning import OverlapPinning, allowed_cpus, plan_cpus
+from rollout.thread_pinning import CpuClaims, OverlapPinning, allowed_cpus, plan_cpus
 from tests.rollout.oracle import random_prompts
 
 needs_two_cpus = pytest.mark.skipif(
@@ -20,14 +20,65 @@ needs_two_cpus = pytest.mark.skipif(
 PARAMS = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 
-def test_plan_gives_the_worker_one_cpu_counting_down_and_the_scheduler_the_rest():
-    """plan_cpus: one CPU for the worker, from the end of the mask, and every other one for the scheduler."""
-    assert plan_cpus([], 0) is None
-    assert plan_cpus([3], 0) is None
-    assert plan_cpus([0, 1], 0) == ({1}, {0})
-    assert plan_cpus([0, 1], 1) == ({0}, {1})
-    assert plan_cpus([0, 1], 2) == ({1}, {0})
-    assert plan_cpus([2, 5, 7, 9], 1) == ({7}, {2, 5, 9})
+def test_plan_gives_the_worker_its_cpu_and_the_scheduler_the_rest():
+    """plan_cpus: the worker's CPU alone, and every other allowed CPU for the scheduler thread."""
+    assert plan_cpus([0, 1], 1) == ({1}, {0})
+    assert plan_cpus([0, 1], 0) == ({0}, {1})
+    assert plan_cpus([2, 5, 7, 9], 7) == ({7}, {2, 5, 9})
+
+
+def test_claims_take_free_cpus_from_the_end_and_give_them_back(tmp_path):
+    """CpuClaims: each claim takes the first candidate nobody holds; with all held it is None; a released
+    claim can be taken again."""
+    claims = CpuClaims(str(tmp_path))
+    first = claims.claim([3, 2])
+    second = claims.claim([3, 2])
+    assert first[0] == 3 and second[0] == 2 and claims.claim([3, 2]) is None
+    os.close(first[1])
+    again = claims.claim([3, 2])
+    assert again[0] == 3
+    os.close(again[1])
+    os.close(second[1])
+
+
+def test_a_claim_held_by_another_process_is_skipped(tmp_path):
+    """A CPU claimed by another process (another engine on the machine) is not claimed here until that
+    process lets go of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from rollout.thread_pinning import CpuClaims; "
+            f"c = CpuClaims({str(tmp_path)!r}).claim([1]); print(c[0], flush=True); sys.stdin.readline()")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        claims = CpuClaims(str(tmp_path))
+        got = claims.claim([1, 0])
+        assert got[0] == 0
+        os.close(got[1])
+    finally:
+        holder.communicate("\n", timeout=30)
+    got = CpuClaims(str(tmp_path)).claim([1, 0])
+    assert got[0] == 1
+    os.close(got[1])
+
+
+@needs_two_cpus
+def test_pinning_claims_a_cpu_until_released(tmp_path):
+    """Two OverlapPinnings on one claims directory get different worker CPUs; with every CPU claimed a
+    third gets no plan; release() frees its CPU for the next."""
+    cpus = allowed_cpus()
+    claims = CpuClaims(str(tmp_path))
+    pins = [OverlapPinning(True, claims) for _ in cpus]
+    workers = [next(iter(p.plan[0])) for p in pins]
+    assert workers == cpus[::-1]
+    extra = OverlapPinning(True, claims)
+    assert extra.plan is None
+    pins[0].release()
+    again = OverlapPinning(True, claims)
+    assert again.plan == ({cpus[-1]}, set(cpus[:-1]))
+    for p in [*pins, again]:
+        p.release()
 
 
 def test_disabled_pinning_pins_nothing():
@@ -63,10 +114,13 @@ def _masks(engine) -> tuple[set[int], set[int]]:
 
 
 @needs_two_cpus
-def test_engine_pins_worker_and_scheduler_to_disjoint_cpus(tiny_llama, make_engine):
+def test_engine_pins_worker_and_scheduler_to_disjoint_cpus(tiny_llama, make_engine, monkeypatch, tmp_path):
     """With the overlap on the CPU (tiny model: one intra-op thread), after a generate the worker runs on
     one CPU and the scheduler thread on the others; the caller's mask is unchanged; outputs equal an
-    unpinned engine's."""
+    unpinned engine's; shutdown gives the worker's CPU claim back."""
+    import rollout.thread_pinning as pinning_mod
+
+    monkeypatch.setattr(pinning_mod, "claims_directory", lambda: str(tmp_path))  # no other engine's claims
     before = os.sched_getaffinity(0)
     pinned = make_engine(tiny_llama, disable_overlap_schedule=False)
     free = make_engine(tiny_llama, disable_overlap_schedule=False, cpu_pin_overlap_threads=False)
@@ -79,6 +133,10 @@ def test_engine_pins_worker_and_scheduler_to_disjoint_cpus(tiny_llama, make_engi
     assert pinned.scheduler.overlap.pinning.pinned == {"worker": worker, "scheduler": sched}
     assert os.sched_getaffinity(0) == before  # the caller's thread is never pinned
     assert _masks(free) == (before, before) and free.scheduler.overlap.pinning.pinned == {}
+    pinned.shutdown()  # gives its worker CPU's claim back
+    claim = CpuClaims(str(tmp_path)).claim(sorted(worker))
+    assert claim is not None
+    os.close(claim[1])
 
 
 @needs_two_cpus
