@@ -111,6 +111,9 @@ class OverlapPinning:
         if fd is not None:
             os.close(fd)  # drops the flock
 
+    def __del__(self) -> None:  # an engine that failed after its scheduler was built never reaches close()
+        self.release()
+
     def pin_worker(self, num_intra_op_threads: int) -> bool:
         """On the worker thread: pin it, if it steps on one intra-op thread. True if pinned."""
         if num_intra_op_threads != 1:

@@ -159,3 +159,17 @@ def test_config_refuses_a_non_bool():
 
     with pytest.raises(ValueError, match="cpu_pin_overlap_threads"):
         SchedulerConfig(cpu_pin_overlap_threads="yes")
+
+
+@needs_two_cpus
+def test_a_dropped_pinning_gives_its_claim_back(tmp_path):
+    """An OverlapPinning that is garbage-collected without release() (an engine that failed to build)
+    gives its CPU claim back."""
+    import gc
+
+    claims = CpuClaims(str(tmp_path))
+    cpu = next(iter(OverlapPinning(True, claims).plan[0]))  # the pinning itself is dropped at once
+    gc.collect()
+    again = claims.claim([cpu])
+    assert again is not None and again[0] == cpu
+    os.close(again[1])
