@@ -61,8 +61,9 @@ def _overlap_by_default(runner) -> bool:
     a model whose whole forward is one C++ op that releases the GIL (runner/models/fused_layer.py) and
     that steps on one intra-op thread (SINGLE_THREAD_MAX_WEIGHTS), so the scheduler thread has the other
     core, on an AVX-512 CPU: the tiny preset 1.01-1.12x at batch 16 and 1.38x at batch 64 on a 2-core Zen 4
-    (bench/overlap.py). On an AVX2 CPU (the kernels' 8-lane path) the same runs measured 0.80-0.84x and
-    0.96x on a 2-core EPYC, so there it stays off. A model stepping on every core loses that core's share
+    (bench/overlap.py), and with the two threads pinned (rollout/thread_pinning.py) 1.29-1.33x at batch 16
+    and 1.26x at batch 64 on a 2-core Zen 5. On an AVX2 CPU (the kernels' 8-lane path) the same runs,
+    unpinned, measured 0.80-0.84x and 0.96x on a 2-core EPYC, so there it stays off. A model stepping on every core loses that core's share
     to the scheduler thread: 40M 1.02x, 0.5B bf16 0.98x, so there it stays off too."""
     device = getattr(runner, "device", None)
     if getattr(device, "type", "cpu") == "cuda":
