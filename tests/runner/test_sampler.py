@@ -297,6 +297,33 @@ def test_plain_cpu_op_is_bitwise_the_python_path(cpu_direct, vocab):
             assert torch.equal(got.logprobs.isnan(), ref.logprobs.isnan())
 
 
+def test_plain_cpu_op_in_row_blocks_is_bitwise_the_whole_batch_python_path(cpu_direct):
+    """A batch whose fp32 temporaries exceed the op's block budget (40 rows x 151,936, Qwen2.5's vocabulary:
+    sampled in blocks of 13 rows) gives bit for bit the Python path's ids and logprobs over the whole batch,
+    for every kind of row mix, with a seed mix; a seed mix of the wrong size is refused, naming it."""
+    fast = Sampler()
+    fast.cpu_ops = cpu_direct
+    bs, vocab = 40, 151936
+    for kind in range(4):
+        logits = _logits(bs, vocab, seed=kind, scale=8.0)
+        if kind == 1:
+            logits[:, ::5] = float("-inf")
+        temps = [[1.0] * bs, [0.0] * bs, [0.0 if i % 3 else 0.8 for i in range(bs)],
+                 [0.3 + i / bs for i in range(bs)]][kind]
+        rows = [{"temperature": t, "seed": 1000 * kind + i, "step": 3 * i} for i, t in enumerate(temps)]
+        a, b = _info(rows, vocab), _info(rows, vocab)
+        a.need_logprobs = b.need_logprobs = True
+        if kind == 3:
+            b.seed_mix = a.seed_mix = torch.tensor([r["seed"] * 11 for r in rows], dtype=torch.int64)
+        got, ref = fast(logits, a), sampler(logits, b)
+        assert torch.equal(got.next_token_ids, ref.next_token_ids), kind
+        assert torch.equal(got.logprobs, ref.logprobs), kind
+    info = _info(rows, vocab)
+    with pytest.raises(RuntimeError, match="seed_mix"):
+        cpu_direct.sample_plain(logits, info.temperatures, info.seeds, torch.zeros(bs + 1, dtype=torch.int64),
+                                info.steps, False, False, True, True)
+
+
 @pytest.mark.parametrize("extra", ["top_k", "logit_bias", "top_logprobs", "raw", "fp64_temperatures"])
 def test_batches_beyond_the_plain_path_keep_the_python_sampler(cpu_direct, monkeypatch, extra):
     """Truncation, a logit processor, top logprobs, raw logprobs or per-row tensors of another dtype than the
