@@ -79,6 +79,24 @@ class LogitsOutput:
     all_logits: torch.Tensor | None = None  # [num_tokens, vocab] fp32 when return_all_logits
 
 
+class DeferredLogits:
+    """A decode step's LogitsOutput whose fp32 logits are made from the model-dtype ones only when read. The
+    one-call decode step (ModelRunner.forward_sample) samples without them, and nothing reads a decode step's
+    logits after sampling, so at 64 rows x 151,936 a fresh 39 MB fp32 copy a step is not made at all."""
+
+    all_logits = None
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self._logits = logits  # [bs, vocab] in the model dtype
+        self._fp32: torch.Tensor | None = None
+
+    @property
+    def next_token_logits(self) -> torch.Tensor:  # [bs, vocab] fp32, exactly the widened model-dtype values
+        if self._fp32 is None:
+            self._fp32 = self._logits.float()
+        return self._fp32
+
+
 @dataclass(frozen=True)
 class ForwardContext:
     """What the runner lends the model for one forward: read by the attention layers, owned by the

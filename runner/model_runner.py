@@ -26,7 +26,7 @@ import torch
 from runner import batch_invariant, cpu_kernels, hf_numerics
 from runner.attention import create_attention_backend
 from runner.config import MODEL_DTYPES, ModelConfig, RunnerConfig
-from runner.forward_batch import ForwardBatch, ForwardContext, LogitsOutput, forward_context
+from runner.forward_batch import DeferredLogits, ForwardBatch, ForwardContext, LogitsOutput, forward_context
 from runner.layers import prepack
 from runner.layers.embedding import LMHead
 from runner.layers.norm import RMSNorm
@@ -299,10 +299,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward_sample(self, fb: ForwardBatch, prepared: tuple, fill_from: torch.Tensor | None = None,
-                       fill_index: torch.Tensor | None = None) -> tuple[LogitsOutput, SampleOutput] | None:
+                       fill_index: torch.Tensor | None = None) -> tuple[DeferredLogits, SampleOutput] | None:
         """`forward(fb, prepared)` then `sample`, as one C++ call that takes the GIL once (FusedModel.run_sample),
         fb.input_ids first set to fill_from (rows fill_index of it, when given): the overlap schedule's decode
-        step on its worker. The same functions on the same tensors, so the same logits, ids and logprobs.
+        step on its worker. The same functions on the same tensors, so the same logits, ids and logprobs (the
+        logits' fp32 copy made only if read: DeferredLogits).
         None, having done nothing, where the sampler's plain path does not apply or the fused forward is
         off: the caller then fills and runs `forward` and `sample` itself."""
         fm = getattr(self.model, "fused_model", None)
@@ -318,7 +319,7 @@ class ModelRunner:
                            type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
             self.model.fused_model = None
             return None
-        return LogitsOutput(logits), SampleOutput(ids, logprobs if info.need_logprobs else None)
+        return DeferredLogits(logits), SampleOutput(ids, logprobs if info.need_logprobs else None)
 
     @torch.no_grad()
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> SampleOutput:

@@ -187,13 +187,16 @@ namespace rollout_cpu {
 // [ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up x4, down_w, down_b, q_norm, k_norm] and `layer_kinds`
 // [qkv, o, gate_up, down]. k_buffer, v_buffer: the pool [layers, slots, kv_heads, head_dim].
 // input_ids, positions: [num_tokens] -> [bs, vocab] fp32.
-Tensor model_forward(const Tensor& input_ids, const Tensor& positions, const Tensor& embed, const Tensor& cos_table,
-                     const Tensor& sin_table, const OptList& layer_params, c10::IntArrayRef layer_kinds, double eps,
-                     double qk_eps, const Tensor& norm, const OptList& head, int64_t head_kind,
-                     const std::optional<Tensor>& last_index, const Tensor& k_buffer, const Tensor& v_buffer,
-                     const Tensor& out_cache_loc, const Tensor& req_to_token, const Tensor& req_pool_indices,
-                     const Tensor& seq_lens, const std::optional<Tensor>& extend_lens, int64_t num_heads,
-                     int64_t num_kv_heads, double scale) {
+// model_forward_head is the same with the LM head's output left in the model dtype (the one-call decode step
+// samples from it: runner/csrc/sampler.cpp widens row blocks itself, so no [bs, vocab] fp32 copy is made).
+Tensor model_forward_head(const Tensor& input_ids, const Tensor& positions, const Tensor& embed,
+                          const Tensor& cos_table, const Tensor& sin_table, const OptList& layer_params,
+                          c10::IntArrayRef layer_kinds, double eps, double qk_eps, const Tensor& norm,
+                          const OptList& head, int64_t head_kind, const std::optional<Tensor>& last_index,
+                          const Tensor& k_buffer, const Tensor& v_buffer, const Tensor& out_cache_loc,
+                          const Tensor& req_to_token, const Tensor& req_pool_indices, const Tensor& seq_lens,
+                          const std::optional<Tensor>& extend_lens, int64_t num_heads, int64_t num_kv_heads,
+                          double scale) {
   const int64_t layers = static_cast<int64_t>(layer_kinds.size()) / kLayerKinds;
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(layer_kinds.size()) == layers * kLayerKinds &&
                   static_cast<int64_t>(layer_params.size()) == layers * kLayerParams,
@@ -221,7 +224,20 @@ Tensor model_forward(const Tensor& input_ids, const Tensor& positions, const Ten
   }
   hidden = std::get<0>(add_rms_norm(hidden, *residual, norm, eps));
   if (last_index.has_value()) hidden = hidden.index({*last_index});  // runner/layers/logits.py compute_logits
-  return linear(hidden, head, head_kind, "lm_head").to(at::kFloat);
+  return linear(hidden, head, head_kind, "lm_head");
+}
+
+Tensor model_forward(const Tensor& input_ids, const Tensor& positions, const Tensor& embed, const Tensor& cos_table,
+                     const Tensor& sin_table, const OptList& layer_params, c10::IntArrayRef layer_kinds, double eps,
+                     double qk_eps, const Tensor& norm, const OptList& head, int64_t head_kind,
+                     const std::optional<Tensor>& last_index, const Tensor& k_buffer, const Tensor& v_buffer,
+                     const Tensor& out_cache_loc, const Tensor& req_to_token, const Tensor& req_pool_indices,
+                     const Tensor& seq_lens, const std::optional<Tensor>& extend_lens, int64_t num_heads,
+                     int64_t num_kv_heads, double scale) {
+  return model_forward_head(input_ids, positions, embed, cos_table, sin_table, layer_params, layer_kinds, eps, qk_eps,
+                            norm, head, head_kind, last_index, k_buffer, v_buffer, out_cache_loc, req_to_token,
+                            req_pool_indices, seq_lens, extend_lens, num_heads, num_kv_heads, scale)
+      .to(at::kFloat);
 }
 
 }  // namespace rollout_cpu

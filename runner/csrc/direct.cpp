@@ -95,8 +95,10 @@ std::tuple<Tensor, Tensor> sample_plain(const Tensor& logits, const Tensor& temp
 
 // A decode step of the overlap schedule as one call (runner/models/fused_layer.py run_sample): input_ids
 // first takes the step before's sampled ids (`fill_from`, rows `fill_index` of it when given), then
-// model_forward, then sample_plain on its logits -> (logits, ids, logprobs), the same functions on the same
-// tensors as the three calls they replace, with the GIL taken once instead of three times: each time a
+// model_forward, then sample_plain on its logits -> (logits in the model dtype, ids, logprobs), the same
+// functions on the same tensors as the three calls they replace (but for the logits' fp32 copy, which the
+// sampler makes a row block at a time: at 64 rows x 151,936 a [bs, vocab] fp32 copy is a fresh 39 MB
+// mapping faulted in every step), with the GIL taken once instead of three times: each time a
 // step gives it back, the scheduler thread's Python (building the next step meanwhile) may hold it.
 std::tuple<Tensor, Tensor, Tensor> model_forward_sample(
     const FusedWeights& w, const Tensor& input_ids, const Tensor& positions, const Tensor& embed,
@@ -115,7 +117,7 @@ std::tuple<Tensor, Tensor, Tensor> model_forward_sample(
         input_ids.copy_(*fill_from);
       }
     }
-    Tensor logits = rollout_cpu::model_forward(input_ids, positions, embed, cos_table, sin_table, w.layer_params,
+    Tensor logits = rollout_cpu::model_forward_head(input_ids, positions, embed, cos_table, sin_table, w.layer_params,
                                                w.layer_kinds, w.eps, w.qk_eps, norm, w.head, w.head_kind,
                                                last_index, k_buffer, v_buffer, out_cache_loc, req_to_token,
                                                req_pool_indices, seq_lens, extend_lens, w.num_heads,

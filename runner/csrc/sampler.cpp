@@ -167,8 +167,11 @@ namespace rollout_cpu {
 std::tuple<Tensor, Tensor> sample_plain(const Tensor& logits, const Tensor& temperatures, const Tensor& seeds,
                                         const std::optional<Tensor>& seed_mix, const Tensor& steps,
                                         bool all_greedy, bool has_greedy, bool need_temperature, bool want_logprobs) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat,
-              "sample_plain: logits must be CPU float32 [bs, vocab], got ", logits.scalar_type(), " ", logits.sizes());
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "sample_plain: logits must be CPU float32, bfloat16 or float16 [bs, vocab], got ", dtype, " ",
+              logits.sizes());
   const int64_t bs = logits.size(0), vocab = logits.size(1);
   for (const Tensor* t : {&temperatures, &seeds, &steps})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == bs, "sample_plain: per-row tensors must be [", bs, "], got ", t->sizes());
@@ -179,21 +182,22 @@ std::tuple<Tensor, Tensor> sample_plain(const Tensor& logits, const Tensor& temp
                                         seed_mix->scalar_type() == at::kLong),
               "sample_plain: seed_mix must be int64 [", bs, "]");
   const int64_t rows = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, vocab * 4));
+  // bf16/fp16 logits are widened to fp32 a block at a time (exactly: every such value is an fp32 value).
   if (bs <= rows)
-    return sample_block(logits, temperatures, seeds, seed_mix, steps, all_greedy, has_greedy, need_temperature,
-                        want_logprobs);
+    return sample_block(logits.to(at::kFloat), temperatures, seeds, seed_mix, steps, all_greedy, has_greedy,
+                        need_temperature, want_logprobs);
   const Tensor x = logits.contiguous();  // row blocks of it are contiguous too (first_argmax's fast path)
   std::vector<Tensor> ids, logprobs;
   for (int64_t r0 = 0; r0 < bs; r0 += rows) {
     const int64_t r1 = std::min(bs, r0 + rows);
     std::optional<Tensor> mix;
     if (seed_mix.has_value()) mix = seed_mix->slice(0, r0, r1);
-    auto [i, lp] = sample_block(x.slice(0, r0, r1), temperatures.slice(0, r0, r1), seeds.slice(0, r0, r1), mix,
+    auto [i, lp] = sample_block(x.slice(0, r0, r1).to(at::kFloat), temperatures.slice(0, r0, r1), seeds.slice(0, r0, r1), mix,
                                 steps.slice(0, r0, r1), all_greedy, has_greedy, need_temperature, want_logprobs);
     ids.push_back(i);
     logprobs.push_back(lp);
   }
-  return {at::cat(ids), want_logprobs ? at::cat(logprobs) : at::empty({0}, logits.options())};
+  return {at::cat(ids), want_logprobs ? at::cat(logprobs) : at::empty({0}, logits.options().dtype(at::kFloat))};
 }
 
 }  // namespace rollout_cpu

@@ -238,7 +238,7 @@ class FusedModel:
                    info) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode step in one GIL-free call: args' input ids first set to fill_from (rows fill_index of it,
         when given), then `run`, then the sampler's plain path (runner/sampler.py plain_rows must hold for
-        `info`) -> (logits [bs, vocab] fp32, ids [bs] int64, logprobs [bs] fp32 or empty)."""
+        `info`) -> (logits [bs, vocab] in the model dtype, ids [bs] int64, logprobs [bs] fp32 or empty)."""
         return self.direct.model_forward_sample(
             *args, fill_from, fill_index, info.temperatures, info.seeds, info.seed_mix, info.steps,
             info.is_all_greedy, info.has_greedy, info.need_temperature, info.need_logprobs)

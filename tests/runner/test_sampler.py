@@ -300,7 +300,8 @@ def test_plain_cpu_op_is_bitwise_the_python_path(cpu_direct, vocab):
 def test_plain_cpu_op_in_row_blocks_is_bitwise_the_whole_batch_python_path(cpu_direct):
     """A batch whose fp32 temporaries exceed the op's block budget (40 rows x 151,936, Qwen2.5's vocabulary:
     sampled in blocks of 13 rows) gives bit for bit the Python path's ids and logprobs over the whole batch,
-    for every kind of row mix, with a seed mix; a seed mix of the wrong size is refused, naming it."""
+    for every kind of row mix, with a seed mix, from fp32 logits and from bf16 ones (widened a block at a time);
+    a seed mix of the wrong size is refused, naming it."""
     fast = Sampler()
     fast.cpu_ops = cpu_direct
     bs, vocab = 40, 151936
@@ -318,6 +319,18 @@ def test_plain_cpu_op_in_row_blocks_is_bitwise_the_whole_batch_python_path(cpu_d
         got, ref = fast(logits, a), sampler(logits, b)
         assert torch.equal(got.next_token_ids, ref.next_token_ids), kind
         assert torch.equal(got.logprobs, ref.logprobs), kind
+        # bf16 logits (what the one-call decode step hands over): widened block by block, exactly as a whole
+        half = logits.to(torch.bfloat16)
+        c = _info(rows, vocab)
+        c.need_logprobs = True
+        c.seed_mix = a.seed_mix
+        ids_h, lps_h = cpu_direct.sample_plain(half, c.temperatures, c.seeds, c.seed_mix, c.steps, c.is_all_greedy,
+                                               c.has_greedy, c.need_temperature, True)
+        d = _info(rows, vocab)
+        d.need_logprobs = True
+        d.seed_mix = a.seed_mix
+        ref_h = sampler(half.float(), d)
+        assert torch.equal(ids_h, ref_h.next_token_ids) and torch.equal(lps_h, ref_h.logprobs), kind
     info = _info(rows, vocab)
     with pytest.raises(RuntimeError, match="seed_mix"):
         cpu_direct.sample_plain(logits, info.temperatures, info.seeds, torch.zeros(bs + 1, dtype=torch.int64),
