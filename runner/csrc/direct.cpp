@@ -117,11 +117,11 @@ std::tuple<Tensor, Tensor, Tensor> model_forward_sample(
         input_ids.copy_(*fill_from);
       }
     }
-    Tensor logits = rollout_cpu::model_forward_head(input_ids, positions, embed, cos_table, sin_table, w.layer_params,
-                                               w.layer_kinds, w.eps, w.qk_eps, norm, w.head, w.head_kind,
-                                               last_index, k_buffer, v_buffer, out_cache_loc, req_to_token,
-                                               req_pool_indices, seq_lens, extend_lens, w.num_heads,
-                                               w.num_kv_heads, w.scale);
+    Tensor logits = rollout_cpu::model_forward_head(input_ids, positions, embed, cos_table, sin_table,
+                                                    w.layer_params, w.layer_kinds, w.eps, w.qk_eps, norm, w.head,
+                                                    w.head_kind, last_index, k_buffer, v_buffer, out_cache_loc,
+                                                    req_to_token, req_pool_indices, seq_lens, extend_lens,
+                                                    w.num_heads, w.num_kv_heads, w.scale);
     auto [ids, logprobs] = rollout_cpu::sample_plain(logits, temperatures, seeds, seed_mix, steps, all_greedy,
                                                      has_greedy, need_temperature, want_logprobs);
     return std::make_tuple(logits, ids, logprobs);

@@ -34,7 +34,8 @@ at::Tensor model_forward_head(const at::Tensor& input_ids, const at::Tensor& pos
                               const std::optional<at::Tensor>& extend_lens, int64_t num_heads, int64_t num_kv_heads,
                               double scale);
 
-// sampler.cpp: the plain sampling path (logits fp32, or bf16/fp16 widened row block by row block) -> (ids [bs] int64, logprobs [bs] fp32 or empty).
+// sampler.cpp: the plain sampling path (logits fp32, or bf16/fp16 widened row block by row block)
+// -> (ids [bs] int64, logprobs [bs] fp32 or empty).
 std::tuple<at::Tensor, at::Tensor> sample_plain(const at::Tensor& logits, const at::Tensor& temperatures,
                                                 const at::Tensor& seeds, const std::optional<at::Tensor>& seed_mix,
                                                 const at::Tensor& steps, bool all_greedy, bool has_greedy,

@@ -182,22 +182,20 @@ std::tuple<Tensor, Tensor> sample_plain(const Tensor& logits, const Tensor& temp
                                         seed_mix->scalar_type() == at::kLong),
               "sample_plain: seed_mix must be int64 [", bs, "]");
   const int64_t rows = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, vocab * 4));
-  // bf16/fp16 logits are widened to fp32 a block at a time (exactly: every such value is an fp32 value).
-  if (bs <= rows)
-    return sample_block(logits.to(at::kFloat), temperatures, seeds, seed_mix, steps, all_greedy, has_greedy,
-                        need_temperature, want_logprobs);
-  const Tensor x = logits.contiguous();  // row blocks of it are contiguous too (first_argmax's fast path)
   std::vector<Tensor> ids, logprobs;
-  for (int64_t r0 = 0; r0 < bs; r0 += rows) {
+  for (int64_t r0 = 0; r0 == 0 || r0 < bs; r0 += rows) {  // one block at least (an empty batch too)
     const int64_t r1 = std::min(bs, r0 + rows);
     std::optional<Tensor> mix;
     if (seed_mix.has_value()) mix = seed_mix->slice(0, r0, r1);
-    auto [i, lp] = sample_block(x.slice(0, r0, r1).to(at::kFloat), temperatures.slice(0, r0, r1), seeds.slice(0, r0, r1), mix,
-                                steps.slice(0, r0, r1), all_greedy, has_greedy, need_temperature, want_logprobs);
+    // bf16/fp16 logits are widened to fp32 a block at a time (exactly: every such value is an fp32 value).
+    auto [i, lp] = sample_block(logits.slice(0, r0, r1).to(at::kFloat), temperatures.slice(0, r0, r1),
+                                seeds.slice(0, r0, r1), mix, steps.slice(0, r0, r1), all_greedy, has_greedy,
+                                need_temperature, want_logprobs);
     ids.push_back(i);
     logprobs.push_back(lp);
   }
-  return {at::cat(ids), want_logprobs ? at::cat(logprobs) : at::empty({0}, logits.options().dtype(at::kFloat))};
+  if (ids.size() == 1) return {ids[0], logprobs[0]};
+  return {at::cat(ids), want_logprobs ? at::cat(logprobs) : logprobs[0]};
 }
 
 }  // namespace rollout_cpu
