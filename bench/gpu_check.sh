@@ -11,10 +11,13 @@
 # -v), so a phase that dies or times out loses nothing before it. All results also go to
 # $OUT/gpu_results.json (or /tmp/gpu_check_out without $OUT); the table is printed again at the end.
 # Wheels (no network there): on a networked machine, from the repo root,
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-#     --platform manylinux2014_x86_64 -d build/gpu_wheels flashinfer-python==0.6.13 \
-#     apache-tvm-ffi==0.1.15.post2 torch-memory-saver==0.0.10 ninja nvidia-ml-py einops tabulate click
-# and carry build/gpu_wheels.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d build/gpu_wheels flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 torch-memory-saver==0.0.10 \
+#     fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 \
+#     typing-inspection==0.4.2 uvicorn==0.55.0 orjson opentelemetry-api==1.45.2
+# and carry build/gpu_wheels (24 MB). The H200 image has the rest (ninja, einops, httpx, peft, ...); the
+# server's wheels are for the test of the HTTP server's CUDA-IPC update (fastapi 0.165 imports opentelemetry).
 set -u
 cd "$(dirname "$0")/.."
 MODE="${1:-quick}"

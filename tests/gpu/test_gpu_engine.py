@@ -49,9 +49,9 @@ def _engine(path, **kw):
     return Engine(str(path), **{**ENGINE_KW, **kw})
 
 
-def _run(engine):
+def _run(engine, prompts=PROMPTS):
     engine.flush_cache()
-    outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
 
 
