@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from runner.layers.linear import default_weight_loader, shard_view, tp_hf_shape, tp_narrow
+from runner.weights.snapshot import SnapshotStore
 
 # Present in some older checkpoints; derived, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -277,9 +278,9 @@ def load_weights_direct(model: nn.Module, named_tensors: Iterable[tuple[str, tor
 class WeightWriter:
     """All-or-nothing writes: `with WeightWriter() as w: w.write(target, tensor) ...`.
 
-    Each slice is snapshotted (on the host, so a device near full can still take an update) right
-    before it is written, so the extra memory is what this update touched, never the whole model
-    unless it touches all of it. If the block raises, every written slice gets its old value back and
+    Each slice is snapshotted right before it is written (runner/weights/snapshot.py: on its own device
+    while the device has room, else in pinned host memory), so the extra memory is what this update
+    touched, never the whole model unless it touches all of it. If the block raises, every written slice gets its old value back and
     the error is re-raised (as WeightUpdateError saying so); if putting them back fails too,
     WeightsCorruptedError names what may be mixed. `snapshot=False` (the initial load: there is
     nothing to go back to) skips both.
@@ -289,6 +290,7 @@ class WeightWriter:
         self.snapshot = snapshot
         self.written: set[str] = set()
         self._undo: list[tuple[LoadTarget, torch.Tensor]] = []
+        self.snapshots = SnapshotStore()
 
     def __enter__(self) -> WeightWriter:
         return self
@@ -297,12 +299,12 @@ class WeightWriter:
     def protect(self, target: LoadTarget) -> None:
         """Snapshot a slice that code outside this writer (a custom loader) may write."""
         if self.snapshot:
-            self._undo.append((target, target.view().to("cpu", copy=True)))
+            self._undo.append((target, self.snapshots.take(target.view())))
 
     @torch.no_grad()
     def write(self, target: LoadTarget, tensor: torch.Tensor) -> None:
         if self.snapshot:
-            self._undo.append((target, target.view().to("cpu", copy=True)))
+            self._undo.append((target, self.snapshots.take(target.view())))
         loader = getattr(target.param, "weight_loader", default_weight_loader)
         self.written.add(target.hf_name)  # before the call: a failing copy may have written part of it
         try:
@@ -316,7 +318,7 @@ class WeightWriter:
         """flat[positions] = values (positions None: every element), where `flat` is a 1-D view of the
         storage of `target`'s slice (a sparse delta). Only those elements are snapshotted."""
         if self.snapshot:
-            old = (flat if positions is None else flat[positions]).to("cpu", copy=True)
+            old = self.snapshots.take(flat) if positions is None else self.snapshots.take(flat[positions], owned=True)
             self._undo.append((target, _Elements(flat, positions, old)))
         self.written.add(target.hf_name)
         try:
@@ -331,7 +333,10 @@ class WeightWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         undo, self._undo = self._undo, []  # dropped on every exit: the snapshot lives only this long
         if exc is None or not self.snapshot:
+            del undo
+            self.snapshots.close()
             return
+        num_restored = len(undo)
         try:
             for target, old in reversed(undo):
                 restore(target, old)
@@ -340,8 +345,12 @@ class WeightWriter:
             raise WeightsCorruptedError(
                 f"{exc}; restoring the old values failed too ({type(e).__name__}: {e}): {len(mixed)} "
                 f"tensors may hold a mix of old and new weights", mixed) from exc
+        finally:
+            undo.clear()
+            self.snapshots.close()
         if isinstance(exc, Exception):
-            restored = f"the {len(undo)} tensors written so far were restored" if undo else "nothing was written"
+            restored = (f"the {num_restored} tensors written so far were restored" if num_restored
+                        else "nothing was written")
             raise WeightUpdateError(f"{exc}; {restored}, the weights are unchanged") from exc
 
 
