@@ -96,10 +96,19 @@ def phase_throughput(args, root: Path) -> dict:
     eng = engine(path, max_running_requests=args.batch, mem_fraction_static=0.85)
     init_s = time.perf_counter() - t0
     eng.generate(input_ids=ids[:8], sampling_params={**sp, "max_new_tokens": 8})  # warm-up (JIT, allocator)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = eng.generate(input_ids=ids, sampling_params=sp)
-    ours = time.perf_counter() - t0
+    ours, ours_cpu = time.perf_counter() - t0, time.process_time() - c0
     assert all(len(o["output_ids"]) == args.out for o in outs)
+    # The decode step alone: the run minus a 1-token run of the same prompts, per extra token. CPU seconds
+    # (every thread of this process) near the wall seconds say the step is bound by host work.
+    eng.flush_cache()
+    t0, c0 = time.perf_counter(), time.process_time()
+    eng.generate(input_ids=ids, sampling_params={**sp, "max_new_tokens": 1})
+    one, one_cpu = time.perf_counter() - t0, time.process_time() - c0
+    step_ms = (ours - one) / (args.out - 1) * 1e3
+    step_cpu_ms = (ours_cpu - one_cpu) / (args.out - 1) * 1e3
+    profile_while_generating(eng, ids, sp)
     backend = type(eng.runner.attn_backend).__name__
     graphs = eng.runner.graph_runner is not None
     eng.shutdown()
@@ -126,7 +135,25 @@ def phase_throughput(args, root: Path) -> dict:
     tokens = args.batch * args.out
     return dict(phase="throughput", shape=args.shape, batch=args.batch, in_len=args.in_len, out=args.out,
                 backend=backend, cuda_graphs=graphs, engine_init_s=round(init_s, 1),
-                engine_tok_s=round(tokens / ours), hf_tok_s=round(tokens / theirs), ratio=round(theirs / ours, 2))
+                engine_tok_s=round(tokens / ours), hf_tok_s=round(tokens / theirs), ratio=round(theirs / ours, 2),
+                decode_step_ms=round(step_ms, 3), decode_step_cpu_ms=round(step_cpu_ms, 3))
+
+
+def profile_while_generating(eng, ids, sp) -> None:
+    """With GPU_BENCH_PROFILE=PATH (gpu_check.sh), generate untimed for a few seconds with PATH.go present:
+    the script attaches py-spy to this process while the marker exists (never to a timed run)."""
+    marker = os.environ.get("GPU_BENCH_PROFILE")
+    if not marker:
+        return
+    go = Path(marker + ".go")
+    go.write_text(str(os.getpid()))
+    try:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 8.0:
+            eng.flush_cache()
+            eng.generate(input_ids=ids, sampling_params=sp)
+    finally:
+        go.unlink(missing_ok=True)
 
 
 # ---- GEMM chain vs decode step -------------------------------------------------------------------

@@ -15,8 +15,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d build/gpu_wheels flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 torch-memory-saver==0.0.10 \
 #     fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 \
-#     typing-inspection==0.4.2 uvicorn==0.55.0 orjson opentelemetry-api==1.45.2
-# and carry build/gpu_wheels (24 MB). The H200 image has the rest (ninja, einops, httpx, peft, ...); the
+#     typing-inspection==0.4.2 uvicorn==0.55.0 orjson opentelemetry-api==1.45.2 py-spy
+# and carry build/gpu_wheels (27 MB; py-spy profiles the throughput phase, see bench()). The H200 image has the rest (ninja, einops, httpx, peft, ...); the
 # server's wheels are for the test of the HTTP server's CUDA-IPC update (fastapi 0.165 imports opentelemetry).
 set -u
 cd "$(dirname "$0")/.."
@@ -94,8 +94,22 @@ bench() {  # bench NAME TIMEOUT ARGS...
   local name=$1 t=$2; shift 2
   local log="$OUT_DIR/bench_$name.log"
   stamp "$name: gpu_bench $* (limit ${t}s)"
+  local marker="/tmp/gpu_bench_profile_$name" watcher=""
+  rm -f "$marker.go"
+  if [ "$name" = throughput-0.5b ] && command -v py-spy >/dev/null; then
+    # The throughput phase generates untimed for ~8 s while $marker.go exists: py-spy samples every
+    # thread of it then (never a timed run). A py-spy that cannot attach costs only its profile.
+    export GPU_BENCH_PROFILE="$marker"
+    ( for _ in $(seq 1 $((t * 5))); do [ -f "$marker.go" ] && break; sleep 0.2; done
+      [ -f "$marker.go" ] && timeout 20 py-spy record --pid "$(cat "$marker.go")" --duration 6 --rate 200 \
+        --format raw --threads --nonblocking -o "$OUT_DIR/pyspy_$name.txt" >"$OUT_DIR/pyspy_$name.log" 2>&1 ) &
+    watcher=$!
+  else
+    unset GPU_BENCH_PROFILE
+  fi
   LD_PRELOAD="$PRELOAD" timeout -k 5 "$t" python3 -m bench.gpu_bench --json "$RESULTS" "$@" >"$log" 2>&1
   local rc=$?
+  if [ -n "$watcher" ]; then kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null; unset GPU_BENCH_PROFILE; fi
   grep '^ROW ' "$log" | sed "s/^/[gpu_check $MODE] /"
   grep -q '^ROW ' "$log" || fail_row "$name" "$rc" "$log"
 }
@@ -106,7 +120,7 @@ if [ "$MODE" != long ]; then
   export GPU_TEST_RESULTS="$OUT_DIR/gpu_tests.jsonl"
   rm -f "$GPU_TEST_RESULTS"
   LD_PRELOAD="$PRELOAD" timeout -k 5 "$T_TESTS" python3 -m pytest -v -rA -m gpu -p no:cacheprovider tests/gpu \
-    --timeout 120 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} -o junit_family=xunit1 --junitxml="$OUT_DIR/gpu_tests.xml" >"$OUT_DIR/gpu_tests.log" 2>&1
+    --timeout 120 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} >"$OUT_DIR/gpu_tests.log" 2>&1
   TESTS_RC=$?
   PASSED=$(grep -c '"outcome": "passed"' "$GPU_TEST_RESULTS" 2>/dev/null); PASSED=${PASSED:-0}
   FAILED=$(grep -c '"outcome": "failed"' "$GPU_TEST_RESULTS" 2>/dev/null); FAILED=${FAILED:-0}
