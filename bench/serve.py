@@ -90,6 +90,12 @@ def tree_cpu_s(pid: int) -> tuple[float | None, float | None]:
     return (None if own is None else own + kids_s), kids_s
 
 
+def step_counts(before: dict, after: dict) -> dict:
+    """Prefill and decode steps between two get_server_info replies: how the requests were batched."""
+    return {k.removeprefix("num_").removesuffix("_steps"): after.get(k, 0) - before.get(k, 0)
+            for k in ("num_prefill_steps", "num_decode_steps")}
+
+
 def summary(name: str, wall: float, results: list[tuple[float, float, int, str]], n: int, **cpu) -> dict:
     lat = [r[0] for r in results]
     ttft = [r[1] for r in results]
@@ -99,7 +105,8 @@ def summary(name: str, wall: float, results: list[tuple[float, float, int, str]]
                tok_per_s=round(tokens / wall, 1), p50_latency_ms=round(1e3 * statistics.median(lat), 1),
                p99_latency_ms=round(1e3 * pct(lat, 0.99), 1), p50_ttft_ms=round(1e3 * statistics.median(ttft), 1),
                p99_ttft_ms=round(1e3 * pct(ttft, 0.99), 1),
-               **{k: None if v is None else round(v, 2) for k, v in cpu.items()}, load_avg=os.getloadavg()[0])
+               **{k: v if v is None or isinstance(v, dict) else round(v, 2) for k, v in cpu.items()},
+               load_avg=os.getloadavg()[0])
     print(json.dumps(out), flush=True)
     return out
 
@@ -234,17 +241,20 @@ def main() -> None:
             asyncio.run(run_engine(engine, reqs[: args.concurrency], args.concurrency, args.timeout))
             for i in range(args.repeat):
                 httpx.post(url + "/flush_cache", timeout=30)
+                steps0 = httpx.get(url + "/get_server_info", timeout=30).json()
                 (server0, engine0), client0 = tree_cpu_s(proc.pid), own_cpu_s()
                 wall, results = asyncio.run(run(url, reqs, args.concurrency, args.timeout))
                 client_s, (server1, engine1) = own_cpu_s() - client0, tree_cpu_s(proc.pid)
+                steps1 = httpx.get(url + "/get_server_info", timeout=30).json()
                 http = summary(f"http ({args.client} client, {layout}), pair {i + 1}", wall, results, len(reqs),
                                client_cpu_s=client_s,
                                server_cpu_s=None if server0 is None or server1 is None else server1 - server0,
-                               engine_process_cpu_s=engine1 - engine0)
+                               engine_process_cpu_s=engine1 - engine0, steps=step_counts(steps0, steps1))
                 engine.flush_cache()
-                cpu0 = own_cpu_s()
+                steps0, cpu0 = engine.get_server_info(), own_cpu_s()
                 wall, results = asyncio.run(run_engine(engine, reqs, args.concurrency, args.timeout))
-                inproc = summary(f"engine, pair {i + 1}", wall, results, len(reqs), engine_cpu_s=own_cpu_s() - cpu0)
+                inproc = summary(f"engine, pair {i + 1}", wall, results, len(reqs), engine_cpu_s=own_cpu_s() - cpu0,
+                                 steps=step_counts(steps0, engine.get_server_info()))
                 ratios.append(http["tok_per_s"] / inproc["tok_per_s"])
                 pairs.append((http, inproc))
             # Which schedule each side ran (both take the same default from the same flags).

@@ -178,7 +178,7 @@ def extend_batch(items: list[tuple[Req, int, int]], out_cache_loc: torch.Tensor,
     """items: (req, start, num_new) — tokens fill_ids[start:start+num_new] are computed this step."""
     input_ids, positions, seq_lens = [], [], []
     for req, start, n in items:
-        input_ids.extend(req.fill_ids[start : start + n])
+        input_ids.extend(_tokens(req, start, n))
         positions.extend(range(start, start + n))
         seq_lens.append(start + n)
     as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
@@ -219,6 +219,16 @@ def decode_batch(reqs: list[Req], out_cache_loc: torch.Tensor, device, pending: 
         lora_ids=_lora_ids(reqs),
         final_seq_lens_cpu=[_final_len(r) for r in reqs],
     )
+
+
+def _tokens(req: Req, start: int, n: int) -> list[int]:
+    """fill_ids[start:start + n] without building fill_ids (a mixed step's running row is one output token)."""
+    num_prompt = len(req.prompt_ids)
+    if start >= num_prompt:
+        return req.output_ids[start - num_prompt : start - num_prompt + n]
+    if start + n <= num_prompt:
+        return req.prompt_ids[start : start + n]
+    return req.fill_ids[start : start + n]
 
 
 def _lora_ids(reqs: list[Req]) -> list[int | None] | None:

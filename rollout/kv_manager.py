@@ -91,9 +91,22 @@ class KVManager:
         req.num_allocated = req.num_computed + n
 
     def extend_locs(self, items: list[tuple[Req, int, int]]) -> torch.Tensor:
-        """The slots alloc_extend wrote for each (req, start, n), gathered on the device (no host read)."""
+        """The slots written for each (req, start, n), gathered on the device (no host read): a slice per
+        chunk, and one gather for each run of one-token rows (a mixed step's running requests)."""
         rows = self.req_pool.req_to_token
-        return torch.cat([rows[r.req_pool_idx, s : s + n] for r, s, n in items])  # [sum n]
+        parts: list[torch.Tensor] = []
+        singles: list[tuple[int, int]] = []
+        for r, s, n in items + [(None, 0, 0)]:  # the sentinel flushes the last run of singles
+            if n == 1:
+                singles.append((r.req_pool_idx, s))
+                continue
+            if singles:
+                at = torch.tensor(singles, dtype=torch.int64).to(self.device).t()  # [2, k]: rows, positions
+                parts.append(rows[at[0], at[1]])
+                singles = []
+            if n:
+                parts.append(rows[r.req_pool_idx, s : s + n])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # [sum n]
 
     def alloc_decode(self, reqs: list[Req], pending: int = 0) -> torch.Tensor:
         """One slot per request for the token at position seq_len - 1 + pending (pending: tokens sampled by

@@ -93,6 +93,10 @@ class SchedulerConfig:
     # the scheduler thread to distinct CPUs (rollout.thread_pinning says why: unpinned, a run lands on
     # one core or two by chance, 0.83x or 1.3x the plain schedule on the tiny preset).
     cpu_pin_overlap_threads: bool = True
+    # SGLang's --enable-mixed-chunk: a step that admits prompts also carries every running request's next
+    # token (one forward), instead of a prefill step during which the running requests wait. Plain schedule
+    # only (the overlap schedule keeps its own decode steps), never with enable_deterministic_inference.
+    enable_mixed_chunk: bool = False
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:
@@ -104,6 +108,8 @@ class SchedulerConfig:
                              f"(None: on for CUDA, on the CPU where it measured faster)")
         if not isinstance(self.cpu_pin_overlap_threads, bool):
             raise ValueError(f"cpu_pin_overlap_threads={self.cpu_pin_overlap_threads!r} must be a bool")
+        if not isinstance(self.enable_mixed_chunk, bool):
+            raise ValueError(f"enable_mixed_chunk={self.enable_mixed_chunk!r} must be a bool")
 
 
 class _Sampled(NamedTuple):
@@ -155,7 +161,7 @@ class Scheduler:
         self.stop_checker = stop_checker  # (req) -> matched stop string or None
         self.stats = dict(num_prefill_steps=0, num_decode_steps=0, num_prefill_tokens=0, num_cached_tokens=0,
                           num_prompt_tokens=0, num_generated_tokens=0, num_retractions=0, num_evicted_tokens=0,
-                          num_failed_requests=0, num_overlapped_steps=0)
+                          num_failed_requests=0, num_overlapped_steps=0, num_mixed_steps=0)
         req_pool = runner.req_to_token_pool
         self.kv = KVManager(req_pool, runner.token_to_kv_pool, runner.device, not config.disable_radix_cache,
                             self.stats)
@@ -196,6 +202,11 @@ class Scheduler:
             one_thread = torch.get_num_threads() == 1 or (model is not None and _steps_on_one_thread(model))
             pin = (config.cpu_pin_overlap_threads and getattr(runner.device, "type", None) == "cpu" and one_thread)
             self.overlap = OverlapDecoder(self, OverlapPinning(pin))
+        # Mixed steps: the plain schedule only, and not where a token's numerics must not depend on its
+        # batch-mates (the deterministic mode runs decode rows through the decode path only).
+        self.mix = (config.enable_mixed_chunk and self.overlap is None
+                    and not getattr(runner_cfg, "enable_deterministic_inference", False))
+        self._kv_reserve = 0  # KV slots held back for the running requests while a mixed step is planned
 
     # Read-only views for callers that inspect the cache (tests, server info); writes go through self.kv.
     @property
@@ -334,6 +345,10 @@ class Scheduler:
             self._set_step_threads()
         if self.overlap is not None and self.overlap.ahead is not None:
             return self.overlap.advance()
+        if (self.waiting or self.chunked_req) and self.mix and self.running:
+            mixed = self._run_mixed()
+            if mixed is not None:
+                return mixed + self._drain_failed()
         if self.waiting or self.chunked_req:
             interleave = self.last_step_was_chunk and self.running  # don't stall decodes on a long prompt
             if not interleave:
@@ -366,8 +381,17 @@ class Scheduler:
         if overlap is not None and not overlap.worker.is_current_thread():
             overlap.pinning.pin_scheduler()  # the worker pins itself (OverlapDecoder)
 
-    def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
-        budget = self.config.chunked_prefill_size
+    def _schedule_prefill(self, reserve: int = 0) -> list[tuple[Req, int, int]]:
+        """The prompt chunks of the next step. reserve: tokens of the chunk budget and KV slots kept for
+        the running requests of a mixed step."""
+        budget = self.config.chunked_prefill_size - reserve
+        self._kv_reserve = reserve
+        try:
+            return self._schedule_prefill_within(budget)
+        finally:
+            self._kv_reserve = 0
+
+    def _schedule_prefill_within(self, budget: int) -> list[tuple[Req, int, int]]:
         items: list[tuple[Req, int, int]] = []
         trie = _PrefixTrie()
         # LoRA: a batch holds at most max_loras_per_batch adapters; requests on another one wait.
@@ -416,7 +440,7 @@ class Scheduler:
             if req is not self.chunked_req:
                 self._requeue(req)
             return False
-        if self.kv.available_tokens() < take:
+        if self.kv.available_tokens() - self._kv_reserve < take:
             if req is not self.chunked_req:
                 self._requeue(req)
             if not items and not self.running:
@@ -439,10 +463,34 @@ class Scheduler:
                              f"({req.seq_len} tokens); raise max_total_tokens"))
         self._failed.append(req)
 
-    def _run_prefill(self, items: list[tuple[Req, int, int]]) -> list[Req]:
+    def _run_mixed(self) -> list[Req] | None:
+        """One EXTEND forward of the prompt chunks to admit plus each running request's next token (a
+        one-token extend over its cached sequence), or None (nothing to admit, or no KV slot to spare for
+        the running requests: the caller falls back to the separate steps)."""
+        num_running = len(self.running)
+        if self.kv.available_tokens() <= num_running or self.config.chunked_prefill_size <= num_running:
+            return None
+        items = self._schedule_prefill(reserve=num_running)
+        if not items:
+            return None
+        self.running.sort(key=lambda r: r.admitted_order)
+        decoding = list(self.running)
+        # One slot each for its one uncomputed token, fill_ids[seq_len - 1], written into the rows at once.
+        locs = self.kv.alloc_decode(decoding)
+        at = torch.tensor([[r.req_pool_idx for r in decoding], [r.seq_len - 1 for r in decoding]],
+                          dtype=torch.int64).to(self.runner.device)
+        self.kv.write_decode(at[0], at[1], locs)
+        self.stats["num_mixed_steps"] += 1  # counted as a prefill step too (_run_prefill)
+        return self._run_prefill(items, [(req, req.num_computed, 1) for req in decoding])
+
+    def _run_prefill(self, items: list[tuple[Req, int, int]],
+                     decoding: list[tuple[Req, int, int]] = ()) -> list[Req]:
+        """items: the prompt chunks; decoding: running requests' one-token rows riding in a mixed step."""
         self.stats["num_prefill_steps"] += 1
         self.stats["num_prefill_tokens"] += sum(n for _, _, n in items)
         self.last_step_was_chunk = False
+        running = {id(req) for req, _, _ in decoding}
+        items = list(items) + list(decoding)
 
         def run(sub: list[tuple[Req, int, int]]) -> list[_Sampled]:
             rows = prompt_logprob_rows(sub, self.runner.device)
@@ -457,6 +505,10 @@ class Scheduler:
                 continue
             try:
                 req.num_computed = start + n
+                if id(req) in running:
+                    self._append_token(req, res)
+                    updated.append(req)
+                    continue
                 req.input_logprobs.update(res.prompt or ())
                 if req.num_computed < req.seq_len:  # a chunk; more to come
                     self.kv.cache_unfinished(req)
