@@ -236,6 +236,26 @@ def test_extend_kernel_is_causal_over_prefix_and_new_tokens(op, dtype):
         start += n
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d, heads", [(64, (14, 2)), (128, (4, 4)), (16, (7, 1)), (96, (6, 2))])
+def test_extend_is_bitwise_the_decode_op_per_token(op, dtype, d, heads):
+    """Each new token of an extend gets exactly the bits the decode op gives it attended alone over its own
+    prefix (so a sequence's KV does not depend on whether its tokens were prefilled or decoded): runs of
+    1-3 new tokens, 4-8, long chunks, prefixes shared and not."""
+    hq, hkv = heads
+    lens, new = [40, 300, 3, 77, 19, 5], [40, 131, 2, 21, 4, 1]
+    q, k, v, r2t, rows, seq = _case(dtype, d, hq, hkv, lens, seed=5, share_prefix=3)
+    q = torch.randn(sum(new), hq, d, generator=torch.Generator().manual_seed(6)).to(dtype)
+    out = cpu_decode.paged_attention(op, q, k, v, r2t, rows, seq, torch.tensor(new), 0.125)
+    start = 0
+    for b, (n_all, n) in enumerate(zip(lens, new)):
+        for j in range(n):
+            seen = torch.tensor([n_all - n + j + 1])
+            one = _decode(op, q[start + j:start + j + 1], k, v, r2t, rows[b:b + 1], seen, 0.125)
+            assert torch.equal(out[start + j], one[0]), f"request {b}, new token {j}"
+        start += n
+
+
 @pytest.mark.parametrize("ext, message", [
     ([4, 5], r"extend_lens\[0\] = 4 is outside \[1, seq_lens\[0\] = 3\]"),
     ([0, 5], r"extend_lens\[0\] = 0 is outside"),
