@@ -3,13 +3,15 @@
 #   bash bench/gpu_check.sh          quick (default): wheels, the gpu-marked tests, the 0.5B rows
 #   bash bench/gpu_check.sh long     a second call: the 7B rows, the memory/IPC phase, the engine-process row
 #   bash bench/gpu_check.sh first    one call for a session with a single short lease: the tests, the 0.5B
-#                                    throughput row and the 7B memory row (the most asked-for figures)
+#                                    throughput row (py-spy profile of it when carried), the 7B memory row and
+#                                    the 0.5B GEMM floor at batch 256 (the throughput row's step against it)
 # GPU_TESTS_K="expr" narrows the test phase to pytest -k expr (a rerun of what failed); each test is cut at 120 s.
 # The phase timeouts of each mode add up to <= 420 s (printed at the start). Every phase prints its
 # table row ("ROW | ... |"), or its failure with the reason, the moment it ends; test results are written
 # as each test completes ($OUT/gpu_tests.jsonl, one JSON line per test, and $OUT/gpu_tests.log, pytest -rA
 # -v), so a phase that dies or times out loses nothing before it. All results also go to
 # $OUT/gpu_results.json (or /tmp/gpu_check_out without $OUT); the table is printed again at the end.
+# The device tool brings back at most 8 files from $OUT: `first` writes 7 (add no more than one of your own).
 # Wheels (no network there): on a networked machine, from the repo root,
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -30,11 +32,12 @@ START=$(date +%s)
 stamp() { echo "[gpu_check $MODE +$(( $(date +%s) - START ))s] $*"; }
 
 # Phase timeouts (seconds). quick: 30 + 180 + 90 + 40 + 40 + 40 = 420. long: 30 + 150 + 60 + 120 + 60 = 420.
-# first: 30 + 240 + 90 + 120 = 480 (the first test pays flashinfer's JIT builds).
+# first: 30 + 180 + 90 + 120 + 40 = 460 (the first test pays flashinfer's JIT builds: the tests took 85 s
+# on the first H200 run).
 T_WHEELS=30
 if [ "$MODE" = first ]; then
-  T_TESTS=240; T_TPUT=90; T_MEM=120
-  BUDGET=$((T_WHEELS + T_TESTS + T_TPUT + T_MEM))
+  T_TESTS=180; T_TPUT=90; T_MEM=120; T_GEMM256=40
+  BUDGET=$((T_WHEELS + T_TESTS + T_TPUT + T_MEM + T_GEMM256))
 elif [ "$MODE" = quick ]; then
   T_TESTS=180; T_TPUT=90; T_GEMM64=40; T_GEMM256=40; T_PREFILL=40
   BUDGET=$((T_WHEELS + T_TESTS + T_TPUT + T_GEMM64 + T_GEMM256 + T_PREFILL))
@@ -102,14 +105,17 @@ bench() {  # bench NAME TIMEOUT ARGS...
     export GPU_BENCH_PROFILE="$marker"
     ( for _ in $(seq 1 $((t * 5))); do [ -f "$marker.go" ] && break; sleep 0.2; done
       [ -f "$marker.go" ] && timeout 20 py-spy record --pid "$(cat "$marker.go")" --duration 6 --rate 200 \
-        --format raw --threads --nonblocking -o "$OUT_DIR/pyspy_$name.txt" >"$OUT_DIR/pyspy_$name.log" 2>&1 ) &
+        --format raw --threads --nonblocking -o "$OUT_DIR/pyspy_$name.txt" >"/tmp/pyspy_$name.log" 2>&1 ) &
     watcher=$!
   else
     unset GPU_BENCH_PROFILE
   fi
   LD_PRELOAD="$PRELOAD" timeout -k 5 "$t" python3 -m bench.gpu_bench --json "$RESULTS" "$@" >"$log" 2>&1
   local rc=$?
-  if [ -n "$watcher" ]; then kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null; unset GPU_BENCH_PROFILE; fi
+  if [ -n "$watcher" ]; then  # py-spy's own lines (or why it failed) join the phase's log: $OUT holds 8 files
+    kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null; unset GPU_BENCH_PROFILE
+    cat "/tmp/pyspy_$name.log" >>"$log" 2>/dev/null
+  fi
   grep '^ROW ' "$log" | sed "s/^/[gpu_check $MODE] /"
   grep -q '^ROW ' "$log" || fail_row "$name" "$rc" "$log"
 }
@@ -132,6 +138,7 @@ fi
 if [ "$MODE" = first ]; then
   bench throughput-0.5b "$T_TPUT" --phase throughput --shape 0.5b --batch 256 --in 128 --out 256
   bench memory-7b "$T_MEM" --phase memory --shape 7b
+  bench gemm-0.5b-256 "$T_GEMM256" --phase gemm --shape 0.5b --batch 256
 elif [ "$MODE" = quick ]; then
 
   # ---- 0.5B rows -----------------------------------------------------------------------------------
