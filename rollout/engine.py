@@ -39,6 +39,7 @@ from rollout.request import FinishReason, Req
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.scheduler_loop import run_scheduler_loop
+from rollout.score_api import ScoreAPI
 from rollout.sglang_generate_args import check_generate_args
 from rollout.step_gate import StepGate
 from rollout.tokenizer import TokenizerWrapper
@@ -83,7 +84,7 @@ def prompt_token_ids(tokenizer: TokenizerWrapper, prompt, input_ids) -> tuple[li
 WAITING_ABORT_MESSAGE = "Abort in waiting queue"  # abort_request's message for requests not running (SGLang's)
 
 
-class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI):
+class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, ScoreAPI):
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.args = EngineArgs.from_kwargs(model_path, **kwargs)
         pause_timeout_s = timeout_from_env()  # before anything is built: a bad value leaks nothing

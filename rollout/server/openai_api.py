@@ -1,4 +1,5 @@
-"""OpenAI-compatible /v1/models, /v1/completions and /v1/chat/completions over the in-process Engine.
+"""OpenAI-compatible /v1/models, /v1/completions and /v1/chat/completions over the in-process Engine, and
+SGLang's /v1/score (rollout/score_api.py).
 
 The official `openai` Python client works unchanged against these routes: bodies, streaming chunks
 (`data: {...}` then `data: [DONE]`), `n`, `stop`, `seed`, `logprobs` and `usage` follow the OpenAI API
@@ -27,8 +28,9 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from rollout.score_api import async_score
 from rollout.server.chat_template import ChatTemplate, NoChatTemplate, resolve_chat_template
-from rollout.server.common import JSONResponse, error_response
+from rollout.server.common import JSONResponse, engine_error, error_response
 from rollout.server.lora import adapter_cards
 from rollout.server.native import check_n
 from rollout.server.openai_engine import (
@@ -45,7 +47,7 @@ from rollout.server.openai_engine import (
     token_text,
     usage_of,
 )
-from rollout.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from rollout.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ScoreRequest
 
 router = APIRouter()
 
@@ -277,3 +279,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n))
 
     return sse_response(closing(events(), merged))
+
+
+# ---- /v1/score (SGLang's scoring API; rollout/score_api.py) ------------------------------------------
+@router.post("/v1/score")
+async def score(req: ScoreRequest, request: Request):
+    try:
+        scores = await async_score(request.app.state.engine, req.query, req.items, req.label_token_ids,
+                                   req.apply_softmax, req.item_first)
+    except Exception as e:  # a bad argument is a 400 naming it (engine_error)
+        return engine_error(e)
+    return JSONResponse({"scores": scores, "model": _model_name(request), "usage": None, "object": "scoring"})

@@ -113,3 +113,13 @@ class ChatCompletionRequest(SamplingFields):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     reasoning_effort: None = None
+
+
+class ScoreRequest(Body):
+    """/v1/score (SGLang's): the next-token probabilities of label_token_ids after query + item, per item."""
+    model: str | None = None
+    query: str | list[int] | None = None
+    items: str | list[str] | list[int] | list[list[int]] | None = None
+    label_token_ids: list[int] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
