@@ -83,7 +83,7 @@ def _vocab_size(engine) -> int | None:
     return getattr(config, "vocab_size", None)
 
 
-def _encode(engine):
+def encoder(engine):
     def encode(text: str) -> list[int]:
         if getattr(engine.tokenizer, "tokenizer", None) is None:
             raise ValueError("text query/items need a tokenizer (the engine was built with skip_tokenizer_init); "
@@ -93,10 +93,8 @@ def _encode(engine):
     return encode
 
 
-async def async_score(engine, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
-                      item_first: bool = False) -> list[list[float]]:
-    """The scores through `engine.async_generate` (an Engine, or the HTTP server's engine client)."""
-    prompts = score_prompts(_encode(engine), query, items, label_token_ids, item_first, _vocab_size(engine))
+async def score_outputs(engine, prompts: list[list[int]], label_token_ids: list[int]) -> list[dict]:
+    """The generate outputs of score prompts (one prefill each) through `engine.async_generate`."""
     try:
         outs = await engine.async_generate(input_ids=prompts, sampling_params=dict(SCORE_SAMPLING),
                                            return_logprob=True, token_ids_logprob=list(label_token_ids))
@@ -105,7 +103,14 @@ async def async_score(engine, query=None, items=None, label_token_ids=None, appl
         if named is e:
             raise
         raise named from e
-    return scores_of(outs if isinstance(outs, list) else [outs], label_token_ids, apply_softmax)
+    return outs if isinstance(outs, list) else [outs]
+
+
+async def async_score(engine, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
+                      item_first: bool = False) -> list[list[float]]:
+    """The scores through `engine.async_generate` (an Engine, or the HTTP server's engine client)."""
+    prompts = score_prompts(encoder(engine), query, items, label_token_ids, item_first, _vocab_size(engine))
+    return scores_of(await score_outputs(engine, prompts, label_token_ids), label_token_ids, apply_softmax)
 
 
 def _named(e: ValueError) -> ValueError:
@@ -124,7 +129,7 @@ class ScoreAPI:
         """For each item, the probabilities of `label_token_ids` as the next token after query + item (item +
         query with item_first): over the whole vocabulary, or renormalised over the labels with apply_softmax.
         query and items are both text or both token ids; returns one list per item, in label order."""
-        prompts = score_prompts(_encode(self), query, items, label_token_ids, item_first, _vocab_size(self))
+        prompts = score_prompts(encoder(self), query, items, label_token_ids, item_first, _vocab_size(self))
         outs = self.generate(input_ids=prompts, sampling_params=dict(SCORE_SAMPLING), return_logprob=True,
                              token_ids_logprob=list(label_token_ids), show_progress=False)
         return scores_of(outs if isinstance(outs, list) else [outs], label_token_ids, apply_softmax)

@@ -28,9 +28,10 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from rollout.score_api import async_score
+from rollout.score_api import SCORE_SAMPLING, encoder, score_outputs, score_prompts, scores_of
+from rollout.server import limits
 from rollout.server.chat_template import ChatTemplate, NoChatTemplate, resolve_chat_template
-from rollout.server.common import JSONResponse, engine_error, error_response
+from rollout.server.common import JSONResponse, engine_error, error_response, run_blocking
 from rollout.server.lora import adapter_cards
 from rollout.server.native import check_n
 from rollout.server.openai_engine import (
@@ -284,9 +285,29 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 # ---- /v1/score (SGLang's scoring API; rollout/score_api.py) ------------------------------------------
 @router.post("/v1/score")
 async def score(req: ScoreRequest, request: Request):
+    """Prompts built (text joined and tokenized off the loop) and held to the server's limits like /generate's:
+    --max-n items, --max-request-bytes and the prompt and response bounds; then one prefill per item."""
+    engine = request.app.state.engine
+    items = req.items
+    single = isinstance(items, str) or (isinstance(items, list) and bool(items) and isinstance(items[0], int))
+    bad = check_n(request, 1 if single else len(items or []))
+    if bad is not None:
+        return bad
+    if isinstance(req.query, str) and isinstance(items, list) and all(isinstance(i, str) for i in items):
+        bad = limits.check_prompt_chars(request, [req.query + i for i in items])
+        if bad is not None:
+            return bad
     try:
-        scores = await async_score(request.app.state.engine, req.query, req.items, req.label_token_ids,
-                                   req.apply_softmax, req.item_first)
+        prompts = await run_blocking(request, score_prompts, encoder(engine), req.query, items, req.label_token_ids,
+                                     req.item_first)
+        bad = limits.check_work(request, prompts, dict(SCORE_SAMPLING), return_logprob=True,
+                                token_ids_logprob=req.label_token_ids)
+        if bad is not None:
+            return bad
+        outs = await score_outputs(engine, prompts, req.label_token_ids)
     except Exception as e:  # a bad argument is a 400 naming it (engine_error)
         return engine_error(e)
-    return JSONResponse({"scores": scores, "model": _model_name(request), "usage": None, "object": "scoring"})
+    usage = usage_of(outs, 1)
+    return JSONResponse({"scores": scores_of(outs, req.label_token_ids, req.apply_softmax),
+                         "model": _model_name(request), "object": "scoring",
+                         "usage": {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}})
