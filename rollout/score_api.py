@@ -24,6 +24,11 @@ def _is_ids(x) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
+def check_apply_softmax(apply_softmax) -> None:
+    if not isinstance(apply_softmax, bool):
+        raise ValueError(f"apply_softmax must be a bool, got {apply_softmax!r}")
+
+
 def score_prompts(encode, query, items, label_token_ids, item_first: bool = False,
                   vocab_size: int | None = None) -> list[list[int]]:
     """The token ids of each item's prompt, after checking every argument (ValueError naming it).
@@ -109,6 +114,7 @@ async def score_outputs(engine, prompts: list[list[int]], label_token_ids: list[
 async def async_score(engine, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
                       item_first: bool = False) -> list[list[float]]:
     """The scores through `engine.async_generate` (an Engine, or the HTTP server's engine client)."""
+    check_apply_softmax(apply_softmax)
     prompts = score_prompts(encoder(engine), query, items, label_token_ids, item_first, _vocab_size(engine))
     return scores_of(await score_outputs(engine, prompts, label_token_ids), label_token_ids, apply_softmax)
 
@@ -129,6 +135,7 @@ class ScoreAPI:
         """For each item, the probabilities of `label_token_ids` as the next token after query + item (item +
         query with item_first): over the whole vocabulary, or renormalised over the labels with apply_softmax.
         query and items are both text or both token ids; returns one list per item, in label order."""
+        check_apply_softmax(apply_softmax)
         prompts = score_prompts(encoder(self), query, items, label_token_ids, item_first, _vocab_size(self))
         outs = self.generate(input_ids=prompts, sampling_params=dict(SCORE_SAMPLING), return_logprob=True,
                              token_ids_logprob=list(label_token_ids), show_progress=False)

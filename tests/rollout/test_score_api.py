@@ -73,6 +73,8 @@ def test_async_score_equals_score(engine):
     (dict(query=[5, -1], items=[[6]], label_token_ids=[3]), r"token ids \[-1\] outside the vocabulary"),
     (dict(query=[], items=[[]], label_token_ids=[3]), "prompt is empty"),
     (dict(query=[5], items=[[6]], label_token_ids=[3], item_first="yes"), "item_first must be a bool"),
+    (dict(query=[5], items=[[6]], label_token_ids=[3], apply_softmax="x"), "apply_softmax must be a bool"),
+    (dict(query=[5], items=[[True]], label_token_ids=[3]), "items must be token-id lists"),
 ])
 def test_bad_arguments_are_refused_by_name(engine, kwargs, message):
     """Each bad argument raises ValueError naming it; the next call is served as usual."""
