@@ -29,6 +29,16 @@ def check_apply_softmax(apply_softmax) -> None:
         raise ValueError(f"apply_softmax must be a bool, got {apply_softmax!r}")
 
 
+def _one_item(items) -> bool:
+    """items is a single item (a string or one token-id list), not a list of them."""
+    return isinstance(items, str) or (_is_ids(items) and bool(items))
+
+
+def num_items(items) -> int:
+    """How many items a score request holds (0 for what score_prompts refuses as no items)."""
+    return 1 if _one_item(items) else len(items) if isinstance(items, list) else 0
+
+
 def score_prompts(encode, query, items, label_token_ids, item_first: bool = False,
                   vocab_size: int | None = None) -> list[list[int]]:
     """The token ids of each item's prompt, after checking every argument (ValueError naming it).
@@ -41,7 +51,7 @@ def score_prompts(encode, query, items, label_token_ids, item_first: bool = Fals
             raise ValueError(f"label_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     if not isinstance(item_first, bool):
         raise ValueError(f"item_first must be a bool, got {item_first!r}")
-    if isinstance(items, str) or _is_ids(items) and items:
+    if _one_item(items):
         items = [items]
     if not isinstance(items, list) or not items:
         raise ValueError("items must be a non-empty list of strings or of token-id lists")
@@ -111,11 +121,15 @@ async def score_outputs(engine, prompts: list[list[int]], label_token_ids: list[
     return outs if isinstance(outs, list) else [outs]
 
 
+def _checked_prompts(engine, query, items, label_token_ids, apply_softmax, item_first) -> list[list[int]]:
+    check_apply_softmax(apply_softmax)
+    return score_prompts(encoder(engine), query, items, label_token_ids, item_first, _vocab_size(engine))
+
+
 async def async_score(engine, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
                       item_first: bool = False) -> list[list[float]]:
     """The scores through `engine.async_generate` (an Engine, or the HTTP server's engine client)."""
-    check_apply_softmax(apply_softmax)
-    prompts = score_prompts(encoder(engine), query, items, label_token_ids, item_first, _vocab_size(engine))
+    prompts = _checked_prompts(engine, query, items, label_token_ids, apply_softmax, item_first)
     return scores_of(await score_outputs(engine, prompts, label_token_ids), label_token_ids, apply_softmax)
 
 
@@ -135,8 +149,7 @@ class ScoreAPI:
         """For each item, the probabilities of `label_token_ids` as the next token after query + item (item +
         query with item_first): over the whole vocabulary, or renormalised over the labels with apply_softmax.
         query and items are both text or both token ids; returns one list per item, in label order."""
-        check_apply_softmax(apply_softmax)
-        prompts = score_prompts(encoder(self), query, items, label_token_ids, item_first, _vocab_size(self))
+        prompts = _checked_prompts(self, query, items, label_token_ids, apply_softmax, item_first)
         outs = self.generate(input_ids=prompts, sampling_params=dict(SCORE_SAMPLING), return_logprob=True,
                              token_ids_logprob=list(label_token_ids), show_progress=False)
         return scores_of(outs if isinstance(outs, list) else [outs], label_token_ids, apply_softmax)

@@ -28,7 +28,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from rollout.score_api import SCORE_SAMPLING, encoder, score_outputs, score_prompts, scores_of
+from rollout.score_api import SCORE_SAMPLING, encoder, num_items, score_outputs, score_prompts, scores_of
 from rollout.server import limits
 from rollout.server.chat_template import ChatTemplate, NoChatTemplate, resolve_chat_template
 from rollout.server.common import JSONResponse, engine_error, error_response, run_blocking
@@ -289,8 +289,7 @@ async def score(req: ScoreRequest, request: Request):
     --max-n items, --max-request-bytes and the prompt and response bounds; then one prefill per item."""
     engine = request.app.state.engine
     items = req.items
-    single = isinstance(items, str) or (isinstance(items, list) and bool(items) and isinstance(items[0], int))
-    bad = check_n(request, 1 if single else len(items or []))
+    bad = check_n(request, num_items(items))
     if bad is not None:
         return bad
     if isinstance(req.query, str) and isinstance(items, list) and all(isinstance(i, str) for i in items):
