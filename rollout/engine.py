@@ -224,6 +224,9 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             self._notify_finished(req)
             item = ("final", req)
         elif req.stream:
+            interval = req.sampling_params.stream_interval or self.args.stream_interval
+            if interval > 1 and len(req.output_ids) % interval != 1:
+                return  # SGLang's stream_interval: tokens 1, N+1, 2N+1, ... (and the final output) go out
             # A copy: the reader builds the chunk later, while the scheduler keeps appending. A sink that
             # reads the request at once, under the step lock (rollout/server/engine_process.py), needs none.
             item = ("chunk", req if getattr(req.sink, "reads_at_put", False) else req.snapshot())

@@ -38,8 +38,15 @@ class FrontendConfig:
     log_level: str = "warning"
     expert_distribution_recorder_mode: str = "stat"
     logprobs_mode: str | None = None
+    # SGLang's --stream-interval: a streaming request's chunks every N tokens (the first at once, the final
+    # always); a request's sampling param stream_interval overrides it. Fewer, larger chunks cost the
+    # consumer (an HTTP server's socket writes, its clients' reads) less per token.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval!r} must be an int >= 1 (1: every token is "
+                             f"streamed)")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose one of {LOGPROBS_MODES} (None: SGLang's "
                              f"log_softmax(logits / temperature) before top-k/top-p; 'processed_logprobs': the "
@@ -95,6 +102,8 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "random_seed": ("int (None = 0)", "dummy weights and unseeded sampling"),
     "skip_tokenizer_init": ("bool", "token ids in, token ids out"),
     "log_level": ("'debug', 'info', 'warning', 'error', 'critical'", "level of the `rollout` loggers"),
+    "stream_interval": ("an int >= 1", "a streaming request's chunks every N tokens: the first token at once, "
+                                       "then tokens N+1, 2N+1, ..., and the final output"),
     "base_gpu_id": ("int >= 0; 0 when tp_size > 1 on CUDA", "device='cuda' runs on cuda:{base_gpu_id}; "
                     "no-op on the CPU"),
     "weight_version": ("str", "weight_version before the first update"),

@@ -30,9 +30,7 @@ _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tok
 _CONSTRAINED = "constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported"
 _UNIMPLEMENTED = {"json_schema": _CONSTRAINED, "regex": _CONSTRAINED, "ebnf": _CONSTRAINED,
                   "structural_tag": _CONSTRAINED,
-                  "custom_params": "custom logit processors (and their custom_params) are not supported",
-                  "stream_interval": "a per-request stream_interval is not supported (every token is streamed; "
-                                     "a slow reader gets the newest snapshot)"}
+                  "custom_params": "custom logit processors (and their custom_params) are not supported"}
 
 
 def as_int(x) -> int | None:
@@ -73,6 +71,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     stop_regex: str | list[str] | None = None
+    # A streaming request's chunks every N tokens (the first token at once, then tokens N+1, 2N+1, ...,
+    # and the final output always), as SGLang's; None: the engine's stream_interval.
+    stream_interval: int | None = None
 
     @classmethod
     def from_dict(cls, params: dict | None) -> SamplingParams:
@@ -164,6 +165,11 @@ class SamplingParams:
                              f"got {self.stop_regex!r}")
         stop_match.validate(self.stop, list(regexes))  # counts, lengths, compiles (bounded matching)
         self.stop_regex = list(regexes)
+        if self.stream_interval is not None:
+            if not _is_int_like(self.stream_interval) or int(self.stream_interval) < 1:
+                raise ValueError(f"sampling param stream_interval must be an int >= 1 (or None: the engine's), "
+                                 f"got {self.stream_interval!r}")
+            self.stream_interval = int(self.stream_interval)
 
     @staticmethod
     def _normalized_bias(bias) -> dict[int, float]:

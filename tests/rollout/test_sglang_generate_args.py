@@ -89,7 +89,7 @@ def test_other_values_are_refused_by_name_and_the_engine_keeps_serving(engine, n
     assert engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] == want
 
 
-SGLANG_SP_UNIMPLEMENTED = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params", "stream_interval")
+SGLANG_SP_UNIMPLEMENTED = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params")
 
 
 def test_unimplemented_sglang_sampling_params_at_none_are_neutral_else_refused(engine):
@@ -98,8 +98,7 @@ def test_unimplemented_sglang_sampling_params_at_none_are_neutral_else_refused(e
     want = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     neutral = {**GREEDY, **dict.fromkeys(SGLANG_SP_UNIMPLEMENTED)}
     assert _ids(engine.generate(input_ids=PROMPTS, sampling_params=neutral)) == _ids(want)
-    for name, value, why in (("regex", "a+", "constrained decoding"), ("custom_params", {"k": 1}, "custom logit"),
-                             ("stream_interval", 4, "stream_interval")):
+    for name, value, why in (("regex", "a+", "constrained decoding"), ("custom_params", {"k": 1}, "custom logit")):
         with pytest.raises(ValueError, match=rf"sampling param {name}=.* is refused: .*{why}"):
             engine.generate(input_ids=PROMPTS, sampling_params={**GREEDY, name: value})
     assert engine.get_server_info()["num_in_flight"] == 0

@@ -1,0 +1,64 @@
+"""--stream-interval over HTTP (the engine in its own process, launch_server's layout): /generate streams
+only the due chunks (tokens 1, N+1, 2N+1, ... and the final), a request's sampling param overrides the
+flag, and the last event equals the non-streamed answer.
+
+Oracles: the non-streamed answer of the same server (greedy) and SGLang's rule written out by hand.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollout.server.args import parse_args
+from tests.server.conftest import start_server
+
+PROMPT = [5, 6, 7, 8]
+GREEDY = dict(temperature=0, max_new_tokens=25, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama):
+    with start_server(tiny_llama, engine_kw={"stream_interval": 10}, in_child=True) as s:
+        yield s
+
+
+def _stream_lengths(client, body) -> tuple[list[int], dict]:
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    return [len(c["output_ids"]) for c in chunks], chunks[-1]
+
+
+def test_flag_streams_only_due_chunks(served):
+    """--stream-interval 10 over 25 tokens: events only at 1, 11, 21 and 25 (the first and last always);
+    the last equals the non-streamed answer."""
+    with served.client() as c:
+        want = c.post("/generate", json=dict(input_ids=PROMPT, sampling_params=GREEDY)).json()
+        lengths, last = _stream_lengths(c, dict(input_ids=PROMPT, sampling_params=GREEDY))
+    assert lengths[0] == 1 and lengths[-1] == 25 and set(lengths) <= {1, 11, 21, 25}
+    assert last["output_ids"] == want["output_ids"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 25}
+
+
+def test_request_param_overrides_the_flag(served):
+    """sampling_params.stream_interval=1 on the same server streams every token again (a reader that keeps up
+    sees lengths beyond the flag's due set); a bad value is a 400 naming it and the server goes on serving."""
+    body = dict(input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 200, "stream_interval": 1})
+    with served.client() as c:
+        lengths, last = _stream_lengths(c, body)
+        assert lengths == sorted(lengths) and lengths[-1] == 200
+        assert set(lengths) - {1, 11, 21, 31, 41, 51, 61, 71, 81, 91, 101, 111, 121, 131, 141, 151, 161, 171, 181,
+                               191, 200}
+        r = c.post("/generate", json=dict(input_ids=PROMPT, sampling_params={**GREEDY, "stream_interval": 0}))
+        assert r.status_code == 400 and "stream_interval" in r.text
+        assert c.post("/generate", json=dict(input_ids=PROMPT, sampling_params=GREEDY)).status_code == 200
+
+
+def test_launch_server_flag_reaches_the_engine():
+    """`--stream-interval 3` is an Engine option the server passes on (SGLang's flag name)."""
+    _, kw = parse_args(["--model-path", "m", "--stream-interval", "3"])
+    assert kw["stream_interval"] == 3
