@@ -35,12 +35,17 @@ def _stream_lengths(client, body) -> tuple[list[int], dict]:
 
 def test_flag_streams_only_due_chunks(served):
     """--stream-interval 10 over 25 tokens: events only at 1, 11, 21 and 25 (the first and last always);
-    the last equals the non-streamed answer."""
+    the last equals the non-streamed answer, logprobs included (each delta then carries up to 10 tokens)."""
     with served.client() as c:
-        want = c.post("/generate", json=dict(input_ids=PROMPT, sampling_params=GREEDY)).json()
-        lengths, last = _stream_lengths(c, dict(input_ids=PROMPT, sampling_params=GREEDY))
+        body = dict(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=2)
+        c.post("/flush_cache")  # a prefix-cache hit may move a logprob by an ulp
+        want = c.post("/generate", json=body).json()
+        c.post("/flush_cache")
+        lengths, last = _stream_lengths(c, body)
     assert lengths[0] == 1 and lengths[-1] == 25 and set(lengths) <= {1, 11, 21, 25}
     assert last["output_ids"] == want["output_ids"]
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs"):  # deltas of 10 tokens
+        assert last["meta_info"][key] == want["meta_info"][key]
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 25}
 
 
