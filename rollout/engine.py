@@ -49,6 +49,7 @@ from runner.openmp_pool import release_thread_pool
 from runner.tp import create_model_runner
 
 logger = logging.getLogger(__name__)
+_NO_DEFAULT = object()  # _per_prompt: None is refused like any other wrong value
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -302,9 +303,12 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             self._deliver(req)
 
     # ---- requests ----------------------------------------------------------------------------
-    def _per_prompt(self, name: str, value, num: int, check) -> list:
-        """SGLang takes one value for every prompt or a list with one per prompt."""
+    def _per_prompt(self, name: str, value, num: int, check, none_means=_NO_DEFAULT) -> list:
+        """SGLang takes one value for every prompt or a list with one per prompt; `none_means`: what None
+        stands for (SGLang's own signature defaults some of these to None), as a whole or per prompt."""
         values = value if isinstance(value, list) else [value] * num
+        if none_means is not _NO_DEFAULT:
+            values = [none_means if v is None else v for v in values]
         if len(values) != num:
             raise ValueError(f"{name} has {len(values)} entries for {num} prompts")
         for v in values:
@@ -340,10 +344,10 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
                 raise ValueError(f"top_logprobs_num must be an int in [0, {vocab}] (the vocabulary size), "
                                  f"got {v!r}")
 
-        logprob_flags = self._per_prompt("return_logprob", return_logprob, num, check_bool("return_logprob"))
-        tops = self._per_prompt("top_logprobs_num", top_logprobs_num, num, check_top)
+        logprob_flags = self._per_prompt("return_logprob", return_logprob, num, check_bool("return_logprob"), False)
+        tops = self._per_prompt("top_logprobs_num", top_logprobs_num, num, check_top, 0)
         routed_flags = self._per_prompt("return_routed_experts", return_routed_experts, num,
-                                        check_bool("return_routed_experts"))
+                                        check_bool("return_routed_experts"), False)
         if any(routed_flags) and not self.args.enable_return_routed_experts:
             raise ValueError("return_routed_experts=True needs an engine built with enable_return_routed_experts=True "
                              "(a mixture-of-experts model): the routing of every KV slot is kept only then")
@@ -469,8 +473,8 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
     def _output(self, req: Req, final: bool) -> dict:
         return build_output(req, self.tokenizer, req.weight_version if final else self.weight_version, final)
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool | list[bool] = False,
-                 top_logprobs_num: int | list[int] = 0, stream: bool = False, rid=None,
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool | list[bool] | None = False,
+                 top_logprobs_num: int | list[int] | None = 0, stream: bool = False, rid=None,
                  show_progress: bool | None = None, return_routed_experts: bool | list[bool] = False,
                  logprob_start_len: int | list[int] | None = None,
                  token_ids_logprob: list[int] | list[list[int]] | None = None,
@@ -523,7 +527,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         self._cv.notify_all()
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
-                             return_logprob: bool | list[bool] = False, top_logprobs_num: int | list[int] = 0,
+                             return_logprob: bool | list[bool] | None = False, top_logprobs_num: int | list[int] | None = 0,
                              stream: bool = False, rid=None, return_routed_experts: bool | list[bool] = False,
                              logprob_start_len: int | list[int] | None = None,
                              token_ids_logprob: list[int] | list[list[int]] | None = None,

@@ -29,8 +29,7 @@ _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tok
 # is dropped, as SGLang ignores it; any other value is refused naming what it asks for.
 _CONSTRAINED = "constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported"
 _UNIMPLEMENTED = {"json_schema": _CONSTRAINED, "regex": _CONSTRAINED, "ebnf": _CONSTRAINED,
-                  "structural_tag": _CONSTRAINED,
-                  "custom_params": "custom logit processors (and their custom_params) are not supported"}
+                  "structural_tag": _CONSTRAINED}
 
 
 def as_int(x) -> int | None:
@@ -74,6 +73,10 @@ class SamplingParams:
     # A streaming request's chunks every N tokens (the first token at once, then tokens N+1, 2N+1, ...,
     # and the final output always), as SGLang's; None: the engine's stream_interval.
     stream_interval: int | None = None
+    # SGLang hands these to a request's custom logit processor and nothing else reads them. A processor is
+    # refused here (rollout/sglang_generate_args.py), so they have no effect; a dict is taken as SGLang
+    # takes it (slime sends {"return_top_p_token_ids": True} with every top-p request).
+    custom_params: dict | None = None
 
     @classmethod
     def from_dict(cls, params: dict | None) -> SamplingParams:
@@ -165,6 +168,8 @@ class SamplingParams:
                              f"got {self.stop_regex!r}")
         stop_match.validate(self.stop, list(regexes))  # counts, lengths, compiles (bounded matching)
         self.stop_regex = list(regexes)
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            raise ValueError(f"sampling param custom_params must be a dict (or None), got {self.custom_params!r}")
         if self.stream_interval is not None:
             if not _is_int_like(self.stream_interval) or int(self.stream_interval) < 1:
                 raise ValueError(f"sampling param stream_interval must be an int >= 1 (or None: the engine's), "

@@ -146,7 +146,8 @@ class RemoteGeneration:
         return build_output(req, self.tokenizer, req.weight_version, final)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
-                             return_logprob: bool | list[bool] = False, top_logprobs_num: int | list[int] = 0,
+                             return_logprob: bool | list[bool] | None = False,
+                             top_logprobs_num: int | list[int] | None = 0,
                              stream: bool = False, rid=None, return_routed_experts: bool | list[bool] = False,
                              logprob_start_len: int | list[int] | None = None,
                              token_ids_logprob: list[int] | list[list[int]] | None = None,

@@ -52,8 +52,9 @@ class GenerateReqInput(Body):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
+    # One value for every prompt or one per prompt; None is SGLang's default (False / 0).
+    return_logprob: bool | list[bool | None] | None = False
+    top_logprobs_num: int | list[int | None] | None = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None

@@ -89,7 +89,7 @@ def test_other_values_are_refused_by_name_and_the_engine_keeps_serving(engine, n
     assert engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] == want
 
 
-SGLANG_SP_UNIMPLEMENTED = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+SGLANG_SP_UNIMPLEMENTED = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def test_unimplemented_sglang_sampling_params_at_none_are_neutral_else_refused(engine):
@@ -98,11 +98,39 @@ def test_unimplemented_sglang_sampling_params_at_none_are_neutral_else_refused(e
     want = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     neutral = {**GREEDY, **dict.fromkeys(SGLANG_SP_UNIMPLEMENTED)}
     assert _ids(engine.generate(input_ids=PROMPTS, sampling_params=neutral)) == _ids(want)
-    for name, value, why in (("regex", "a+", "constrained decoding"), ("custom_params", {"k": 1}, "custom logit")):
+    for name, value, why in (("regex", "a+", "constrained decoding"), ("json_schema", "{}", "constrained decoding")):
         with pytest.raises(ValueError, match=rf"sampling param {name}=.* is refused: .*{why}"):
             engine.generate(input_ids=PROMPTS, sampling_params={**GREEDY, name: value})
     assert engine.get_server_info()["num_in_flight"] == 0
     assert _ids(engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)) == _ids(want)
+
+
+def test_custom_params_without_a_processor_change_nothing(engine):
+    """custom_params reach only a custom logit processor in SGLang (refused here), so a dict (slime's
+    {"return_top_p_token_ids": True} with top-p) generates what the plain call does; a non-dict is refused."""
+    seeded = dict(temperature=1.0, top_p=0.9, seed=7, max_new_tokens=6, ignore_eos=True)
+    want = engine.generate(input_ids=PROMPTS, sampling_params=seeded)
+    got = engine.generate(input_ids=PROMPTS, sampling_params={**seeded,
+                                                              "custom_params": {"return_top_p_token_ids": True}})
+    assert _ids(got) == _ids(want)
+    with pytest.raises(ValueError, match="custom_params must be a dict"):
+        engine.generate(input_ids=PROMPTS, sampling_params={**seeded, "custom_params": "x"})
+
+
+def test_sglang_none_defaults_mean_sglang_defaults(engine):
+    """SGLang's generate defaults return_logprob and top_logprobs_num to None (meaning False and 0), as a
+    whole or per prompt: a wrapper forwarding them gets the plain call's outputs."""
+    want = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    got = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=None, top_logprobs_num=None,
+                          return_routed_experts=None)
+    assert _ids(got) == _ids(want) and "output_token_logprobs" not in got[0]["meta_info"]
+    mixed = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=[True, None],
+                            top_logprobs_num=[2, None])
+    assert _ids(mixed) == _ids(want)
+    assert len(mixed[0]["meta_info"]["output_top_logprobs"][0]) == 2 and "output_token_logprobs" not in \
+        mixed[1]["meta_info"]
+    with pytest.raises(ValueError, match="return_logprob must be a bool"):
+        engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob="yes")
 
 
 def test_a_name_sglang_does_not_have_is_a_type_error(engine):

@@ -142,3 +142,24 @@ def test_weight_version_spans_cross_the_engine_process_pipe(tiny_llama):
         meta = c.post("/generate", json=body).json()["meta_info"]
     assert meta["weight_versions"] == [{"start": 0, "end": 4, "version": "w0"}]
     assert meta["prefill_weight_versions"] == [{"start": 0, "end": len(PROMPT), "version": "w0"}]
+
+
+def test_per_prompt_and_null_logprob_fields_and_custom_params_over_http(client):
+    """SGLang's GenerateReqInput takes return_logprob / top_logprobs_num per prompt or null (its defaults), and
+    sampling_params.custom_params (slime's, with top-p): served, with the Engine's outputs for the same call."""
+    greedy = dict(temperature=0, max_new_tokens=3, ignore_eos=True)
+    r = client.post("/generate", json=dict(input_ids=[PROMPT, PROMPT[:4]], sampling_params=greedy,
+                                           return_logprob=[True, False], top_logprobs_num=[2, 0]))
+    assert r.status_code == 200, r.text
+    first, second = r.json()
+    assert len(first["meta_info"]["output_top_logprobs"][0]) == 2 and "output_token_logprobs" not in second["meta_info"]
+    r = client.post("/generate", json=dict(input_ids=PROMPT, sampling_params=greedy, return_logprob=None,
+                                           top_logprobs_num=None))
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == first["output_ids"]
+    r = client.post("/generate", json=dict(input_ids=PROMPT, sampling_params={
+        **greedy, "top_p": 0.9, "custom_params": {"return_top_p_token_ids": True}}))
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == first["output_ids"]
+    r = client.post("/generate", json=dict(input_ids=PROMPT, sampling_params=greedy, return_logprob="maybe"))
+    assert r.status_code == 400 and "return_logprob" in r.text
