@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -308,6 +309,48 @@ def load_snapshot(engine) -> dict:
     used = max(0, info["max_total_num_tokens"] - kv.available_size())
     return {"info": info, "num_running": info["num_in_flight"] - waiting, "num_waiting": waiting,
             "num_used_tokens": used}
+
+
+def _load_limits(engine) -> dict:
+    """The capacities a load report divides by (fixed for the engine's life). Runs where the engine is."""
+    return {"max_total_num_tokens": engine.runner.max_total_num_tokens,
+            "max_running_requests": engine.scheduler.max_running}
+
+
+# SGLang's /v1/loads sections. Only "core" and "queues" have counterparts here; the others (memory pools,
+# speculative decoding, LoRA slots, disaggregation queues) are accepted and left out of the report.
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+
+
+@router.get("/v1/loads")
+async def v1_loads(request: Request, include: str = "core", dp_rank: int | None = None, format: str = "json"):
+    """SGLang's load report: {"loads": [one dict per scheduler]}, read without the step lock as /get_load
+    (slime polls it until a server is idle). One scheduler here: dp_rank 0."""
+    sections = {part.strip() for part in include.split(",") if part.strip()} or {"core"}
+    unknown = sorted(sections - set(LOAD_SECTIONS))
+    if unknown:
+        return error_response(f"include: unknown section(s) {unknown}; choose from {list(LOAD_SECTIONS)}", 400,
+                              param="include")
+    if format != "json":
+        return error_response(f"format={format!r}: only 'json' is served here (Prometheus: GET /metrics)", 400,
+                              param="format")
+    if dp_rank is not None and dp_rank != 0:
+        return JSONResponse({"loads": []})
+    engine = request.app.state.engine
+    limits_ = getattr(request.app.state, "load_limits", None)
+    if limits_ is None:
+        fn = engine.run_on_engine if hasattr(engine, "run_on_engine") else (lambda f: f(engine))
+        limits_ = request.app.state.load_limits = await run_blocking(request, fn, _load_limits)
+    load = engine.get_load()
+    waiting, used = load["num_waiting_reqs"], load["num_tokens"]
+    total = limits_["max_total_num_tokens"]
+    report = {"dp_rank": 0, "timestamp": time.time(), "num_running_reqs": load["num_reqs"] - waiting,
+              "num_waiting_reqs": waiting, "num_used_tokens": used, "max_total_num_tokens": total,
+              "token_usage": used / total if total else 0.0,
+              "max_running_requests": limits_["max_running_requests"]}
+    if sections & {"queues", "all"}:
+        report["queues"] = {"waiting": waiting}
+    return JSONResponse({"loads": [report]})
 
 
 @router.get("/get_load")
