@@ -117,6 +117,8 @@ class WeightsAPI:
         if not isinstance(model_path, str | os.PathLike):
             return (False, f"update_weights_from_disk failed: model_path must be a checkpoint directory (a str), "
                            f"got {type(model_path).__name__}", 0)
+        if "\x00" in os.fspath(model_path):  # os calls would raise a bare ValueError ("embedded null byte")
+            return False, f"update_weights_from_disk failed: model_path {str(model_path)!r} holds a NUL byte", 0
         if load_format == "delta":  # a delta file (weight_sync/disk.py DiskTarget.sync_delta)
             try:  # read before taking the engine lock: a slow file system stalls only this call
                 blob = _read_delta_file(model_path)

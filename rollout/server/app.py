@@ -43,6 +43,8 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
             loc = loc[1:]
         if err.get("type") == "lone_surrogate":
             return err["msg"], str(err.get("ctx", {}).get("where", "body")).split(".")[0].split("[")[0]
+        if err.get("type") == "nul_in_path":
+            return err["msg"], str(err.get("ctx", {}).get("name", "body"))
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", "body"
         if not loc:  # the body itself is not an object (a list, a string, a number, null)

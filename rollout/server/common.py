@@ -11,6 +11,7 @@ import asyncio
 import functools
 import json
 import math
+from typing import ClassVar
 
 try:  # ~10x faster than json on the per-token stream chunks (the `server` extra installs it)
     import orjson
@@ -57,6 +58,9 @@ class Body(BaseModel):
     """A request body: strict types, unknown keys refused, no string with a lone surrogate."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    # Fields that name a file or directory: no path holds a NUL byte, and the OS refuses one deep inside
+    # open()/stat() with a bare ValueError, so it is refused here naming the field.
+    path_fields: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -65,6 +69,9 @@ class Body(BaseModel):
         if where is not None:
             raise PydanticCustomError("lone_surrogate", "{where}: a string holds a lone UTF-16 surrogate (a \\ud800-"
                                       "\\udfff escape not in a pair): not valid Unicode text", {"where": where})
+        for name in cls.path_fields if isinstance(data, dict) else ():
+            if isinstance(data.get(name), str) and "\x00" in data[name]:
+                raise PydanticCustomError("nul_in_path", "{name}: a path cannot hold a NUL byte", {"name": name})
         return data
 
 

@@ -27,6 +27,7 @@ def _answer(res) -> JSONResponse:
 
 
 class LoadLoRAAdapterReqInput(Body):
+    path_fields = ("lora_path",)
     lora_name: str
     lora_path: str
     pinned: bool = False

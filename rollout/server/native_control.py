@@ -200,6 +200,7 @@ async def dump_expert_distribution_record(request: Request):
 
 # ---- torch profiler (SGLang's paths) ------------------------------------------------------------
 class ProfileReqInput(Body):
+    path_fields = ("output_dir",)
     output_dir: str | None = None
     start_step: int | None = None
     num_steps: int | None = None

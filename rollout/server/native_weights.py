@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 from typing import Literal
 
@@ -50,6 +51,7 @@ async def _abort_all_first(request: Request, abort_all_requests: bool) -> None:
 
 
 class UpdateWeightFromDiskReqInput(Body):
+    path_fields = ("model_path",)
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -83,19 +85,26 @@ class UpdateWeightsFromTensorReqInput(Body):
     force: bool = False  # as /update_weights_from_disk's `online`: update now, retracting requests in flight
 
 
+def _refused(message: str, param: str) -> JSONResponse:
+    """A 400 that SGLang's clients read (`{"success": false, "message"}`, as every weight route's answer)
+    and that also names the parameter (`error`, this server's shape for bad requests)."""
+    r = error_response(message, 400, param=param)
+    return JSONResponse({"success": False, "message": truncate(message), **json.loads(r.body)}, status_code=400)
+
+
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, request: Request):
     """Each entry of serialized_named_tensors is one TP rank's payload (tensor_codec.py documents it)."""
     engine = request.app.state.engine
     tp = engine.args.tp_size
     if len(obj.serialized_named_tensors) not in (1, tp):
-        return error_response(f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries; "
-                              f"expected 1 or tp_size={tp}", 400, param="serialized_named_tensors")
+        return _refused(f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries; "
+                        f"expected 1 or tp_size={tp}", "serialized_named_tensors")
     try:  # decoded where the engine runs (its own process by default): the tensors never cross a pipe
         res = await run_on_engine(request, decode_and_update, obj.serialized_named_tensors[0], obj.load_format,
                                   obj.flush_cache, obj.weight_version, obj.abort_all_requests, obj.force)
     except PayloadError as e:
-        return error_response(str(e), 400, param="serialized_named_tensors")
+        return _refused(str(e), "serialized_named_tensors")
     return _result(res)
 
 

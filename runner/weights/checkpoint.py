@@ -131,11 +131,16 @@ class CheckpointIndex:
     """
 
     def __init__(self, model_path: str | os.PathLike) -> None:
+        if "\x00" in os.fspath(model_path):  # the OS would refuse it deep inside open() with a bare ValueError
+            raise CheckpointError(f"checkpoint directory {str(model_path)!r}: a path cannot hold a NUL byte")
         root = Path(model_path)
         try:
             dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
             raise CheckpointError(f"checkpoint directory {root} does not exist") from None
+        except NotADirectoryError:
+            raise CheckpointError(f"checkpoint directory {root} is not a directory (pass the directory that holds "
+                                  f"config.json and the safetensors files)") from None
         except OSError as e:
             raise CheckpointError(f"checkpoint directory {root}: cannot open: {e}") from e
         self.root = root

@@ -168,6 +168,15 @@ def _missing_dir(b, tmp_path, ckpt_factory):
     return tmp_path / "nowhere", ["nowhere", "does not exist"]
 
 
+def _a_file_not_a_dir(b, tmp_path, ckpt_factory):
+    d = _copy(b, tmp_path)
+    return d / "model.safetensors", ["model.safetensors", "is not a directory"]
+
+
+def _nul_in_path(b, tmp_path, ckpt_factory):
+    return str(_copy(b, tmp_path)) + "\x00", ["NUL byte"]
+
+
 def _no_config(b, tmp_path, ckpt_factory):
     d = _copy(b, tmp_path)
     (d / "config.json").unlink()
@@ -303,6 +312,8 @@ def _nan_in_file(b, tmp_path, ckpt_factory):
 
 DISK_CASES = [
     _missing_dir,
+    _a_file_not_a_dir,
+    _nul_in_path,
     _no_config,
     _no_weights,
     _missing_shard,

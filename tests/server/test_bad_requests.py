@@ -32,6 +32,9 @@ CASES = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]}, "base64"),
     ("/update_weights_from_disk", {}, "model_path"),
+    ("/update_weights_from_disk", {"model_path": "assets/demo-model\u0000"}, "model_path: a path cannot hold a NUL"),
+    ("/start_profile", {"output_dir": "/tmp/x\u0000y"}, "output_dir: a path cannot hold a NUL"),
+    ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/\u0000"}, "lora_path: a path cannot hold a NUL"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1"}, "master_port"),
     ("/pause_generation", {"mode": "sideways"}, "mode"),
     # JSON's lone-surrogate escape decodes to a str no tokenizer, path or /metrics label can encode
@@ -145,3 +148,13 @@ def test_json_encoding_round_trips_and_is_strict():
     assert json.loads(dumpb([float("nan"), float("-inf"), (1, None)])) == [None, None, [1, None]]
     assert json.loads(dumpb({1: "a", "b": {2: [3]}})) == {"1": "a", "b": {"2": [3]}}
     assert json.loads(dumpb({"big": 2**70, "é": "ü"})) == {"big": 2**70, "é": "ü"}
+
+
+def test_bad_tensor_payload_answers_in_sglangs_shape_too(client):
+    """An undecodable /update_weights_from_tensor payload: 400 with SGLang's {"success": false, "message"} (what
+    its clients read) beside this server's error naming the field."""
+    r = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["AAAA"]})
+    body = r.json()
+    assert r.status_code == 400 and body["success"] is False and body["message"] == body["error"]["message"]
+    assert body["error"]["param"] == "serialized_named_tensors"
+    assert client.post("/generate", json=GOOD).status_code == 200
