@@ -360,7 +360,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         reqs = []
         now = time.perf_counter()
         for i, (ids, sp) in enumerate(zip(ids_list, sps)):
-            sp.verify(vocab)
+            sp.verify(vocab, self.eos_ids)
             if (sp.stop or sp.stop_regex) and self.tokenizer.tokenizer is None:  # else they would never match
                 raise ValueError("sampling params stop and stop_regex need a tokenizer (they are matched on text); "
                                  "this engine has none: use stop_token_ids")

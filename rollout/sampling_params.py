@@ -205,7 +205,8 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
-    def verify(self, vocab_size: int) -> None:
+    def verify(self, vocab_size: int, eos_ids=()) -> None:
+        """Checks that need the vocabulary (and the model's eos ids, which min_new_tokens holds back)."""
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"sampling param stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
@@ -216,6 +217,15 @@ class SamplingParams:
             # Every logit -inf: nothing can be sampled, and the token drawn would come with a nan logprob.
             raise ValueError(f"sampling param logit_bias bans all {vocab_size} tokens of the vocabulary (each bias "
                              f"<= -{MAX_LOGIT_BIAS:g}): at least one token must stay possible")
+        if self.min_new_tokens > 0 and self.max_new_tokens != 0:
+            # Until min_new_tokens are out, the stop ids (and eos, unless ignore_eos) cannot be sampled either.
+            held = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
+            banned = {t for t, v in self.logit_bias.items() if v == -math.inf}
+            if len({t for t in held | banned if 0 <= t < vocab_size}) >= vocab_size:
+                raise ValueError(f"sampling params min_new_tokens={self.min_new_tokens} holds back the stop ids "
+                                 f"(stop_token_ids{'' if self.ignore_eos else ' and eos'}: {len(held)} ids) and "
+                                 f"logit_bias bans {len(banned)}: together all {vocab_size} tokens of the vocabulary, "
+                                 f"so no token could be sampled before min_new_tokens; allow at least one")
 
     @property
     def is_greedy(self) -> bool:

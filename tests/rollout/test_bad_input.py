@@ -44,6 +44,12 @@ BAD_CALLS = {
                                   "max_new_tokens"),
     "logit_bias banning the whole vocabulary": (dict(input_ids=PROMPT, sampling_params=_sp(
         temperature=1.0, logit_bias={str(t): -1e300 for t in range(VOCAB_SIZE)})), ValueError, "bans all"),
+    # min_new_tokens holds back the stop ids: with every id a stop id, nothing could be sampled (a NaN logprob)
+    "min_new_tokens with every id a stop id": (dict(input_ids=PROMPT, return_logprob=True, sampling_params=_sp(
+        min_new_tokens=5, stop_token_ids=list(range(VOCAB_SIZE)))), ValueError, "min_new_tokens=5 holds back"),
+    "min_new_tokens with the stop ids and logit_bias covering the vocabulary": (dict(input_ids=PROMPT, sampling_params=_sp(
+        temperature=1.0, min_new_tokens=3, stop_token_ids=[7],
+        logit_bias={str(t): -1e300 for t in range(VOCAB_SIZE) if t != 7})), ValueError, "no token could be sampled"),
     "fractional n": (dict(input_ids=PROMPT, sampling_params=_sp(n=1.5)), ValueError, "sampling param n"),
     "numpy bool n": (dict(input_ids=PROMPT, sampling_params=_sp(n=np.bool_(True))), ValueError, "sampling param n"),
     "infinite top_k": (dict(input_ids=PROMPT, sampling_params=_sp(top_k=float("inf"))), ValueError, "top_k"),
@@ -106,6 +112,17 @@ def test_bad_request_is_a_clear_error_and_engine_keeps_serving(case, env):
     info = engine.get_server_info()
     assert info["num_in_flight"] == 0 and info["num_prompt_tokens"] == before
     assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == ref_ids
+
+
+def test_min_new_tokens_with_one_token_left_possible_is_served(env):
+    """The same bans leaving one token outside the stop ids: served, every logprob finite, that token sampled
+    until min_new_tokens, then the stop id may end it."""
+    engine, _ = env
+    bias = {str(t): -1e300 for t in range(VOCAB_SIZE) if t not in (7, 9)}
+    out = engine.generate(input_ids=PROMPT, return_logprob=True, sampling_params=dict(
+        temperature=1.0, seed=3, max_new_tokens=6, min_new_tokens=3, stop_token_ids=[7], logit_bias=bias))
+    assert out["output_ids"][:3] == [9, 9, 9] and set(out["output_ids"]) <= {7, 9}
+    assert all(np.isfinite(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"])
 
 
 def test_integral_floats_and_numpy_scalars_read_as_their_values(env):
