@@ -26,6 +26,7 @@ from rollout.server import limits, lora, metrics, native, native_control, native
 from rollout.server.args import ServerArgs
 from rollout.server.chat_template import resolve_chat_template
 from rollout.server.common import error_response
+from rollout.server.engine_process import EngineProcessError
 
 VERSION = "0.1.0"
 logger = logging.getLogger("rollout.server")
@@ -142,6 +143,11 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     async def on_validation(request: Request, exc: ValidationError):
         message, param = describe_errors(exc.errors())
         return error_response(message, 400, param=param)
+
+    @app.exception_handler(EngineProcessError)
+    async def on_engine_gone(request: Request, exc: EngineProcessError):
+        # The engine process died (or its pipe broke): every route that needs it says so, as /health does.
+        return error_response(f"{request.url.path}: {exc}", 503)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):

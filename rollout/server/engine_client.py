@@ -294,7 +294,10 @@ class EngineClient(RemoteGeneration):
         return self._call(fn, args, kwargs)
 
     def get_load(self) -> dict:
-        """Engine.get_load as of the engine's last step boundary (no round trip)."""
+        """Engine.get_load as of the engine's last step boundary (no round trip); EngineProcessError once the
+        engine process is gone (its last numbers would mislead a router)."""
+        if not self.is_alive():
+            raise EngineProcessError(self._dead or "the engine process is gone")
         return dict(self._load)
 
     def load_snapshot(self) -> dict:
