@@ -29,13 +29,16 @@ logger = logging.getLogger(__name__)
 
 class WeightsAPI:
     # ---- guards ------------------------------------------------------------------------------
-    def _require_quiescent(self, what: str, online: bool = False) -> int:
+    def _require_quiescent(self, what: str, online: bool | None = None) -> int:
         """Raise unless no request is in flight, generation is paused or `online` (then retract them);
-        returns how many requests were retracted (SGLang's num_paused_requests)."""
+        returns how many requests were retracted (SGLang's num_paused_requests). online None: the call has
+        no such option (the refusal does not offer it)."""
         n = self.scheduler.num_in_flight()
         if n and not (self._paused or online):
-            raise RuntimeError(f"{what} refused: {n} request(s) in flight; call pause_generation() first, "
-                               f"pass online=True (they are retracted and go on under the new weights), "
+            retract = "" if online is None else (
+                "pass online=True (over HTTP: `online` on /update_weights_from_disk, `force` on "
+                "/update_weights_from_tensor; they are retracted and go on under the new weights), ")
+            raise RuntimeError(f"{n} request(s) in flight; call pause_generation() first, {retract}"
                                f"or wait for them to finish")
         if n:
             self.scheduler.retract_all()
@@ -55,7 +58,10 @@ class WeightsAPI:
         """Release `tags` (None: every tag). RuntimeError if one is already released."""
         with self._cv:
             tags = self.runner.check_memory_transition(tags, release=True)  # before retracting anything
-            self._require_quiescent("release_memory_occupation")
+            try:
+                self._require_quiescent("release_memory_occupation")
+            except RuntimeError as e:
+                raise RuntimeError(f"release_memory_occupation refused: {e}") from None
             try:
                 self.runner.release_memory_occupation(tags)
             finally:  # the prefix cache points into the KV pool: flush it iff the pool went

@@ -228,6 +228,7 @@ def test_release_refused_while_a_request_runs(ckpt_pair):
         assert state["done"].is_set()
         assert isinstance(state["error"], RuntimeError)
         assert "in flight" in str(state["error"]) and "pause_generation" in str(state["error"])
+        assert "online" not in str(state["error"])  # release has no such option: the refusal must not offer it
         assert engine.runner.memory_saver.bytes_held("weights") > 0
         assert final["output_ids"] == reference
 

@@ -242,6 +242,8 @@ def test_update_refused_while_requests_run_unless_paused(ckpt_pair):
         ok, msg, num_paused = state["result"]
         assert num_paused == 0  # refused: nothing was paused
         assert not ok and "in flight" in msg and "pause_generation" in msg, msg
+        # The options it offers exist (online here, force over HTTP's tensor route), and it names itself once.
+        assert "online=True" in msg and "`force`" in msg and msg.count("update_weights_from_disk") == 2, msg
         assert final["output_ids"] == reference
         assert final["meta_info"]["weight_version"] == engine.weight_version == "default"
         assert_same_tensors(before, engine)
