@@ -13,7 +13,7 @@ output leaves through one path, `_deliver`, which no caller can make raise: a co
 (closed event loop, dropped stream) has its requests aborted and their KV freed.
 
 Control semantics are SGLang's: abort_request(rid, abort_all) (an unknown or finished id is a no-op),
-pause_generation(mode="abort" | "retract" | "in_place") / continue_generation(), flush_cache() -> bool.
+pause_generation(mode="abort" | "retract" | "in_place") / continue_generation(), flush_cache() -> FlushCacheReqOutput.
 """
 
 from __future__ import annotations

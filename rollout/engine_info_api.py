@@ -21,6 +21,16 @@ from rollout.weights_api import weight_version_problem
 DRAIN_POLL_S = 0.02  # drain() looks at the requests in flight this often
 
 
+@dataclasses.dataclass(frozen=True)
+class FlushCacheReqOutput:
+    """What sglang.Engine.flush_cache returns (its io_struct's name): `success`, and truthy iff it flushed."""
+
+    success: bool
+
+    def __bool__(self) -> bool:
+        return self.success
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("rollout-engine")
@@ -59,11 +69,12 @@ class EngineInfoAPI:
             version = self.weight_version
         return {"checksum": h.hexdigest(), "num_tensors": len(params), "weight_version": version}
 
-    def flush_cache(self) -> bool:
-        """Empty the prefix cache. As SGLang: False (nothing flushed) while requests hold KV (running,
-        or paused in place); True otherwise (waiting or retracted requests hold none)."""
+    def flush_cache(self) -> FlushCacheReqOutput:
+        """Empty the prefix cache. As SGLang: `.success` False (nothing flushed) while requests hold KV
+        (running, or paused in place); True otherwise (waiting or retracted requests hold none). The
+        result is truthy iff it flushed, so `if engine.flush_cache():` reads as it does with a bool."""
         with self._cv:
-            return self.scheduler.flush_cache()
+            return FlushCacheReqOutput(self.scheduler.flush_cache())
 
     def get_model_info(self) -> dict:
         """What the engine serves now (SGLang's get_model_info): the checkpoint last loaded (the launch path

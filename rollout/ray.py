@@ -467,8 +467,11 @@ class EngineGroup:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self._all("resume_memory_occupation", tags)
 
-    def flush_cache(self) -> bool:
-        return all(bool(r) for r in self._all("flush_cache"))
+    def flush_cache(self):
+        """FlushCacheReqOutput: success iff every engine flushed."""
+        from rollout.engine_info_api import FlushCacheReqOutput
+
+        return FlushCacheReqOutput(all(bool(r) for r in self._all("flush_cache")))
 
     def pause_generation(self, *args, **kwargs) -> None:
         self._all("pause_generation", *args, **kwargs)

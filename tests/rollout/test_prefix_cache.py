@@ -117,7 +117,7 @@ def test_flush_cache_empties_and_is_refused_while_running(tiny_llama, make_engin
     stream, _ = pause_mid_stream(engine, input_ids=prompt, sampling_params=sp)
     try:
         size_before = engine.scheduler.tree.total_size()
-        assert engine.flush_cache() is False
+        assert engine.flush_cache().success is False
         assert engine.scheduler.tree.total_size() == size_before > 0
     finally:
         engine.continue_generation()
