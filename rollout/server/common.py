@@ -11,6 +11,7 @@ import asyncio
 import functools
 import json
 import math
+import re
 from typing import ClassVar
 
 try:  # ~10x faster than json on the per-token stream chunks (the `server` extra installs it)
@@ -134,10 +135,15 @@ def error_response(message: str, status_code: int = 400, param: str | None = Non
                         status_code=status_code)
 
 
+_SAMPLING_PARAM = re.compile(r"^sampling params? (\w+)")
+
+
 def engine_error(e: Exception) -> JSONResponse:
-    """Engine exceptions -> status: bad input is the caller's (400); a refused state is 503."""
+    """Engine exceptions -> status: bad input is the caller's (400, `param` naming a sampling param the
+    message names first); a refused state is 503."""
     if isinstance(e, ValueError | TypeError | KeyError):
-        return error_response(str(e), 400)
+        named = _SAMPLING_PARAM.match(str(e))
+        return error_response(str(e), 400, param=f"sampling_params.{named.group(1)}" if named else None)
     if isinstance(e, RuntimeError):
         return error_response(str(e), 503)
     return error_response(f"{type(e).__name__}: {e}", 500)

@@ -158,3 +158,9 @@ def test_bad_tensor_payload_answers_in_sglangs_shape_too(client):
     assert r.status_code == 400 and body["success"] is False and body["message"] == body["error"]["message"]
     assert body["error"]["param"] == "serialized_named_tensors"
     assert client.post("/generate", json=GOOD).status_code == 200
+
+
+def test_sampling_param_error_names_the_param_field(client):
+    """An Engine refusal of a sampling param carries `param` = sampling_params.<name>, not null."""
+    r = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"temperature": -1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.temperature", r.text
