@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync.bucket import FlattenedTensorBucket, as_dtype, dtype_to_str, iter_buckets
-from weight_sync.rendezvous import wait_for_master
+from weight_sync.rendezvous import bounded, wait_for_master
 
 DEFAULT_TIMEOUT_S = 120.0
 LOAD_FORMATS = (None, "flattened_bucket", "checked_bucket")
@@ -124,7 +124,12 @@ def create_weight_update_group(master_address: str, master_port: int | str, rank
     if rank != 0:  # torch's connect overshoots its timeout and waits on the resolver: reach rank 0 first
         store_timeout = datetime.timedelta(seconds=wait_for_master(master_address, master_port, timeout_s))
     # What torch's tcp:// rendezvous builds for SGLang's helper: rank 0 hosts, all wait for world_size.
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=store_timeout)
+    # Bounded by the same deadline (plus a grace for torch's own overshoot): a peer that accepts but never
+    # answers the handshake would otherwise hold this call forever.
+    store = bounded(lambda: dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                                          timeout=store_timeout),
+                    store_timeout.total_seconds() + min(5.0, max(1.0, 0.25 * store_timeout.total_seconds())),
+                    f"joining the rendezvous store at {master_address}:{master_port}")
     if backend == "gloo":
         group = dist.ProcessGroupGloo(_group_store(store, group_name, "cpu"), rank, world_size, timeout)
     else:

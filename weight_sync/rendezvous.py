@@ -8,7 +8,10 @@ listens (a trainer usually starts its store at about the same time as it asks th
 raises TimeoutError naming what it waited for. The TCPStore is then given only the time left.
 
 It does not talk the store's protocol: a connect that succeeds is closed at once (the store's server
-drops such a connection silently).
+drops such a connection silently). Something that accepts and then never answers the store's handshake
+(another program on that port) would hold torch's client past any timeout: `bounded` runs the store's
+construction in a daemon thread and gives up at the deadline (the thread is left to the OS; a store it
+builds after that is dropped).
 """
 
 from __future__ import annotations
@@ -61,3 +64,27 @@ def wait_for_master(host: str, port: int, timeout_s: float) -> float:
             raise TimeoutError(f"nothing accepted a connection at {host}:{port} within {timeout_s:.1f} s "
                                f"(last error: {last}); is the trainer's rank 0 up?")
         time.sleep(RETRY_S)
+
+
+def bounded(fn, timeout_s: float, what: str):
+    """fn() within `timeout_s`, else TimeoutError naming `what`. fn cannot be cancelled (a C++ call blocked
+    on a socket), so it runs in a daemon thread; a result that arrives after the deadline is discarded."""
+    result: list = []
+    done = threading.Event()
+
+    def run():
+        try:
+            result.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            result.append((False, e))
+        done.set()
+
+    threading.Thread(target=run, name="rollout-rendezvous", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{what} did not complete within {timeout_s:.1f} s (a peer that accepts the "
+                           f"connection but never answers the store's handshake: is the trainer's rank 0 "
+                           f"what listens on that port?)")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value

@@ -410,3 +410,16 @@ def test_destroy_frees_the_port_for_a_new_group_in_process():
         destroy_weight_update_group(sender)
         destroy_weight_update_group(receiver)
         assert sender.process_group is None and sender.store is None
+
+
+def test_a_peer_that_accepts_but_never_answers_fails_the_join_in_time():
+    """Something else on the master port (accepts, never speaks the store's protocol): the join fails with a
+    TimeoutError naming the address shortly after timeout_s, instead of blocking in torch's handshake."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"rendezvous store at 127.0.0.1:{port}"):
+            create_weight_update_group("127.0.0.1", port, 1, 2, "silent", "gloo", timeout_s=2)
+        assert time.monotonic() - t0 < 2 + 1.5 + 1.0  # the deadline, its grace, and slack for a loaded machine
