@@ -91,5 +91,13 @@ class TokenizerWrapper:
         return stop_match.find(req, text)
 
     def final_text(self, req: Req) -> str | None:
-        text = self.decode(req.output_ids, req)
+        """The output text as SGLang's detokenizer returns it: without a matched stop string, and without a
+        matched stop token (a stop_token_ids entry or eos, the last id) unless no_stop_trim; output_ids keep it."""
+        ids = req.output_ids
+        reason = req.finished_reason
+        if (reason is not None and reason.type == "stop" and isinstance(reason.matched, int)
+                and not isinstance(reason.matched, bool) and not req.sampling_params.no_stop_trim
+                and ids and ids[-1] == reason.matched):
+            ids = ids[:-1]
+        text = self.decode(ids, req)
         return None if text is None else stop_match.trimmed(req, text)

@@ -44,6 +44,25 @@ def test_stop_strings_match_the_naive_full_text_search(engine):
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
+def test_a_matched_stop_token_is_trimmed_from_text_as_sglang(engine):
+    """As SGLang's detokenizer: a stop_token_ids match (and eos with skip_special_tokens=False) is not in
+    `text` (the tokenizer's decode of the ids before it), unless no_stop_trim; output_ids keep it."""
+    tok = engine.tokenizer.tokenizer
+    free = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=20))["output_ids"]
+    stop_id = next(t for t in free[3:] if tok.decode([t]).strip())  # a token with visible text, not the first
+    out = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=20, stop_token_ids=[stop_id]))
+    cut = free.index(stop_id) + 1
+    assert out["output_ids"] == free[:cut]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert out["text"] == tok.decode(free[: cut - 1], skip_special_tokens=True)
+    kept = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=20, stop_token_ids=[stop_id], no_stop_trim=True))
+    assert kept["text"] == tok.decode(free[:cut], skip_special_tokens=True) != out["text"]
+    eos = engine.eos_ids[0]
+    raw = engine.generate(PROMPT, dict(temperature=0, max_new_tokens=20, skip_special_tokens=False,
+                                       logit_bias={str(eos): 1e5}))  # eos at once
+    assert raw["output_ids"] == [eos] and raw["text"] == ""
+
+
 def test_backtracking_stop_regex_is_bounded(engine):
     """'(a|aa)+b' over an all-'a' output (exponential in `re`) finishes that request as abort naming the
     pattern within seconds, and a greedy request running beside it gives its usual output."""
