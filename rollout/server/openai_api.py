@@ -80,6 +80,9 @@ def _model_card(request: Request) -> dict:
 
 # ---- /v1/completions ---------------------------------------------------------------------------
 def _completion_logprobs(engine, pairs: list, offset: int) -> dict:
+    """OpenAI's completion logprobs of `pairs`; `text_offset` counts each token's text from `offset` (0 for
+    the first token; a stream passes on where its previous chunk's tokens ended, so its offsets are the
+    non-streamed ones whatever text a chunk held back for a possible stop match)."""
     tokens, lps, tops, offsets = [], [], [], []
     for (lp, tid, text), top in pairs:
         s = token_text(engine, tid, text)
@@ -148,7 +151,9 @@ async def completions(req: CompletionRequest, request: Request):
             async for i, chunk, final, text, d in items:
                 lp = None
                 if req.logprobs is not None:
-                    lp = _completion_logprobs(engine, d.new_logprobs(chunk["meta_info"]), len(d.sent) - len(text))
+                    lp = _completion_logprobs(engine, d.new_logprobs(chunk["meta_info"]), d.text_offset)
+                    if lp["tokens"]:
+                        d.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 reason = finish_of(chunk["meta_info"])[0] if final else None
                 if text or final or lp:
                     yield {"id": cid, "object": "text_completion", "created": created, "model": model,

@@ -197,6 +197,7 @@ class TextDelta:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = ""
         self.num_tokens = 0
+        self.text_offset = 0  # /v1/completions logprobs: where the next token's text starts
 
     def step(self, text: str | None, final: bool) -> str:
         text = text or ""

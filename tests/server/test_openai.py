@@ -77,6 +77,26 @@ def test_completion_stop(server, oai):
     assert streamed == r.choices[0].text
 
 
+def test_completion_logprob_offsets_are_the_same_streamed(server, oai):
+    """text_offset counts each token's text from 0, and a stream with a stop string that never matches (so
+    each chunk holds text back) reports the same tokens and offsets as the non-streamed answer."""
+    kw = dict(model="tiny", prompt="Hello", max_tokens=10, temperature=0, logprobs=1, stop=["\x01never"],
+              extra_body=IGN)
+    plain = oai.completions.create(**kw).choices[0].logprobs
+    offsets, at = [], 0
+    for token in plain.tokens:  # the oracle: a running sum of the token texts
+        offsets.append(at)
+        at += len(token)
+    assert plain.text_offset == offsets
+    tokens, streamed = [], []
+    for chunk in oai.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            if ch.logprobs is not None:
+                tokens += ch.logprobs.tokens
+                streamed += ch.logprobs.text_offset
+    assert tokens == plain.tokens and streamed == plain.text_offset
+
+
 def test_chat_equals_engine_on_plain_template(server):
     """/v1/chat/completions with --chat-template plain: the documented plain prompt, Engine's answer."""
     with start_server(server.path, engine=server.engine, chat_template="plain") as s, \
