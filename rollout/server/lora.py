@@ -46,9 +46,19 @@ class LoadLoRAAdapterFromTensorsReqInput(Body):
     added_tokens_config: dict | None = None
 
 
+def _name_refusal(request: Request, lora_name: str) -> JSONResponse | None:
+    """An adapter may not take the served model's name: OpenAI's `model` field could not tell them apart."""
+    if lora_name == request.app.state.model_name:
+        return error_response(f"lora_name {lora_name!r} is the served model's name (OpenAI requests choose an "
+                              f"adapter by `model`): give the adapter another name", 400, param="lora_name")
+    return None
+
+
 @router.post("/load_lora_adapter")
 async def load_lora_adapter(obj: LoadLoRAAdapterReqInput, request: Request):
     engine = request.app.state.engine
+    if (refused := _name_refusal(request, obj.lora_name)) is not None:
+        return refused
     return _answer(await run_blocking(request, engine.load_lora_adapter, obj.lora_name, obj.lora_path, obj.pinned))
 
 
@@ -60,6 +70,8 @@ async def unload_lora_adapter(obj: UnloadLoRAAdapterReqInput, request: Request):
 
 @router.post("/load_lora_adapter_from_tensors")
 async def load_lora_adapter_from_tensors(obj: LoadLoRAAdapterFromTensorsReqInput, request: Request):
+    if (refused := _name_refusal(request, obj.lora_name)) is not None:
+        return refused
     if obj.added_tokens_config:
         return error_response("added_tokens_config is not supported (adapters cannot add tokens here)", 400,
                               param="added_tokens_config")

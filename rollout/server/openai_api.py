@@ -66,9 +66,13 @@ async def list_models(request: Request):
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request):
-    if model != _model_name(request):
+    card = _model_card(request)
+    if model == card["id"]:
+        return JSONResponse(card)
+    adapter = next((c for c in adapter_cards(request, card) if c["id"] == model), None)  # as /v1/models lists them
+    if adapter is None:
         return error_response(f"The model '{model}' does not exist", 404, param="model", type_="invalid_request_error")
-    return JSONResponse(_model_card(request))
+    return JSONResponse(adapter)
 
 
 def _model_card(request: Request) -> dict:

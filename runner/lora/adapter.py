@@ -67,6 +67,11 @@ def stage_adapter(config: AdapterConfig, tensors: dict[str, torch.Tensor], modul
                              f"{sorted(_MODULE_OF)}")
         if target not in enabled:
             raise ValueError(f"adapter tensor {name!r}: target {target} is not in lora_target_modules={list(enabled)}")
+        if config.target_modules is not None and target not in config.target_modules:
+            # PEFT would build no LoRA layer for it and skip the tensor (with a warning): serving it would
+            # give another model than the adapter's own config describes.
+            raise ValueError(f"adapter tensor {name!r}: target {target} is not in the adapter's own "
+                             f"target_modules={list(config.target_modules)} (adapter_config.json)")
         if layer >= num_layers:
             raise ValueError(f"adapter tensor {name!r}: layer {layer} does not exist (the model has {num_layers})")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():

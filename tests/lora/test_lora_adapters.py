@@ -91,6 +91,8 @@ def _bad_cases(a):
         "int": ({**tensors, f"{Q}.lora_A.weight": tensors[f"{Q}.lora_A.weight"].int()}, config, "floating-point"),
         "experts": ({"base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(8, 64)},
                     config, "experts"),
+        # PEFT would skip tensors of a module its config does not target; serving them is another model
+        "off_config": (tensors, {**config, "target_modules": ["k_proj"]}, "adapter's own target_modules"),
     }
     return cases
 

@@ -44,6 +44,11 @@ def test_lora_endpoints_equal_the_engine(tiny_llama, adapter_factory, make_engin
             assert c.post("/generate", json=body).json()["output_ids"] == ref[name]
         models = [m["id"] for m in c.get("/v1/models").json()["data"]]
         assert models == ["tiny", "a", "b"]
+        card = c.get("/v1/models/a").json()  # every listed id can be retrieved
+        assert (card["id"], card["parent"]) == ("a", "tiny") and c.get("/v1/models/zzz").status_code == 404
+        r = c.post("/load_lora_adapter", json={"lora_name": "tiny", "lora_path": str(a)})  # the served name
+        assert r.status_code == 400 and "served model's name" in r.text
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "a", "b"]
         text = ref_engine.tokenizer.decode(PROMPT)
         want = ref_engine.generate(prompt=text, sampling_params=GREEDY, lora_path="a")["text"]
         for model in ("a", "tiny:a"):
