@@ -233,6 +233,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         return error_response("response_format other than text is not supported", 400, param="response_format")
     if req.tools:
         return error_response("tools are not supported", 400, param="tools")
+    if req.tool_choice not in (None, "none", "auto"):  # "required" or a named function needs tools to call
+        return error_response(f"tool_choice={req.tool_choice!r} needs tools, which are not supported", 400,
+                              param="tool_choice")
+    if req.top_logprobs and not req.logprobs:  # OpenAI's rule: top_logprobs is served with logprobs only
+        return error_response("top_logprobs needs logprobs=true", 400, param="top_logprobs")
     bad = check_n(request, req.n)
     if bad is not None:
         return bad
