@@ -32,7 +32,7 @@ from rollout.score_api import SCORE_SAMPLING, encoder, num_items, score_outputs,
 from rollout.server import limits
 from rollout.server.chat_template import ChatTemplate, NoChatTemplate, resolve_chat_template
 from rollout.server.common import JSONResponse, engine_error, error_response, run_blocking
-from rollout.server.lora import adapter_cards
+from rollout.server.lora import adapter_cards, lora_of_model
 from rollout.server.native import check_n
 from rollout.server.openai_engine import (
     choice_texts,
@@ -55,6 +55,15 @@ router = APIRouter()
 
 def _model_name(request: Request) -> str:
     return request.app.state.model_name
+
+
+def _served_model(request: Request, model: str | None) -> str:
+    """A response's `model`: the adapter the request chose by `model` (as the request named it, as vLLM and
+    SGLang echo it), else the served model's name."""
+    try:
+        return model if lora_of_model(request, model) is not None else _model_name(request)
+    except ValueError:  # an adapter that is not loaded: the request is refused by the engine call anyway
+        return _model_name(request)
 
 
 # ---- /v1/models --------------------------------------------------------------------------------
@@ -130,7 +139,7 @@ async def completions(req: CompletionRequest, request: Request):
     prompts = await prepare(request, prompts, sampling, req.logprobs)
     if isinstance(prompts, Response):
         return prompts
-    cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
+    cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _served_model(request, req.model)
     if not req.stream:
         outs = await generate_all(request, prompts, sampling, req.logprobs, req.rid, names, req.model)
         if isinstance(outs, Response):
@@ -256,7 +265,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     prompts = await prepare(request, prompts, sampling, num_top)
     if isinstance(prompts, Response):
         return prompts
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _model_name(request)
+    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _served_model(request, req.model)
     if not req.stream:
         outs = await generate_all(request, prompts, sampling, num_top, req.rid, names, req.model)
         if isinstance(outs, Response):

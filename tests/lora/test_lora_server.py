@@ -55,6 +55,7 @@ def test_lora_endpoints_equal_the_engine(tiny_llama, adapter_factory, make_engin
             r = c.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 6, "temperature": 0,
                                                 "ignore_eos": True})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+            assert r.json()["model"] == model  # the adapter that served it, as the request named it
         assert c.post("/v1/completions", json={"model": "tiny:zzz", "prompt": text, "max_tokens": 2}).status_code == 400
         assert c.post("/generate", json={"input_ids": PROMPT, "lora_path": "zzz"}).status_code == 400
         r = c.post("/unload_lora_adapter", json={"lora_name": "a"})
