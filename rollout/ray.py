@@ -93,19 +93,24 @@ class EngineActor:
         # Weights released without backup and not yet reloaded hold nothing worth keeping (the engine
         # refuses to serve them): rolling back then means marking them invalid again, not restoring.
         snapshot = self.snapshot_weights(names) if self.engine.runner.weights_valid else None
-        self._txn = (snapshot, self.engine.weight_version)
+        self._txn = (snapshot, self.engine.weight_version, self.engine._num_updates)
         return self._txn[1]
 
     def rollback(self) -> tuple[bool, str]:
-        snapshot, version = self._txn
+        snapshot, version, num_updates = self._txn
         self._txn = None
+        if self.engine._num_updates == num_updates:  # every call of the transaction refused here: unchanged
+            return True, "nothing to roll back (no update of the transaction was applied on this engine)"
         if snapshot is None:
             with self.engine._cv:
                 self.engine.runner.invalidate_weights("a group weight sync failed and was rolled back; load a "
                                                       "full set of weights")
                 self.engine.weight_version = version
             return True, "weights marked invalid again (there was nothing valid to restore)"
-        return self.engine.update_weights_from_tensor(snapshot, flush_cache=True, weight_version=version)
+        # online: requests that arrived since are retracted and go on under the restored weights, instead
+        # of the rollback being refused (which would leave this engine on a version no other engine has).
+        return self.engine.update_weights_from_tensor(snapshot, flush_cache=True, weight_version=version,
+                                                      online=True)
 
     def commit(self) -> None:
         self._txn = None
@@ -310,8 +315,9 @@ class EngineGroup:
         return failed
 
     def _end(self, what: str, failed: list[tuple[int, str]], old_version: str) -> tuple[bool, str]:
-        """Commit everywhere, or roll every engine back to its snapshot (engines that refused are unchanged:
-        each engine's own update is atomic, and rolling them back too is harmless)."""
+        """Commit everywhere, or roll back every engine that applied any call of the transaction (online: a
+        request that arrived since is retracted, never a reason to refuse); an engine that refused every
+        call is unchanged (each engine's own update is atomic) and is left alone."""
         ray = _ray()
         if not self._snapshotted:  # one engine, one atomic call: nothing to commit or roll back here
             return (True, f"{what}: committed") if not failed else (False, f"{what} failed: engine 0: {failed[0][1]}")
@@ -394,19 +400,21 @@ class EngineGroup:
             (len(blobs) if ok else 0)
 
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
-                                   weight_version: str | None = None) -> tuple[bool, str]:
+                                   weight_version: str | None = None, online: bool = False) -> tuple[bool, str]:
+        """Engine.update_weights_from_tensor on every engine, committed on all or none. online=True: each
+        engine retracts its requests in flight (they go on under the new weights) instead of refusing."""
         names = _update_names(named_tensors, load_format)
         return self._atomic_update("update_weights_from_tensor", names, (named_tensors,),
                                    dict(load_format=load_format, flush_cache=flush_cache,
-                                        weight_version=weight_version))
+                                        weight_version=weight_version, online=online))
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 weight_version: str | None = None, flush_cache: bool = True
+                                 weight_version: str | None = None, flush_cache: bool = True, online: bool = False
                                  ) -> tuple[bool, str, int]:
         """SGLang's shape: (success, message, num_paused_requests); the group pauses nothing itself."""
         ok, msg = self._atomic_update("update_weights_from_disk", None, (str(model_path),),
                                       dict(load_format=load_format, weight_version=weight_version,
-                                           flush_cache=flush_cache))
+                                           flush_cache=flush_cache, online=online))
         return ok, msg, 0
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -537,7 +545,9 @@ def _last_line(e: BaseException) -> str:
 
 
 def _update_names(named_tensors, load_format: str | None) -> list[str] | None:
-    """The HF names an update touches, read from the argument without unpacking any tensor."""
+    """The HF names an update touches, read from the argument without unpacking any tensor; None (the
+    transaction then snapshots every weight) where the argument does not say them in HF names: "direct"
+    (runner names), SGLang's serialized buckets (one blob per TP rank), a custom loader's format."""
     if load_format == "delta":
         from weight_sync.delta_codec import delta_names
 
@@ -546,8 +556,15 @@ def _update_names(named_tensors, load_format: str | None) -> list[str] | None:
         buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
         names = []
         for b in buckets:
-            meta = b.get("metadata") if isinstance(b, dict) else b.get_metadata()
+            if isinstance(b, dict):
+                meta = b.get("metadata")
+            elif hasattr(b, "get_metadata"):
+                meta = b.get_metadata()
+            else:
+                return None
             names.extend(m["name"] if isinstance(m, dict) else m.name for m in meta)
         return names
+    if load_format is not None:
+        return None
     items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
     return [n for n, _ in items]

@@ -151,6 +151,34 @@ def test_sync_failing_in_a_later_bucket_rolls_every_engine_back(group, ckpt, tra
     assert_same(greedy(group), base_outputs)
 
 
+def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ckpt, trainer):
+    """Engine 1 busy, engine 0 idle: engine 0 takes bucket 0, engine 1 refuses; the rollback of engine 0
+    cannot be refused by a request arriving meanwhile (it retracts it), the busy engine is left alone, and the
+    group stays on one version with equal bits, so the next sync (once idle) goes through."""
+    ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base3")
+    assert ok, msg
+    base_sum = group.get_weights_checksum()["checksum"]
+    long = dict(input_ids=PROMPTS[0], sampling_params=dict(max_new_tokens=100000, ignore_eos=True), rid="busy")
+    busy = group.handles[1].call.remote("generate", (), long)
+    deadline = time.monotonic() + 60
+    while ray.get(group.handles[1].call.remote("get_server_info", (), {}), timeout=60)["num_in_flight"] == 0:
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.05)
+    # A request on engine 0 after its first bucket: the rollback must retract it, not be refused by it.
+    late = group.handles[0].call.remote("generate", (), dict(input_ids=PROMPTS[1], sampling_params=dict(
+        max_new_tokens=200, ignore_eos=True)))
+    model, _, _ = trainer
+    ok, msg = sync_weights(model, group, bucket_bytes=32 << 10, weight_version="mixed?")
+    assert not ok and "engine 1" in msg and "in flight" in msg and "inconsistent" not in msg, msg
+    assert group.weight_version == "base3"  # raises if the engines disagree
+    assert group.get_weights_checksum()["checksum"] == base_sum  # raises if the engines' bits differ
+    ray.get(group.handles[1].call.remote("abort_request", (), dict(rid="busy")), timeout=60)
+    ray.get([busy, late], timeout=120)
+    ok, msg = sync_weights(model, group, bucket_bytes=32 << 10, weight_version="after")
+    assert ok, msg
+    assert group.weight_version == "after"
+
+
 def test_killed_engine_is_named_and_nothing_hangs(cluster, ckpt):
     """An actor killed mid-run: the next call fails within seconds with an error naming that engine."""
     g = launch_engines(2, str(ckpt), num_cpus_per_engine=0.5, call_timeout_s=60, **ENGINE_KW)
