@@ -17,6 +17,7 @@ import time
 import torch
 
 from rollout.weights_api import weight_version_problem
+from runner.weights import checker
 
 DRAIN_POLL_S = 0.02  # drain() looks at the requests in flight this often
 
@@ -56,18 +57,19 @@ class EngineInfoAPI:
 
     def get_weights_checksum(self) -> dict:
         """SHA-256 over every model parameter (name, dtype, shape, bytes) in name order, taken under the step
-        lock so an update is never read half-way: equal checksums mean bitwise-equal weights.
-        Returns {"checksum", "num_tensors", "weight_version"}."""
-        h = hashlib.sha256()
+        lock so an update is never read half-way: equal checksums mean bitwise-equal weights. Under tensor
+        parallelism every rank hashes its own slices and the checksum is the SHA-256 of those digests in
+        rank order (num_tensors: summed over ranks). Returns {"checksum", "num_tensors", "weight_version"}."""
         with self._cv:
-            params = sorted(self.runner.model.named_parameters())
-            for name, p in params:
-                t = p.detach().to("cpu").contiguous()
-                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-                # Bytes of a copy: exporting the parameter's own storage would pin it (release resizes it).
-                h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())
+            ranks = getattr(self.runner, "rank_checksums", None)
+            parts = ranks() if ranks is not None else [checker.parameters_sha256(self.runner.model)]
             version = self.weight_version
-        return {"checksum": h.hexdigest(), "num_tensors": len(params), "weight_version": version}
+        if len(parts) == 1:
+            checksum, num = parts[0]
+        else:
+            checksum = hashlib.sha256("|".join(d for d, _ in parts).encode()).hexdigest()
+            num = sum(n for _, n in parts)
+        return {"checksum": checksum, "num_tensors": num, "weight_version": version}
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Empty the prefix cache. As SGLang: `.success` False (nothing flushed) while requests hold KV

@@ -303,6 +303,14 @@ class TPModelRunner:
         self._send({"cmd": "lora_adapters"})
         return [self.local.lora_adapters()] + [reply["adapters"] for _, reply in self._replies("lora_adapters")]
 
+    def rank_checksums(self) -> list[tuple[str, int]]:
+        """Every rank's (parameter digest, parameter count), rank order (runner/weights/checker.py)."""
+        from runner.weights.checker import parameters_sha256
+
+        self._send({"cmd": "checksum"})
+        own = parameters_sha256(self.local.model)
+        return [own] + [(reply["checksum"], reply["num_tensors"]) for _, reply in self._replies("checksum")]
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The full HF tensor, assembled from every rank's slice, truncated as ModelRunner does."""
         shard, spec = self.local.weight_shard(name)

@@ -22,7 +22,7 @@ from runner.config import RunnerConfig
 from runner.tp import channel
 from runner.tp.group import TPGroup
 from runner.tp.rank_runner import TPRankRunner, apply_batch
-from runner.weights import delta
+from runner.weights import checker, delta
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ def _serve(runner: TPRankRunner, conn, parent_alive, timeout_s: float) -> None:
                 _voted(runner, conn, functools.partial(_update, runner, header, tensors), parent_alive, timeout_s)
             elif cmd == "lora_adapters":
                 reply["adapters"] = runner.lora_adapters()
+            elif cmd == "checksum":
+                reply["checksum"], reply["num_tensors"] = checker.parameters_sha256(runner.model)
             elif cmd == "get_shard":
                 shard, spec = runner.weight_shard(header["name"])
                 out, reply["spec"] = [shard], spec

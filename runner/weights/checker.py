@@ -14,6 +14,8 @@ refuses tp_size > 1), or anything about requests and caches (the Engine's).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from runner.weights import routes
@@ -90,3 +92,17 @@ def checksums(runner) -> dict[str, str]:
         h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())  # a copy: never pin the storage
         out[name] = h.hexdigest()
     return out
+
+
+@torch.no_grad()
+def parameters_sha256(model: torch.nn.Module) -> tuple[str, int]:
+    """(SHA-256 hex over every parameter of `model`: name, dtype, shape, bytes, in name order; how many).
+    Equal digests mean bitwise-equal parameters. On one tensor-parallel rank: that rank's slices."""
+    h = hashlib.sha256()
+    params = sorted(model.named_parameters())
+    for name, p in params:
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        # Bytes of a copy: exporting the parameter's own storage would pin it (a release resizes it).
+        h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())
+    return h.hexdigest(), len(params)

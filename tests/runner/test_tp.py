@@ -80,6 +80,22 @@ def test_tp2_get_weights_by_name_is_the_full_tensor(tp_engine, ckpts):
         assert torch.equal(got, want.float()), name
 
 
+def test_tp2_checksum_covers_every_rank(tp_engine, ckpts):
+    """A change only rank 1 holds (the last rows of a column-parallel weight) moves get_weights_checksum;
+    putting the original back restores it exactly."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    full = torch.tensor(tp_engine.get_weights_by_name(name, truncate_size=1 << 30))
+    before = tp_engine.get_weights_checksum()
+    changed = full.clone()
+    changed[-1] += 0.5  # rank 1's slice of the output rows
+    try:
+        assert tp_engine.update_weights_from_tensor([(name, changed)])[0]
+        assert tp_engine.get_weights_checksum()["checksum"] != before["checksum"]
+    finally:
+        assert tp_engine.update_weights_from_tensor([(name, full)])[0]
+    assert tp_engine.get_weights_checksum()["checksum"] == before["checksum"]
+
+
 def test_tp2_every_update_route_equals_a_fresh_tp_engine(tp_engine, reference, ckpts, tmp_path):
     """Tensor, flattened-bucket and disk updates under TP give what a fresh TP engine on the new weights gives."""
     old_sd, new_sd = (load_hf_model(p).state_dict() for p in ckpts)
