@@ -36,11 +36,13 @@ bucket descriptors weight_sync/shm.py.
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing as mp
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from multiprocessing import shared_memory
 
@@ -106,8 +108,11 @@ class RemoteEngine:
         self._closed = False
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
+        # Not a daemon: a daemonic process may not start children, and an engine with tp_size > 1 starts
+        # its rank workers. multiprocessing joins a non-daemonic child at exit, and the child waits on this
+        # pipe, so a RemoteEngine nobody shut down is shut down at exit (before that join: atexit is LIFO).
         self._proc = ctx.Process(target=serve, args=(child_conn, factory, engine_kwargs, self.segment_prefix),
-                                 daemon=True)
+                                 daemon=False)
         saved = {k: os.environ.get(k) for k in (child_env or {})}
         os.environ.update(child_env or {})  # spawn copies the environment at start: the child's only
         try:
@@ -119,6 +124,8 @@ class RemoteEngine:
                 else:
                     os.environ[k] = v
         child_conn.close()  # ours closed, the child's exit is an EOF here: a dead child is seen at once
+        ref = weakref.ref(self)
+        atexit.register(lambda: (r := ref()) is not None and r.shutdown())
         try:
             self._recv(start_timeout_s, what="engine start-up")
         except BaseException:

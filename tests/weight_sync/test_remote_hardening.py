@@ -187,3 +187,37 @@ def test_attaching_does_not_hand_the_segment_to_a_resource_tracker():
             seg.unlink()
         except FileNotFoundError:  # the control run's tracker already removed it
             pass
+
+
+NOT_SHUT_DOWN = textwrap.dedent("""
+    import sys
+    from weight_sync.cross_process import RemoteEngine
+    r = RemoteEngine("rollout:Engine", start_timeout_s=300, model_path=sys.argv[1], tp_size=2,
+                     show_progress=False, max_total_tokens=1024)
+    out = r.generate(input_ids=[5, 6, 7], sampling_params=dict(temperature=0, max_new_tokens=4, ignore_eos=True))
+    print("ids", out["output_ids"], flush=True)
+    # no shutdown: the interpreter's exit must stop the engine process (and its rank worker), not wait on it
+""")
+
+
+def test_a_tp_engine_in_a_remote_process_starts_and_an_unclosed_one_does_not_hang_exit(tiny_llama):
+    """RemoteEngine(tp_size=2) starts (its child may start rank workers: not a daemon) and generates what an
+    in-process engine does; a script that never shuts it down still exits, leaving no process behind."""
+    from rollout import Engine
+
+    with Engine(str(tiny_llama), show_progress=False, max_total_tokens=1024) as e:
+        want = e.generate(input_ids=[5, 6, 7], sampling_params=dict(temperature=0, max_new_tokens=4,
+                                                                     ignore_eos=True))["output_ids"]
+    proc = subprocess.Popen([sys.executable, "-c", NOT_SHUT_DOWN, str(tiny_llama)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:]
+    assert f"ids {want}" in out, out[-2000:]
+    deadline = time.monotonic() + 20  # helpers (multiprocessing's resource tracker) exit once the script has
+    while (leftover := subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()):
+        assert time.monotonic() < deadline, f"processes left in the script's session: {leftover}"
+        time.sleep(0.2)
