@@ -4,9 +4,12 @@ argparse CLI built from it (so `--help` and the defaults can never drift apart).
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
+
+from trainers.tasks import TASK_NAMES
 
 DEMO_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "demo-model")
 
@@ -65,13 +68,18 @@ class RLConfig:
             (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
             (self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}"),
             (self.group_size >= 2, f"--group-size must be >= 2 (GRPO normalizes within a group), got {self.group_size}"),
-            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.lr > 0 and math.isfinite(self.lr), f"--lr must be a finite number > 0, got {self.lr}"),
+            (self.weight_decay >= 0 and math.isfinite(self.weight_decay),
+             f"--weight-decay must be a finite number >= 0, got {self.weight_decay}"),
+            (self.eval_every >= 0, f"--eval-every must be >= 0 (0 = off), got {self.eval_every}"),
+            (self.task in TASK_NAMES, f"--task must be one of {sorted(TASK_NAMES)}, got {self.task!r}"),
             (self.kl_coef >= 0, f"--kl-coef must be >= 0, got {self.kl_coef}"),
             (0 < self.clip_eps < 1, f"--clip-eps must be in (0, 1), got {self.clip_eps}"),
             (self.tis_cap >= 0, f"--tis-cap must be >= 0 (0 = off), got {self.tis_cap}"),
             (self.updates_per_step >= 1, f"--updates-per-step must be >= 1, got {self.updates_per_step}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
-            (self.temperature > 0, f"--temperature must be > 0 for RL rollouts, got {self.temperature}"),
+            (self.temperature > 0 and math.isfinite(self.temperature),
+             f"--temperature must be a finite number > 0 for RL rollouts, got {self.temperature}"),
             (self.device in ("cpu", "cuda"), f"--device must be cpu or cuda, got {self.device!r}"),
             (0 < self.engine_mem_fraction < 1, f"--engine-mem-fraction must be in (0, 1), got {self.engine_mem_fraction}"),
             (self.num_engines >= 1, f"--num-engines must be >= 1, got {self.num_engines}"),

@@ -187,6 +187,9 @@ _TASKS = {
 }
 
 
+TASK_NAMES = tuple(_TASKS)  # what --task accepts (trainers/config.py checks it before anything starts)
+
+
 def get_task(name: str) -> Task:
     if name not in _TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of {sorted(_TASKS)}")

@@ -128,6 +128,11 @@ def test_cli_help_lists_the_flags():
     ("device", "tpu", "--device"),
     ("engine_mem_fraction", 1.5, "--engine-mem-fraction"),
     ("bucket_mb", 0, "--bucket-mb"),
+    ("lr", float("inf"), "--lr"),  # passed `lr > 0` once, and failed at the first weight sync
+    ("temperature", float("inf"), "--temperature"),
+    ("weight_decay", -1.0, "--weight-decay"),
+    ("eval_every", -1, "--eval-every"),
+    ("task", "foo", "--task"),
 ])  # fmt: skip
 def test_invalid_config_names_the_flag(ckpt_factory, field, value, flag):
     """An invalid value raises ValueError whose message names the CLI flag to fix."""
