@@ -269,6 +269,8 @@ def _validate(flat: Tensor, metadata: list[TensorMeta]) -> None:
     ValueError naming the entry (both, for an overlap)."""
     if not isinstance(flat, Tensor) or flat.dim() != 1:
         raise ValueError("flattened_tensor must be a 1-D torch.Tensor")
+    if not flat.is_contiguous():  # its entries are viewed as other dtypes, which needs stride 1
+        raise ValueError(f"flattened_tensor must be contiguous (stride {flat.stride()}); pass .contiguous()")
     dtype_to_str(flat.dtype)
     numel = flat.numel()
     seen = set()

@@ -59,6 +59,15 @@ def test_to_dict_from_dict_round_trip_plain_types():
         assert torch.equal(a, b)
 
 
+def test_a_strided_flat_tensor_is_a_value_error():
+    """from_dict's contract (every defect a ValueError): a non-contiguous flattened_tensor is refused by name
+    instead of failing later with torch's RuntimeError when an entry is viewed."""
+    d = FlattenedTensorBucket(_tensors(torch.bfloat16)).to_dict()
+    strided = torch.zeros(2 * d["flattened_tensor"].numel(), dtype=torch.uint8)[::2]
+    with pytest.raises(ValueError, match="flattened_tensor must be contiguous"):
+        FlattenedTensorBucket.from_dict({**d, "flattened_tensor": strided})
+
+
 def test_flattening_detaches():
     """A bucket built from parameters carries no autograd graph."""
     p = nn.Parameter(torch.randn(4, 4))
