@@ -12,6 +12,7 @@ only), or notify an engine; the caller calls `engine.update_weights_from_disk(ou
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -50,7 +51,8 @@ def save_hf_checkpoint(
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
+    # is_file, not "exists and not is_dir": a directory another writer is swapping is briefly absent.
+    if out_dir.is_file():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     extra_files = [Path(f) for f in extra_files]
     for f in extra_files:
@@ -152,7 +154,19 @@ def _fsync(path: Path) -> None:
 
 
 def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
-    """Renames tmp_dir to out_dir; an existing out_dir is renamed aside first and deleted after."""
+    """Renames tmp_dir to out_dir; an existing out_dir is renamed aside first and deleted after. Writers of
+    the same out_dir (processes too) take turns on a lock of the parent directory (flock on its own fd:
+    no lock file is left beside the checkpoint), so concurrent saves each land whole, the last one wins,
+    and no renamed-aside copy is left behind."""
+    fd = os.open(out_dir.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the fd is closed
+        _swap_locked(tmp_dir, out_dir)
+    finally:
+        os.close(fd)
+
+
+def _swap_locked(tmp_dir: Path, out_dir: Path) -> None:
     aside = None
     if out_dir.exists():
         aside = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"

@@ -167,3 +167,30 @@ def test_tiny_llama_loads_with_identical_logits(tmp_path):
         want = model(input_ids).logits  # [batch, seq, vocab]
         got = reloaded(input_ids).logits
     assert torch.equal(got, want)
+
+
+def test_concurrent_writers_each_land_whole_and_leave_nothing_behind(tmp_path):
+    """Four threads saving to one out_dir at once (each its own open of the lock, as separate processes would
+    be): no save fails, the final checkpoint is one writer's whole save, and no aside copy is left."""
+    import threading
+
+    out, errors = tmp_path / "ckpt", []
+
+    def writer(i: int) -> None:
+        sd = {"w": torch.full((8, 8), float(i)), "b": torch.full((64,), float(i))}
+        for k in range(25):
+            try:
+                save_hf_checkpoint(sd, out, config={"writer": i, "k": k})
+            except Exception as e:  # noqa: BLE001 - collected for the assertion
+                errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    i = json.loads((out / "config.json").read_text())["writer"]
+    tensors = load_file(out / "model.safetensors")
+    assert torch.equal(tensors["w"], torch.full((8, 8), float(i))) and torch.equal(tensors["b"], torch.full((64,), float(i)))
