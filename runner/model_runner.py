@@ -121,6 +121,7 @@ class ModelRunner:
         fused_layer.enable(self.model, cpu_ops)  # decoder layers, or the whole forward, as one op where they fit
         # The plain sampling path as one op (runner/csrc/sampler.cpp), called directly (runner/csrc/direct.cpp).
         self.sampler.cpu_ops = cpu_kernels.direct() if cpu_ops is not None else None
+        self.sampler.exact_greedy_logprobs = cfg.enable_deterministic_inference
         self.use_prepack = cfg.cpu_prepack and prepack.is_supported(self.device, self.dtype)
         self._modules_of_param: dict[int, list] = {}
         for m in prepack.packable_modules(self.model):

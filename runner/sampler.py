@@ -324,9 +324,15 @@ class Sampler:
     # The CPU kernels' direct-call module (runner/cpu_kernels.py direct(), set by the runner): a plain batch
     # then samples in one C++ call, bitwise the Python path below, without the GIL.
     cpu_ops = None
+    # Deterministic mode (set by the runner): a greedy row's logprobs are log_softmax(logits) itself, the
+    # function prefill scoring applies, so a token's logprob has the same bits as a decode step or scored in
+    # a prefill. The default takes them against one logsumexp at the argmax (a [bs] gather, no second
+    # full-vocab pass), which rounds differently in the last bits.
+    exact_greedy_logprobs = False
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-        if self.cpu_ops is not None and plain(logits, info):
+        exact = self.exact_greedy_logprobs and (info.is_all_greedy or info.has_greedy)
+        if self.cpu_ops is not None and plain(logits, info) and not exact:
             ids, logprobs = self.cpu_ops.sample_plain(
                 logits, info.temperatures, info.seeds, info.seed_mix, info.steps, info.is_all_greedy,
                 info.has_greedy, info.need_temperature, info.need_logprobs)
@@ -341,7 +347,7 @@ class Sampler:
         raw = logits
         logits = apply_logit_processors(logits, info)
         any_greedy = info.is_all_greedy or info.has_greedy
-        argmax = lse = greedy = None
+        argmax = lse = greedy = greedy_lp = None
         if any_greedy or logits.device.type != "cpu":  # the device would need a sync to decide lazily
             argmax = first_argmax(logits)  # [bs]; also the argmax after temperature and truncation
         # Nothing reads a logprob: the greedy rows' logsumexp (a full-vocab pass, ~2% of a 40M decode
@@ -349,7 +355,9 @@ class Sampler:
         wants_logprobs = (info.need_logprobs or info.top_logprobs_num > 0 or info.token_ids is not None
                           or info.original_rows is not None)
         if any_greedy:
-            if wants_logprobs:
+            if wants_logprobs and self.exact_greedy_logprobs:
+                greedy_lp = torch.log_softmax(logits, dim=-1)  # [bs, vocab]
+            elif wants_logprobs:
                 lse = logsumexp_at_argmax(logits, argmax)  # [bs]
             greedy = info.temperatures == 0
         logprobs_all = None  # the reported distribution of the sampled rows, [bs, vocab]
@@ -390,13 +398,15 @@ class Sampler:
                 ids = torch.where(greedy, argmax, ids)
         raw_lse = torch.logsumexp(raw, dim=-1) if info.original_rows is not None or info.return_raw_logprob else None
 
+        def greedy_at(at: torch.Tensor) -> torch.Tensor:
+            return greedy_lp.gather(1, at) if greedy_lp is not None else logits.gather(1, at) - lse.unsqueeze(1)
+
         def reported(at: torch.Tensor) -> torch.Tensor:
             """[bs, k] logprobs at token ids `at` [bs, k] under each row's reported distribution."""
             if logprobs_all is None:
-                vals = logits.gather(1, at) - lse.unsqueeze(1)
+                vals = greedy_at(at)
             elif info.has_greedy:
-                vals = torch.where(greedy.unsqueeze(1), logits.gather(1, at) - lse.unsqueeze(1),
-                                   logprobs_all.gather(1, at))
+                vals = torch.where(greedy.unsqueeze(1), greedy_at(at), logprobs_all.gather(1, at))
             else:
                 vals = logprobs_all.gather(1, at)
             if info.original_rows is not None:
@@ -406,7 +416,9 @@ class Sampler:
         out = SampleOutput(ids, reported(ids.unsqueeze(1)).squeeze(1) if wants_logprobs else None)
         if info.top_logprobs_num > 0:
             k = info.top_logprobs_num
-            if any_greedy:
+            if any_greedy and greedy_lp is not None:
+                vals, top_ids = greedy_lp.topk(k, dim=-1)
+            elif any_greedy:
                 vals, top_ids = logits.topk(k, dim=-1)
                 vals = vals - lse.unsqueeze(1)
             if logprobs_all is not None:

@@ -191,6 +191,27 @@ def test_fresh_engine_same_seed_same_bits(tiny_llama, det_setup):
     _assert_bitwise(outs, solo[:5], "fresh engine")
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_decode_logprobs_equal_prefill_scoring_bitwise(tiny_llama, det_setup, temperature):
+    """A generated token's logprob is bitwise the one a prefill scoring of the whole sequence gives it
+    (logprob_start_len at the prompt's end, the request's temperature; greedy reports temperature 1),
+    greedy rows included, and the top logprobs too."""
+    pool, dtype, _ = det_setup
+    engine = pool(tiny_llama, enable_deterministic_inference=True, dtype=dtype, disable_radix_cache=True)
+    prompt = [5, 9, 13, 17, 21, 25]
+    sp = dict(temperature=temperature, max_new_tokens=10, ignore_eos=True, seed=4)
+    out = engine.generate(input_ids=prompt, sampling_params=sp, return_logprob=True, top_logprobs_num=3)
+    gen = out["output_ids"]
+    scored = engine.generate(input_ids=prompt + gen, sampling_params=dict(temperature=temperature or 1.0,
+                                                                         max_new_tokens=0),
+                             return_logprob=True, top_logprobs_num=3, logprob_start_len=len(prompt) - 1)
+    decode = out["meta_info"]["output_token_logprobs"]
+    prefill = scored["meta_info"]["input_token_logprobs"][1:]  # the first entry (the prompt's last) is None
+    assert [t for _, t, _ in prefill] == gen
+    assert [lp for lp, _, _ in prefill] == [lp for lp, _, _ in decode]  # bitwise: == on Python floats
+    assert scored["meta_info"]["input_top_logprobs"][1:] == out["meta_info"]["output_top_logprobs"]
+
+
 def test_deterministic_engine_agrees_with_default_engine(tiny_llama):
     """The deterministic ops compute the same model: greedy ids equal the default engine's, logprobs to 1e-4."""
     pool = EnginePool()
