@@ -211,10 +211,21 @@ def check_checkpoint_config(runner, index: CheckpointIndex) -> None:
 def get_weights_by_name(runner, name: str, truncate_size: int = 100) -> list:
     """See ModelRunner.get_weights_by_name."""
     require_weights_resident(runner)
-    target = runner.name_map.resolve(name)
-    if target.hf_name in runner.invalid_weights:
-        raise WeightUpdateError(f"weight {name!r} is invalid ({runner.invalid_weights_message()})")
-    view = target.view()
+    try:
+        target = runner.name_map.resolve(name)
+    except WeightUpdateError:
+        # A runner parameter name (a fused qkv_proj / gate_up_proj, as load_format="direct" writes them):
+        # read it whole, as SGLang's params_dict lookup does.
+        param = runner.name_map.params.get(name)
+        if param is None:
+            raise
+        if runner.invalid_weights:
+            raise WeightUpdateError(f"weight {name!r} is invalid ({runner.invalid_weights_message()})") from None
+        view = param.detach()
+    else:
+        if target.hf_name in runner.invalid_weights:
+            raise WeightUpdateError(f"weight {name!r} is invalid ({runner.invalid_weights_message()})")
+        view = target.view()
     return view.reshape(-1)[:truncate_size].float().cpu().tolist() if view.dim() == 1 else \
         view[: max(1, truncate_size)].float().cpu().tolist()
 

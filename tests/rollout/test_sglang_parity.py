@@ -174,6 +174,9 @@ def test_update_weights_from_tensor_load_format_direct(ckpt_pair, reference_outp
         ok, msg = engine.update_weights_from_tensor([(QKV0, torch.full(qkv.shape, 1.5))], load_format="direct")
         assert ok, msg
         assert engine.get_weights_by_name(K0)[0][:5] == [1.5] * 5
+        # The runner name reads back whole too (SGLang reads it from params_dict), every row written.
+        fused = engine.get_weights_by_name(QKV0, truncate_size=10**9)
+        assert len(fused) == qkv.shape[0] and all(v == 1.5 for row in fused for v in row)
         merged = _runner_layout(engine, read_state_dict(b))
         ok, msg = engine.update_weights_from_tensor(list(merged.items()), load_format="direct")
         assert ok, msg
@@ -205,6 +208,9 @@ def test_update_weights_from_tensor_load_format_custom(ckpt_pair, reference_outp
         ok, msg = engine.update_weights_from_tensor([(QKV0, torch.full(qkv.shape, 1.5))], load_format=DIRECT_LOADER)
         assert ok, msg
         assert engine.get_weights_by_name(K0)[0][:5] == [1.5] * 5
+        # The runner name reads back whole too (SGLang reads it from params_dict), every row written.
+        fused = engine.get_weights_by_name(QKV0, truncate_size=10**9)
+        assert len(fused) == qkv.shape[0] and all(v == 1.5 for row in fused for v in row)
         merged = _runner_layout(engine, read_state_dict(b))
         ok, msg = engine.update_weights_from_tensor(list(merged.items()), load_format=DIRECT_LOADER,
                                                     weight_version="b")
