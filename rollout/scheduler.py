@@ -710,14 +710,16 @@ class Scheduler:
                 return FinishReason("stop", token)
             if not sp.ignore_eos and token in self.eos_ids:
                 return FinishReason("stop", token)
-        if sp.max_new_tokens is not None and num_out >= sp.max_new_tokens:
-            return FinishReason("length", sp.max_new_tokens)
-        if req.seq_len >= self.runner.context_len:
-            return FinishReason("length", self.runner.context_len)
+        # Stop strings before the limits, as stop tokens above: a stop the last allowed token completes is a
+        # stop (its text trimmed), not a truncation that keeps the stop text.
         if (sp.stop or sp.stop_regex) and num_out >= sp.min_new_tokens:
             matched = self.stop_checker(req)
             if isinstance(matched, FinishReason):  # a stop_regex that ran out of time (rollout.stop_match)
                 return matched
             if matched is not None:
                 return FinishReason("stop", matched)
+        if sp.max_new_tokens is not None and num_out >= sp.max_new_tokens:
+            return FinishReason("length", sp.max_new_tokens)
+        if req.seq_len >= self.runner.context_len:
+            return FinishReason("length", self.runner.context_len)
         return None

@@ -63,6 +63,24 @@ def test_a_matched_stop_token_is_trimmed_from_text_as_sglang(engine):
     assert raw["output_ids"] == [eos] and raw["text"] == ""
 
 
+def test_a_stop_string_the_last_allowed_token_completes_is_a_stop(engine):
+    """A stop string completed by token max_new_tokens finishes as stop with its text trimmed (as a stop
+    token there does), not as length with the stop text kept; the same ids either way."""
+    tok = engine.tokenizer.tokenizer
+    ids = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=24))["output_ids"]
+    for n in range(6, 24):  # a stop string that first appears with token n
+        text_n, text_before = tok.decode(ids[:n]), tok.decode(ids[: n - 1])
+        stop = next((text_n[-k:] for k in (2, 3, 1) if len(text_n) >= k and text_n[-k:].strip()
+                     and text_n.find(text_n[-k:]) == len(text_n) - k and text_n[-k:] not in text_before), None)
+        if stop is not None:
+            break
+    assert stop is not None, "the tiny checkpoint's greedy text has no stop string a single token completes"
+    out = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=n, stop=[stop]))
+    assert out["output_ids"] == ids[:n]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text_n[: text_n.find(stop)]
+
+
 def test_backtracking_stop_regex_is_bounded(engine):
     """'(a|aa)+b' over an all-'a' output (exponential in `re`) finishes that request as abort naming the
     pattern within seconds, and a greedy request running beside it gives its usual output."""
