@@ -228,6 +228,8 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             interval = req.sampling_params.stream_interval or self.args.stream_interval
             if interval > 1 and len(req.output_ids) % interval != 1:
                 return  # SGLang's stream_interval: tokens 1, N+1, 2N+1, ... (and the final output) go out
+            if req.stop_prefix_pending:
+                return  # the text may end in a stop match the final output cuts: never send it to take back
             # A copy: the reader builds the chunk later, while the scheduler keeps appending. A sink that
             # reads the request at once, under the step lock (rollout/server/engine_process.py), needs none.
             item = ("chunk", req if getattr(req.sink, "reads_at_put", False) else req.snapshot())

@@ -99,6 +99,9 @@ class Req:
     text: str = ""
     stop_scan_from: int = 0  # decoded characters already searched for stop strings (rollout.stop_match)
     stop_at: int | None = None  # where in the decoded output the stop match begins
+    # The decoded output ends with the start of a stop string (rollout.stop_match): a stream chunk now
+    # would send text the final output may cut, so the engine holds it (SGLang's check_match_stop_str_prefix).
+    stop_prefix_pending: bool = False
     error: str | None = None
     created_time: float = 0.0  # time.perf_counter() at submission
     finished_time: float = 0.0  # ... when the final output was delivered

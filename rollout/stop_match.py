@@ -33,6 +33,7 @@ MAX_STOP_REGEX_CHARS = 1024
 REGEX_WINDOW_CHARS = 2048  # a stop_regex match must end in, and is looked for in, this much of the tail
 REGEX_TIMEOUT_S = 0.02  # per pattern and step; ordinary patterns take microseconds on the window
 _UNSTABLE_TAIL_CHARS = 8  # decoded characters at the end that a later token may still rewrite
+PREFIX_CHARS = 64  # a stream chunk is held while the output ends with up to this much of a stop string
 
 
 def validate(stop: list[str], stop_regex: list[str]) -> None:
@@ -62,6 +63,17 @@ def compiled(pattern: str) -> regex.Pattern:
     return regex.compile(pattern, flags=regex.VERSION0)
 
 
+def ends_with_stop_prefix(text: str, stops: list[str]) -> bool:
+    """Whether `text` ends with a proper prefix of a stop string (its first PREFIX_CHARS characters at most:
+    a bound on the work per step, which longer stop strings do not need to be held for)."""
+    last = text[-1:]
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text), PREFIX_CHARS), 0, -1):
+            if s[k - 1] == last and text.endswith(s[:k]):
+                return True
+    return False
+
+
 def find(req: Req, text: str) -> str | FinishReason | None:
     """The earliest stop string or pattern matched in the new part of `text` (the request's decoded
     output), recording where it starts in `req.stop_at`; a FinishReason (abort) if a pattern timed out."""
@@ -89,6 +101,7 @@ def find(req: Req, text: str) -> str | FinishReason | None:
             if m is not None:
                 hits.append((m.start(), r))
     req.stop_scan_from = len(text)
+    req.stop_prefix_pending = bool(sp.stop) and ends_with_stop_prefix(text, sp.stop)
     if not hits:
         return None
     at, matched = min(hits)

@@ -81,6 +81,42 @@ def test_a_stop_string_the_last_allowed_token_completes_is_a_stop(engine):
     assert out["text"] == text_n[: text_n.find(stop)]
 
 
+def test_a_stream_never_sends_text_the_stop_cuts(engine):
+    """A stop string spanning a token boundary: the chunk whose text ends with the stop's first character is
+    held (SGLang's stop-prefix check), so every chunk's text is a prefix of the final text, which equals the
+    non-streamed one; the naive search of the free text says where the stop starts."""
+    tok = engine.tokenizer.tokenizer
+    ids = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=30))["output_ids"]
+    full = tok.decode(ids)
+    for n in range(4, 28):
+        head = tok.decode(ids[:n])
+        stop = full[len(head) - 1: len(head) + 2]  # last char of token n's text + 2 after it
+        if len(stop) == 3 and full.find(stop) == len(head) - 1 and tok.decode(ids[: n - 1]) != head:
+            break
+    else:
+        raise AssertionError("the tiny checkpoint's greedy text has no 3-character stop across a boundary")
+    sp = dict(GREEDY, max_new_tokens=30, stop=[stop])
+    want = engine.generate(PROMPT, sp)["text"]
+    assert want == full[: full.find(stop)]
+    chunks = [c["text"] for c in engine.generate(PROMPT, sp, stream=True)]
+    assert chunks[-1] == want
+    assert all(want.startswith(c) for c in chunks), (stop, chunks[-4:])
+    assert head not in chunks  # the chunk ending with the stop's first character was held back
+
+
+def test_ends_with_stop_prefix_matches_a_naive_check():
+    """The bounded prefix check equals the naive one (any proper prefix of any stop ends the text) for stops
+    up to PREFIX_CHARS long."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 12)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 4))]
+        naive = any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)) if k <= len(text))
+        assert stop_match.ends_with_stop_prefix(text, stops) == naive, (text, stops)
+
+
 def test_backtracking_stop_regex_is_bounded(engine):
     """'(a|aa)+b' over an all-'a' output (exponential in `re`) finishes that request as abort naming the
     pattern within seconds, and a greedy request running beside it gives its usual output."""
