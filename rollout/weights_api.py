@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 class WeightsAPI:
     # ---- guards ------------------------------------------------------------------------------
-    def _require_quiescent(self, what: str, online: bool | None = None) -> int:
+    def _require_quiescent(self, online: bool | None = None) -> int:
         """Raise unless no request is in flight, generation is paused or `online` (then retract them);
         returns how many requests were retracted (SGLang's num_paused_requests). online None: the call has
         no such option (the refusal does not offer it)."""
@@ -59,7 +59,7 @@ class WeightsAPI:
         with self._cv:
             tags = self.runner.check_memory_transition(tags, release=True)  # before retracting anything
             try:
-                self._require_quiescent("release_memory_occupation")
+                self._require_quiescent()
             except RuntimeError as e:
                 raise RuntimeError(f"release_memory_occupation refused: {e}") from None
             try:
@@ -84,7 +84,7 @@ class WeightsAPI:
         with self._cv:
             num_paused = 0
             try:
-                num_paused = self._require_quiescent(what, online)
+                num_paused = self._require_quiescent(online)
                 n = fn()
             except Exception as e:  # any failure is reported, never raised: the (bool, str) contract
                 logger.warning("%s failed: %s", what, e)

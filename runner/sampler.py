@@ -331,7 +331,7 @@ class Sampler:
     exact_greedy_logprobs = False
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-        exact = self.exact_greedy_logprobs and (info.is_all_greedy or info.has_greedy)
+        exact = self.exact_greedy_logprobs and info.need_logprobs and (info.is_all_greedy or info.has_greedy)
         if self.cpu_ops is not None and plain(logits, info) and not exact:
             ids, logprobs = self.cpu_ops.sample_plain(
                 logits, info.temperatures, info.seeds, info.seed_mix, info.steps, info.is_all_greedy,

@@ -129,7 +129,9 @@ def create_weight_update_group(master_address: str, master_port: int | str, rank
     store = bounded(lambda: dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
                                           timeout=store_timeout),
                     store_timeout.total_seconds() + min(5.0, max(1.0, 0.25 * store_timeout.total_seconds())),
-                    f"joining the rendezvous store at {master_address}:{master_port}")
+                    f"joining the rendezvous store at {master_address}:{master_port} (a peer that accepts the "
+                    f"connection but never answers the store's handshake: is the trainer's rank 0 what listens "
+                    f"on that port?)")
     if backend == "gloo":
         group = dist.ProcessGroupGloo(_group_store(store, group_name, "cpu"), rank, world_size, timeout)
     else:

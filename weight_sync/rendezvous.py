@@ -24,23 +24,14 @@ RETRY_S = 0.2
 
 
 def resolve(host: str, port: int, timeout_s: float) -> list[tuple]:
-    """getaddrinfo, bounded: the resolver call cannot be cancelled, so it runs in a daemon thread."""
-    result: list = []
-
-    def run():
-        try:
-            result.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
-        except OSError as e:
-            result.append(e)
-
-    t = threading.Thread(target=run, name="rollout-resolve", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if not result:
-        raise TimeoutError(f"resolving {host!r} took longer than {timeout_s:.1f} s")
-    if isinstance(result[0], OSError):
-        raise ConnectionError(f"cannot resolve master_address {host!r}: {result[0]}")
-    return result[0]
+    """getaddrinfo, bounded: the resolver call cannot be cancelled (see `bounded`)."""
+    try:
+        return bounded(lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s,
+                       f"resolving {host!r}")
+    except TimeoutError:
+        raise
+    except OSError as e:
+        raise ConnectionError(f"cannot resolve master_address {host!r}: {e}") from None
 
 
 def wait_for_master(host: str, port: int, timeout_s: float) -> float:
@@ -81,9 +72,7 @@ def bounded(fn, timeout_s: float, what: str):
 
     threading.Thread(target=run, name="rollout-rendezvous", daemon=True).start()
     if not done.wait(timeout_s):
-        raise TimeoutError(f"{what} did not complete within {timeout_s:.1f} s (a peer that accepts the "
-                           f"connection but never answers the store's handshake: is the trainer's rank 0 "
-                           f"what listens on that port?)")
+        raise TimeoutError(f"{what} took longer than {timeout_s:.1f} s")
     ok, value = result[0]
     if not ok:
         raise value

@@ -127,12 +127,15 @@ def truncate(message: str, limit: int = MAX_ERROR_CHARS) -> str:
 
 def error_response(message: str, status_code: int = 400, param: str | None = None,
                    type_: str | None = None) -> JSONResponse:
-    message = truncate(message)
+    return JSONResponse(error_body(message, status_code, param, type_), status_code=status_code)
+
+
+def error_body(message: str, status_code: int = 400, param: str | None = None, type_: str | None = None) -> dict:
+    """`{"error": {"message", "type", "param", "code"}}`, the body error_response sends."""
     kind = type_ or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                      403: "Forbidden", 405: "MethodNotAllowed", 413: "RequestTooLarge",
                      415: "UnsupportedMediaType", 503: "ServiceUnavailable"}.get(status_code, "ServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status_code}},
-                        status_code=status_code)
+    return {"error": {"message": truncate(message), "type": kind, "param": param, "code": status_code}}
 
 
 _SAMPLING_PARAM = re.compile(r"^sampling params? (\w+)")

@@ -40,6 +40,7 @@ from rollout.server.common import (
     engine_error,
     error_response,
     run_blocking,
+    run_on_engine,
 )
 from rollout.sglang_generate_args import UNIMPLEMENTED
 
@@ -339,8 +340,7 @@ async def v1_loads(request: Request, include: str = "core", dp_rank: int | None 
     engine = request.app.state.engine
     limits_ = getattr(request.app.state, "load_limits", None)
     if limits_ is None:
-        fn = engine.run_on_engine if hasattr(engine, "run_on_engine") else (lambda f: f(engine))
-        limits_ = request.app.state.load_limits = await run_blocking(request, fn, _load_limits)
+        limits_ = request.app.state.load_limits = await run_on_engine(request, _load_limits)
     load = engine.get_load()
     waiting, used = load["num_waiting_reqs"], load["num_tokens"]
     total = limits_["max_total_num_tokens"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from typing import Literal
 
@@ -24,6 +23,7 @@ from rollout.server import security
 from rollout.server.common import (
     JSONResponse,
     engine_error,
+    error_body,
     error_response,
     run_blocking,
     run_on_engine,
@@ -88,8 +88,8 @@ class UpdateWeightsFromTensorReqInput(Body):
 def _refused(message: str, param: str) -> JSONResponse:
     """A 400 that SGLang's clients read (`{"success": false, "message"}`, as every weight route's answer)
     and that also names the parameter (`error`, this server's shape for bad requests)."""
-    r = error_response(message, 400, param=param)
-    return JSONResponse({"success": False, "message": truncate(message), **json.loads(r.body)}, status_code=400)
+    return JSONResponse({"success": False, "message": truncate(message), **error_body(message, 400, param)},
+                        status_code=400)
 
 
 @router.post("/update_weights_from_tensor")

@@ -82,16 +82,21 @@ def compare(runner, reference: dict[str, torch.Tensor]) -> tuple[list[tuple[str,
 def checksums(runner) -> dict[str, str]:
     """Runner parameter name -> 16 hex digits (BLAKE2b-64 of dtype, shape and bytes): SGLang's per-tensor
     "checksum" action. Parameters only: non-persistent buffers (rotary tables) are not weights."""
-    import hashlib
-
     routes.require_weights_resident(runner)
     out = {}
     for name, p in sorted(runner.name_map.params.items()):
-        t = p.detach().to("cpu").contiguous()
-        h = hashlib.blake2b(f"{t.dtype}|{tuple(t.shape)}|".encode(), digest_size=8)
-        h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())  # a copy: never pin the storage
+        h = hashlib.blake2b(digest_size=8)
+        _hash_tensor(h, p)
         out[name] = h.hexdigest()
     return out
+
+
+def _hash_tensor(h, p: torch.Tensor) -> None:
+    """Feed `h` the tensor's dtype, shape and bytes (of a host copy: exporting the parameter's own storage
+    would pin it, and a release resizes it)."""
+    t = p.detach().to("cpu").contiguous()
+    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())
 
 
 @torch.no_grad()
@@ -101,8 +106,6 @@ def parameters_sha256(model: torch.nn.Module) -> tuple[str, int]:
     h = hashlib.sha256()
     params = sorted(model.named_parameters())
     for name, p in params:
-        t = p.detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        # Bytes of a copy: exporting the parameter's own storage would pin it (a release resizes it).
-        h.update(t.view(-1).view(torch.uint8).clone().numpy().tobytes())
+        h.update(f"{name}|".encode())
+        _hash_tensor(h, p)
     return h.hexdigest(), len(params)
