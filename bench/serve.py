@@ -8,7 +8,8 @@ measures the single-process layout instead),
 sends `--num-requests` streaming /generate requests with at most `--concurrency` in flight (httpx,
 asyncio; or `--client raw`: a bare asyncio HTTP/1.1 client that parses only each stream's last event, so
 that the client's own cost, ~230 us of CPU per SSE event with httpx, does not cap the measurement), and reports output tok/s, p50/p99 end-to-end latency and time to first token, whether every
-request finished, and the CPU seconds the run cost the client process and the server processes apiece
+request finished, the mean rows of a decode step (below the concurrency: slots that stood empty while a finished
+request's successor was on its way), and the CPU seconds the run cost the client process and the server processes apiece
 (server_cpu_s: the server and its engine process together; engine_process_cpu_s: the engine process's
 share; on a shared machine the split says which side pays for the HTTP overhead). Then it runs the identical workload through `Engine.async_generate(stream=True)`
 in this process and prints the HTTP overhead as the ratio of the two throughputs: `--repeat` pairs of
@@ -101,6 +102,11 @@ def summary(name: str, wall: float, results: list[tuple[float, float, int, str]]
     ttft = [r[1] for r in results]
     tokens = sum(r[2] for r in results)
     done = sum(r[3] == "length" for r in results)
+    steps = cpu.get("steps")
+    if isinstance(steps, dict) and steps.get("decode"):
+        # Each request's first token comes from its prefill step; the rest are decode rows. Fewer rows a step
+        # than the concurrency means slots stood empty while a finished request's successor was on its way.
+        cpu["mean_decode_rows"] = (tokens - len(results)) / steps["decode"]
     out = dict(name=name, requests=n, finished=done, tokens=tokens, seconds=round(wall, 3),
                tok_per_s=round(tokens / wall, 1), p50_latency_ms=round(1e3 * statistics.median(lat), 1),
                p99_latency_ms=round(1e3 * pct(lat, 0.99), 1), p50_ttft_ms=round(1e3 * statistics.median(ttft), 1),
@@ -272,6 +278,8 @@ def main() -> None:
                       "pair_ratios": [round(r, 3) for r in ratios],
                       "p50_ttft_ms_http": [h["p50_ttft_ms"] for h, _ in pairs],
                       "p50_latency_ms_http": [h["p50_latency_ms"] for h, _ in pairs],
+                      "mean_decode_rows": {"http": [h.get("mean_decode_rows") for h, _ in pairs],
+                                           "engine": [e.get("mean_decode_rows") for _, e in pairs]},
                       "all_finished": finished, "schedule": schedules,
                       "load_avg": round(os.getloadavg()[0], 2)}), flush=True)
 
