@@ -220,7 +220,10 @@ async def get_weights_by_name(obj: GetWeightsByNameReqInput, request: Request):
 @router.api_route("/get_weights_checksum", methods=["GET", "POST"])
 async def get_weights_checksum(request: Request):
     t0 = time.perf_counter()
-    out = await run_blocking(request, request.app.state.engine.get_weights_checksum)
+    try:
+        out = await run_blocking(request, request.app.state.engine.get_weights_checksum)
+    except Exception as e:  # released weights, a shut-down engine: said by name, as get_weights_by_name does
+        return engine_error(e)
     out.setdefault("seconds", round(time.perf_counter() - t0, 6))
     return JSONResponse(out)
 

@@ -190,11 +190,15 @@ class WeightPlan:
     """
 
     def __init__(self, name_map: WeightNameMap, keep: bool = True, check_finite: bool = True,
-                 check_tied: bool = True) -> None:
+                 check_tied: bool = True, last_wins: bool = False) -> None:
         self.name_map = name_map
         self.keep, self.check_finite, self.check_tied = keep, check_finite, check_tied
+        # last_wins: a name sent twice takes its last value, as SGLang's in-order load gives (every value is
+        # still checked, and only the last is written: a slice written twice would be snapshotted mid-update).
+        # Without it (a checkpoint on disk) a repeated name is ambiguous and refused.
+        self.last_wins = last_wins
         self.items: list[tuple[LoadTarget, torch.Tensor]] = []
-        self.seen: set[str] = set()
+        self.seen: dict[str, int | None] = {}  # name -> its index in items (None: not kept)
         self._tied: dict[str, tuple[torch.Tensor, str]] = {}  # alias or tied-to name -> (tensor, source)
 
     def add(self, name, tensor, source: str = "") -> None:
@@ -202,19 +206,24 @@ class WeightPlan:
             raise WeightUpdateError(f"weight names must be strings, got {name!r}")
         if self.name_map.is_ignored(name):
             return
-        if name in self.seen:
+        if name in self.seen and not self.last_wins:
             raise WeightUpdateError(f"weight {name!r} appears twice in one update")
-        self.seen.add(name)
         target = self.name_map.resolve(name)
         if name in self.name_map.aliases:  # never written: checked against what it is tied to
             alias_target = LoadTarget(name, target.param_name, target.shard_id, target.param)
             tensor = prepare_tensor(alias_target, tensor, source, self.check_finite)
             self._tied[name] = (tensor, source)
+            self.seen[name] = None
             return
         tensor = prepare_tensor(target, tensor, source, self.check_finite)
         if name in self.name_map.aliases.values():
             self._tied[name] = (tensor, source)
-        if self.keep:
+        if not self.keep:
+            self.seen[name] = None
+        elif self.seen.get(name) is not None:
+            self.items[self.seen[name]] = (target, tensor)
+        else:
+            self.seen[name] = len(self.items)
             self.items.append((target, tensor))
 
     def finish(self) -> list[tuple[LoadTarget, torch.Tensor]]:
@@ -242,7 +251,7 @@ class WeightPlan:
 def plan_weight_load(name_map: WeightNameMap, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str = "",
                      check_finite: bool = True) -> list[tuple[LoadTarget, torch.Tensor]]:
     """Every (target, tensor) to write, all checked; raises WeightUpdateError naming the first bad one."""
-    plan = WeightPlan(name_map, check_finite=check_finite)
+    plan = WeightPlan(name_map, check_finite=check_finite, last_wins=True)
     for name, tensor in named_tensors:
         plan.add(name, tensor, source)
     return plan.finish()
@@ -250,17 +259,15 @@ def plan_weight_load(name_map: WeightNameMap, named_tensors: Iterable[tuple[str,
 
 def plan_direct_load(name_map: WeightNameMap, named_tensors: Iterable[tuple[str, torch.Tensor]],
                      check_finite: bool = True) -> list[tuple[LoadTarget, torch.Tensor]]:
-    """load_format="direct": (runner parameter name, whole tensor) pairs, every one checked first."""
-    plan, seen = [], set()
+    """load_format="direct": (runner parameter name, whole tensor) pairs, every one checked first; a name sent
+    twice takes its last value (SGLang's in-order copy)."""
+    plan: dict[str, tuple[LoadTarget, torch.Tensor]] = {}
     for name, tensor in named_tensors:
         if not isinstance(name, str):
             raise WeightUpdateError(f"weight names must be strings, got {name!r}")
-        if name in seen:
-            raise WeightUpdateError(f"weight {name!r} appears twice in one update")
-        seen.add(name)
         target = name_map.param_target(name)
-        plan.append((target, prepare_tensor(target, tensor, "load_format='direct'", check_finite)))
-    return plan
+        plan[name] = (target, prepare_tensor(target, tensor, "load_format='direct'", check_finite))
+    return list(plan.values())
 
 
 def load_weights_direct(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -46,6 +46,29 @@ def test_update_from_tensor_equals_fresh_engine(ckpt_pair, reference_outputs, ar
         assert versions(engine) == {"v-b"}
 
 
+def test_name_sent_twice_takes_its_last_value(ckpt_pair, reference_outputs):
+    """A name repeated in one update_weights_from_tensor call loads its last value, as SGLang's in-order load
+    does (A's value first, B's last: outputs == a fresh engine on B), in both load formats; the rollback
+    snapshot is of the weights before the call, so a later refusal still restores A exactly."""
+    a, b = ckpt_pair("llama")
+    sd_a, sd_b = read_state_dict(a), read_state_dict(b)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    with make_engine(a) as engine:
+        before = snapshot(engine)
+        ok, msg = engine.update_weights_from_tensor([(k, sd_b[k]), (k, sd_a[k] * 0)] + [(k, sd_a[k])] + [
+            (k, sd_a[k] + 1), ("model.norm.weight", sd_a["model.norm.weight"][:-1])])
+        assert not ok and "model.norm.weight" in msg
+        assert_same_tensors(before, engine)
+        ok, msg = engine.update_weights_from_tensor([(n, sd_a[n]) for n in sd_a] + list(sd_b.items()))
+        assert ok, msg
+        assert run(engine) == reference_outputs(b)
+        direct = "model.norm.weight"
+        ok, msg = engine.update_weights_from_tensor([(direct, sd_a[direct] * 2), (direct, sd_a[direct])],
+                                                    load_format="direct")
+        assert ok, msg
+        assert torch.equal(params(engine)[direct], sd_a[direct])
+
+
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
 def test_update_from_disk_equals_fresh_engine(ckpt_pair, reference_outputs, arch, tied):
     """update_weights_from_disk(B) -> outputs == a fresh engine on B, and back to A again."""

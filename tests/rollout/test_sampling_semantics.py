@@ -304,6 +304,24 @@ def test_update_weight_version_and_checksum(tiny_llama, make_engine):
     assert engine.weight_version == "v8"
 
 
+def test_checksum_of_freed_weights_is_refused_by_name(tiny_llama, make_engine):
+    """get_weights_checksum never reads freed storages: released weights and a shut-down engine raise the same
+    WeightUpdateError get_weights_by_name does (it used to crash the process), and after resume the checksum is
+    the one taken before the release."""
+    from runner.weights.loader import WeightUpdateError
+
+    engine = make_engine(tiny_llama, enable_memory_saver=True, enable_weights_cpu_backup=True)
+    before = engine.get_weights_checksum()["checksum"]
+    engine.release_memory_occupation(["weights"])
+    with pytest.raises(WeightUpdateError, match="weights are released"):
+        engine.get_weights_checksum()
+    engine.resume_memory_occupation(["weights"])
+    assert engine.get_weights_checksum()["checksum"] == before
+    engine.shutdown()
+    with pytest.raises(WeightUpdateError, match="shut down"):
+        engine.get_weights_checksum()
+
+
 def test_batch_without_penalties_builds_no_processor_tensors():
     """A batch where no request uses penalties, logit_bias, original logprobs or token_ids builds none of their
     [bs, vocab] tensors (the sampler skips them); one penalised request builds them for the batch."""

@@ -138,12 +138,16 @@ def test_slow_joins_do_not_starve_control_calls(server):
 
 
 def test_requests_sent_while_paused_wait_for_weights_released_without_backup(tiny_llama):
-    """Paused, weights released without a CPU backup: a /generate sent then waits (no 503); after resume,
-    a disk update and continue it returns the same greedy tokens as before the release."""
+    """Paused, weights released without a CPU backup: a /generate sent then waits (no 503) and
+    /get_weights_checksum is refused by name (the freed weights are never read); after resume, a disk update
+    and continue it returns the same greedy tokens and checksum as before the release."""
     with start_server(tiny_llama, engine_kw=dict(enable_weights_cpu_backup=False)) as s, s.client() as c:
         reference = c.post("/generate", json=GOOD).json()["output_ids"]
+        checksum = _checksum(c)
         assert c.post("/pause_generation", json={"mode": "abort"}).status_code == 200
         assert c.post("/release_memory_occupation", json={}).status_code == 200
+        r = c.get("/get_weights_checksum")
+        assert r.status_code == 400 and "weights are released" in r.json()["error"]["message"], r.text
         got: dict = {}
 
         def send():
@@ -162,3 +166,4 @@ def test_requests_sent_while_paused_wait_for_weights_released_without_backup(tin
         t.join(30)
         assert got["status"] == 200, got
         assert got["body"]["output_ids"] == reference
+        assert _checksum(c) == checksum
