@@ -33,7 +33,7 @@ DRAIN_POLL_S = 0.05
 @router.api_route("/flush_cache", methods=["GET", "POST"])  # GET kept: slime calls it so (security.py)
 async def flush_cache(request: Request):
     ok = await run_blocking(request, request.app.state.engine.flush_cache)
-    if ok is False:
+    if not ok:  # a FlushCacheReqOutput (falsy when refused), or a bool
         return Response("Cache not flushed: requests are running or waiting.\n", status_code=400)
     return Response("Cache flushed.\n", status_code=200)
 

@@ -174,7 +174,8 @@ def test_pause_continue_abort_flush(server, client):
 ], ids=["retract", "in_place", "retract_all-flag", "no-flags-in_place"])
 def test_pause_modes_resume_to_same_tokens(server, client, mode, pause_body):
     """pause (retract | in_place, by mode or by the legacy flags) mid-request then continue: it finishes with
-    exactly the unpaused greedy tokens, retracted iff the mode is retract."""
+    exactly the unpaused greedy tokens, retracted iff the mode is retract; /flush_cache meanwhile is refused
+    iff the paused request holds KV (in place)."""
     body = dict(input_ids=PROMPTS[2], sampling_params=dict(temperature=0, max_new_tokens=300, ignore_eos=True))
     want = client.post("/generate", json=body).json()["output_ids"]
     engine = server.engine
@@ -192,6 +193,11 @@ def test_pause_modes_resume_to_same_tokens(server, client, mode, pause_body):
                 if caught:  # paused means no progress: the counter stands still while we wait
                     time.sleep(0.1)
                     assert engine.get_server_info()["num_generated_tokens"] == info["num_generated_tokens"]
+                    # /flush_cache: refused (400, SGLang's words) while a request paused in place holds KV; a
+                    # retracted one holds none, so the flush goes through and the request re-prefills.
+                    r = client.post("/flush_cache")
+                    assert r.status_code == (400 if mode == "in_place" else 200), r.text
+                    assert ("not flushed" in r.text) == (mode == "in_place"), r.text
             finally:
                 assert client.post("/continue_generation").status_code == 200
             rest = list(events)
