@@ -193,9 +193,10 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
     def _publish_load(self) -> None:
         """Counters for get_load(), read without the lock (one dict swap, atomic for readers)."""
         s = self.scheduler
-        kv = self.runner.token_to_kv_pool
+        # As SGLang: slots the prefix cache could evict count as free, so an idle engine reads 0 however warm
+        # its cache (slime waits for num_used_tokens == 0 after abort_all).
         self._load = {"num_running": len(s.running) + (s.chunked_req is not None), "num_waiting": len(s.waiting),
-                      "num_used_tokens": max(0, self.runner.max_total_num_tokens - kv.available_size())}
+                      "num_used_tokens": max(0, self.runner.max_total_num_tokens - s.kv.available_tokens())}
         if self.on_step_boundary is not None:
             self.on_step_boundary()
 

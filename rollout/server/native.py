@@ -306,8 +306,8 @@ def load_snapshot(engine) -> dict:
         return engine.load_snapshot()
     info = engine.get_server_info()
     waiting = len(engine.scheduler.waiting)
-    kv = engine.runner.token_to_kv_pool
-    used = max(0, info["max_total_num_tokens"] - kv.available_size())
+    # Evictable prefix-cache slots count as free (SGLang's num_used_tokens): an idle engine reads 0.
+    used = max(0, info["max_total_num_tokens"] - engine.scheduler.kv.available_tokens())
     return {"info": info, "num_running": info["num_in_flight"] - waiting, "num_waiting": waiting,
             "num_used_tokens": used}
 

@@ -57,6 +57,16 @@ def test_loads_count_a_running_stream_then_zero_after_abort_all(tiny_llama, in_c
         _wait(lambda: loads()["num_running_reqs"] + loads()["num_waiting_reqs"] == 0, "the abort to land")
         t.join(30)
         assert not t.is_alive()
+        # Idle with a warm prefix cache (the aborted stream's KV and a finished request's are cached): SGLang counts
+        # evictable cache slots as free, so every load report reads zero tokens in use without a flush.
+        warm = dict(input_ids=[5, 6, 7, 8, 9, 10, 11, 12], sampling_params=dict(max_new_tokens=4))
+        assert c.post("/generate", json=warm).status_code == 200
+        assert c.post("/generate", json=warm).json()["meta_info"]["cached_tokens"] > 0  # the cache is warm
+        _wait(lambda: loads()["num_used_tokens"] == 0, "an idle server to read zero tokens in use")
+        assert loads()["token_usage"] == 0.0 and c.get("/get_load").json()[0]["num_tokens"] == 0
+        metrics = c.get("/metrics").text
+        assert any(line.startswith("sglang:num_used_tokens") and line.split()[-1] in ("0", "0.0")
+                   for line in metrics.splitlines()), metrics[:2000]
 
 
 def test_loads_sections_and_filters(client):
