@@ -155,8 +155,9 @@ class SamplingParams:
             if not _is_int_like(self.seed):
                 raise ValueError(f"sampling param seed must be an int or None, got {self.seed!r}")
             self.seed = int(self.seed)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"sampling param repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty <= 2:  # SGLang's bound above; 0 would divide by zero
+            raise ValueError(f"sampling param repetition_penalty must be in (0, 2] (1 = off), "
+                             f"got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):  # OpenAI's and SGLang's range
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"sampling param {name} must be in [-2, 2], got {getattr(self, name)}")

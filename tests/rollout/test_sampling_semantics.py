@@ -117,7 +117,9 @@ def test_stop_regex_stops_and_trims(env):
 def test_bad_new_params_are_refused_naming_them(env):
     """Out-of-range penalties, bad logit_bias keys or ids, unknown keys: ValueError naming the field."""
     engine, _ = env
-    for sp, needle in [(dict(repetition_penalty=0), "repetition_penalty"), (dict(frequency_penalty=3), "frequency"),
+    for sp, needle in [(dict(repetition_penalty=0), "repetition_penalty"),
+                       (dict(repetition_penalty=2.5), r"repetition_penalty must be in \(0, 2\]"),  # SGLang's bound
+                       (dict(frequency_penalty=3), "frequency"),
                        (dict(presence_penalty=float("nan")), "presence_penalty"),
                        (dict(logit_bias={"x": 1.0}), "logit_bias"), (dict(logit_bias={99999: 1.0}), "logit_bias"),
                        (dict(logit_bias={5: float("inf")}), "logit_bias"), (dict(penalty=1.0), "penalty")]:
