@@ -37,14 +37,17 @@ def openai_error(e: Exception, names: dict[str, str]) -> Response:
     """engine_error, with the Engine's key names replaced by the OpenAI fields the client sent, and
     `param` set to the first of them: an OpenAI client never sent `max_new_tokens`."""
     resp = engine_error(e)
-    message = json.loads(resp.body)["error"]["message"]  # engine_error's wording (and any shortening)
+    error = json.loads(resp.body)["error"]
+    message, param = error["message"], error["param"]  # engine_error's wording (and any shortening)
+    if param and param.startswith("sampling_params."):  # the OpenAI body has these at its top level
+        key = param.removeprefix("sampling_params.")
+        param = names.get(key, key)
     hits = sorted((m.start(), names[k]) for k in names if (m := re.search(rf"\b{k}\b", message)))
-    if not hits:
-        return resp
-    found = [field for _, field in hits]  # in the message's order: the first one named is the param
-    for engine_key, field in names.items():
-        message = re.sub(rf"\b{engine_key}\b", field, message)
-    return error_response(message, resp.status_code, param=found[0])
+    if hits:
+        param = hits[0][1]  # in the message's order: the first one named is the param
+        for engine_key, field in names.items():
+            message = re.sub(rf"\b{engine_key}\b", field, message)
+    return error_response(message, resp.status_code, param=param)
 
 
 def finish_of(meta: dict) -> tuple[str | None, Any]:

@@ -100,6 +100,11 @@ def test_release_without_memory_saver_names_the_flag(server):
      "min_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "messages": MSGS, "max_completion_tokens": 1, "min_tokens": 3},
      "min_tokens"),
+    # Sampling fields the engine refuses: param is the top-level OpenAI field, not "sampling_params.<name>".
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSGS, "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSGS, "top_k": 0}, "top_k"),
 ])
 def test_openai_errors_name_openai_fields(server, route, body, field):
     """An OpenAI route refusing a value names the OpenAI field (and sets param), not the engine's key."""
