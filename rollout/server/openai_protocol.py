@@ -12,9 +12,9 @@ chat templates): the routes do.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.server.common import Body
 
@@ -27,6 +27,18 @@ class StreamOptions(Body):
 
 
 class SamplingFields(Body):
+    # OpenAI types these "... or null": a client that passes None (the openai client sends it as null) gets the
+    # default, as it would by leaving the field out.
+    null_means_default: ClassVar[frozenset[str]] = frozenset(
+        {"temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo", "logprobs"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.null_means_default}
+        return data
+
     model: str
     temperature: float = 1.0
     top_p: float = 1.0

@@ -159,3 +159,19 @@ def test_chat_template_is_the_tokenizers(server):
     msgs = [{"role": "user", "content": "Hi there"}]
     got = render_chat(server.engine, msgs, template)
     assert got == {"input_ids": tok.encode("<user>Hi there<assistant>", add_special_tokens=False)}
+
+
+def test_null_openai_fields_take_their_defaults(server, oai):
+    """Fields OpenAI types "or null" (temperature, top_p, n, stream, penalties, echo, chat logprobs) sent as null,
+    as the openai client sends a None, give exactly what leaving them out gives (same seed, same text)."""
+    base = dict(model="tiny", max_tokens=6, seed=3, extra_body=IGN)
+    nulls = dict(temperature=None, top_p=None, n=None, stream=None, presence_penalty=None, frequency_penalty=None)
+    plain = oai.completions.create(prompt="Hello", **base)
+    got = oai.completions.create(prompt="Hello", echo=None, **base, **nulls)
+    assert got.choices[0].text == plain.choices[0].text and len(got.choices) == 1
+    with start_server(server.path, engine=server.engine, chat_template="plain") as s:
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=60, max_retries=0) as c:
+            msgs = [{"role": "user", "content": "Hi"}]
+            plain = c.chat.completions.create(messages=msgs, **base)
+            got = c.chat.completions.create(messages=msgs, logprobs=None, **base, **nulls)
+            assert got.choices[0].message.content == plain.choices[0].message.content
