@@ -153,7 +153,7 @@ async def completions(req: CompletionRequest, request: Request):
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "usage": usage_of(outs, req.n), "metadata": metadata_of(outs)})
 
-    started = await start_stream(request, prompts, sampling, req.logprobs, req.model, names)
+    started = await start_stream(request, prompts, sampling, req.logprobs, req.model, names, req.rid)
     if isinstance(started, Response):
         return started
     merged, first = started
@@ -279,7 +279,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "usage": usage_of(outs, req.n), "metadata": metadata_of(outs)})
 
-    started = await start_stream(request, prompts, sampling, num_top, req.model, names)
+    started = await start_stream(request, prompts, sampling, num_top, req.model, names, req.rid)
     if isinstance(started, Response):
         return started
     merged, first = started

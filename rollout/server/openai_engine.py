@@ -101,6 +101,8 @@ async def generate_all(request: Request, prompts: list, sampling: dict, num_top:
     the OpenAI fields: `names`)."""
     engine = request.app.state.engine
     key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
+    if len(prompts) == 1 and sampling.get("n", 1) == 1:
+        prompts = prompts[0]  # one choice: sent singly, so the request runs as `rid` itself (abortable by it)
     try:
         out = await await_unless_disconnected(request, engine.async_generate(
             **{key: prompts}, sampling_params=sampling, return_logprob=num_top is not None,
@@ -112,14 +114,20 @@ async def generate_all(request: Request, prompts: list, sampling: dict, num_top:
     return out if isinstance(out, list) else [out]
 
 
-async def stream_choices(request: Request, prompts: list, sampling: dict, num_top: int | None, model=None):
-    """Yield (choice_index, chunk_dict, is_final) from one engine stream per choice, as they come."""
+async def stream_choices(request: Request, prompts: list, sampling: dict, num_top: int | None, model=None,
+                         rid: str | None = None):
+    """Yield (choice_index, chunk_dict, is_final) from one engine stream per choice, as they come. The choices
+    run as `rid` (one choice) or `{rid}_{k}` (SGLang's names for a batch), abortable by those ids."""
     engine = request.app.state.engine
     key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
     n = sampling.get("n", 1)
     queue: asyncio.Queue = asyncio.Queue()
-    base = uuid.uuid4().hex
-    rids = [f"{base}-{k}" for k in range(len(prompts) * n)]
+    num = len(prompts) * n
+    if rid is None:
+        base = uuid.uuid4().hex
+        rids = [f"{base}-{k}" for k in range(num)]
+    else:
+        rids = [rid] if num == 1 else [f"{rid}_{k}" for k in range(num)]
     streams, finished = [], set()
 
     async def abort_unfinished():
@@ -173,11 +181,11 @@ async def stream_choices(request: Request, prompts: list, sampling: dict, num_to
 
 
 async def start_stream(request: Request, prompts: list, sampling: dict, num_top: int | None, model,
-                       names: dict[str, str]):
+                       names: dict[str, str], rid: str | None = None):
     """-> (the merged choice stream, its first item), or the error Response: every stream is started (and
     validated by the engine) before the status line is sent, so a bad request is still a 400."""
     try:
-        merged = stream_choices(request, prompts, sampling, num_top, model)
+        merged = stream_choices(request, prompts, sampling, num_top, model, rid)
         first = await merged.__anext__()
     except Exception as e:
         return openai_error(e, names)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+
 import openai
 import pytest
 
@@ -175,3 +179,38 @@ def test_null_openai_fields_take_their_defaults(server, oai):
             plain = c.chat.completions.create(messages=msgs, **base)
             got = c.chat.completions.create(messages=msgs, logprobs=None, **base, **nulls)
             assert got.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_rid_of_an_openai_request_aborts_it(server, stream):
+    """A completion sent with SGLang's `rid` runs as that id (one choice), streamed or not, so /abort_request
+    with it aborts the request (finish_reason "abort"), as with /generate."""
+    rid = f"oai-rid-{stream}"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 50, "ignore_eos": True, "rid": rid, "stream": stream}
+    with start_server(server.path, engine=server.engine) as s, s.client() as c:
+        assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        got: dict = {}
+
+        def send():
+            with s.client() as c2:
+                if not stream:
+                    got["finish"] = c2.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"]
+                    return
+                with c2.stream("POST", "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            for ch in json.loads(line[6:])["choices"]:
+                                got["finish"] = ch["finish_reason"] or got.get("finish")
+
+        t = threading.Thread(target=send)
+        try:
+            t.start()
+            deadline = time.monotonic() + 30
+            while s.engine.get_server_info()["num_in_flight"] < 1:  # submitted (waiting: generation is paused)
+                assert time.monotonic() < deadline, "the request never reached the engine"
+                time.sleep(0.02)
+            assert c.post("/abort_request", json={"rid": rid}).status_code == 200
+        finally:
+            assert c.post("/continue_generation", json={}).status_code == 200
+        t.join(30)
+        assert got["finish"] == "abort", got
