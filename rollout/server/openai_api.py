@@ -170,13 +170,23 @@ async def completions(req: CompletionRequest, request: Request):
                 reason = finish_of(chunk["meta_info"])[0] if final else None
                 if text or final or lp:
                     yield {"id": cid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}]}
+                           "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": reason}],
+                           **running_usage(req.stream_options, chunk["meta_info"])}
         if req.stream_options and req.stream_options.include_usage:
             outs = [finals[i] for i in sorted(finals)]
             yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
                    "usage": usage_of(outs, req.n)}
 
     return sse_response(closing(events(), merged))
+
+
+def running_usage(options, meta: dict) -> dict:
+    """stream_options.continuous_usage_stats (SGLang's and vLLM's): every content chunk carries the usage of its
+    choice so far ({"usage": ...}); else nothing ({})."""
+    if not (options and options.continuous_usage_stats):
+        return {}
+    prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
+    return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------
@@ -298,7 +308,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                 lp = _chat_logprobs(engine, d.new_logprobs(c["meta_info"])) if num_top is not None else None
                 if text or final or (lp and lp["content"]):
                     yield chunk([{"index": i, "delta": {"content": text} if text else {}, "logprobs": lp,
-                                  "finish_reason": finish_of(c["meta_info"])[0] if final else None}])
+                                  "finish_reason": finish_of(c["meta_info"])[0] if final else None}],
+                                **running_usage(req.stream_options, c["meta_info"]))
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n))
 

@@ -214,3 +214,31 @@ def test_rid_of_an_openai_request_aborts_it(server, stream):
             assert c.post("/continue_generation", json={}).status_code == 200
         t.join(30)
         assert got["finish"] == "abort", got
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_usage_on_every_chunk(server, route):
+    """stream_options.continuous_usage_stats: every content chunk carries its choice's usage so far (the prompt's
+    tokens, completion tokens never decreasing, ending at max_tokens = the final usage chunk's); without it, only
+    include_usage's last chunk has usage."""
+    body = {"model": "tiny", "max_tokens": 6, "ignore_eos": True, "stream": True}
+    body |= {"prompt": "Hello"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+
+    def events(options):
+        with start_server(server.path, engine=server.engine, chat_template="plain") as s, s.client() as c:
+            with c.stream("POST", route, json={**body, "stream_options": options}) as r:
+                assert r.status_code == 200
+                return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    got = events({"include_usage": True, "continuous_usage_stats": True})
+    final = got[-1]["usage"]
+    content = [e for e in got if e["choices"] and ("text" in e["choices"][0] or e["choices"][0]["delta"].get("content")
+                                                    or e["choices"][0]["finish_reason"])]
+    assert content and all("usage" in e for e in content)
+    counts = [e["usage"]["completion_tokens"] for e in content]
+    assert counts == sorted(counts) and counts[-1] == final["completion_tokens"] == 6
+    assert {e["usage"]["prompt_tokens"] for e in content} == {final["prompt_tokens"]}
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+               for e in content)
+    plain = events({"include_usage": True})
+    assert [("usage" in e) for e in plain] == [False] * (len(plain) - 1) + [True]
