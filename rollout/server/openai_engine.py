@@ -59,13 +59,15 @@ def finish_of(meta: dict) -> tuple[str | None, Any]:
 
 
 def metadata_of(outs: list[dict]) -> dict:
-    """SGLang's response `metadata`: the weight version that finished the request (its first choice)."""
+    """SGLang's response `metadata`: the weight version that finished the request (its first choice), and the
+    version spans of its tokens. OpenAI types metadata as a map of strings (the openai client validates it so),
+    so the spans go in as JSON text: `json.loads(metadata["weight_versions"])` gives meta_info's list."""
     if not outs:
         return {"weight_version": None}
     meta = outs[0]["meta_info"]
-    out = {"weight_version": meta["weight_version"], "weight_versions": meta["weight_versions"]}
+    out = {"weight_version": meta["weight_version"], "weight_versions": dumps(meta["weight_versions"])}
     if "prefill_weight_versions" in meta:
-        out["prefill_weight_versions"] = meta["prefill_weight_versions"]
+        out["prefill_weight_versions"] = dumps(meta["prefill_weight_versions"])
     return out
 
 

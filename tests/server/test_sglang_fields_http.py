@@ -8,7 +8,11 @@ change lands mid-request deterministically).
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import openai
+from openai.types.chat import ChatCompletion
 
 from tests.rl_surface.conftest import at_step
 from tests.server.conftest import start_server
@@ -55,8 +59,12 @@ def test_openai_responses_carry_metadata_weight_version(server):
         chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                            temperature=0)
     spans = [{"start": 0, "end": 2, "version": "step-7"}]  # SGLang's weight_versions over the 2 tokens
-    assert comp.model_extra["metadata"] == {"weight_version": "step-7", "weight_versions": spans}
-    assert chat.metadata == {"weight_version": "step-7", "weight_versions": spans}  # a declared field of ChatCompletion
+    for metadata in (comp.model_extra["metadata"], chat.metadata):  # the latter a declared field of ChatCompletion
+        assert metadata["weight_version"] == "step-7" and json.loads(metadata["weight_versions"]) == spans
+    # OpenAI types metadata as {str: str}: the client's own model accepts the body as it is, without a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ChatCompletion.model_validate(chat.model_dump()).metadata == chat.metadata
 
 
 def test_get_model_info_reports_the_checkpoint_loaded_from_disk(server, client, tiny_llama, tmp_path):
