@@ -61,7 +61,8 @@ class EngineCollector:
         max_tokens = info["max_total_num_tokens"] or 1
         yield gauge("sglang:num_running_reqs", "Requests admitted and generating", snap["num_running"])
         yield gauge("sglang:num_queue_reqs", "Requests waiting to be admitted", snap["num_waiting"])
-        yield gauge("sglang:num_used_tokens", "KV cache token slots held by requests (evictable prefix-cache entries count as free)",
+        yield gauge("sglang:num_used_tokens",
+                    "KV cache token slots held by requests (evictable prefix-cache entries count as free)",
                     snap["num_used_tokens"])
         yield gauge("sglang:token_usage", "Fraction of KV cache token slots in use", snap["num_used_tokens"] / max_tokens)
         yield gauge("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens",
