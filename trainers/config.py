@@ -67,7 +67,8 @@ class RLConfig:
         checks = [
             (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
             (self.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {self.prompts_per_step}"),
-            (self.group_size >= 2, f"--group-size must be >= 2 (GRPO normalizes within a group), got {self.group_size}"),
+            (self.group_size >= self.MIN_GROUP_SIZE,
+             f"--group-size must be >= {self.MIN_GROUP_SIZE} ({self.GROUP_SIZE_WHY}), got {self.group_size}"),
             (self.lr > 0 and math.isfinite(self.lr), f"--lr must be a finite number > 0, got {self.lr}"),
             (self.weight_decay >= 0 and math.isfinite(self.weight_decay),
              f"--weight-decay must be a finite number >= 0, got {self.weight_decay}"),
@@ -113,6 +114,9 @@ class RLConfig:
 
     # A subclass's own wording for an inherited flag (PPO has no "GRPO group").
     HELP: ClassVar[dict[str, str]] = {}
+    # GRPO's advantage is relative to the group's other samples: a group of one has none to compare with.
+    MIN_GROUP_SIZE: ClassVar[int] = 2
+    GROUP_SIZE_WHY: ClassVar[str] = "GRPO normalizes within a group"
 
     @classmethod
     def parser(cls, description: str, **defaults) -> argparse.ArgumentParser:
@@ -152,6 +156,8 @@ class PPOConfig(RLConfig):
         "group_size": "samples per prompt (G); PPO's advantages come from the value head and GAE, not the group",
         "output_dir": "metrics.jsonl, plot and final checkpoint",
     }
+    MIN_GROUP_SIZE: ClassVar[int] = 1  # one sample per prompt is PPO's usual setting: the value head is the baseline
+    GROUP_SIZE_WHY: ClassVar[str] = "at least one sample per prompt"
 
     def __post_init__(self) -> None:
         super().__post_init__()

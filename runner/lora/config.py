@@ -90,6 +90,7 @@ class AdapterConfig:
         if not isinstance(d, dict):
             raise ValueError(f"adapter config must be a dict (adapter_config.json), got {type(d).__name__}")
         peft_type = d.get("peft_type", "LORA")
+        peft_type = getattr(peft_type, "value", peft_type)  # peft's PeftType enum, as LoraConfig.to_dict() gives it
         if str(peft_type).upper() != "LORA":
             raise ValueError(f"adapter config peft_type={peft_type!r}: only LORA adapters are supported")
         r = d.get("r")
@@ -102,6 +103,9 @@ class AdapterConfig:
             "use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
             "modules_to_save": (None, []), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
             "use_qalora": (False, None), "target_parameters": (None, []),
+            # Keys that change the forward without adding tensors of their own, so no tensor check would see
+            # them: aLoRA (the adapter acts only after its invocation tokens), duplicated layers, Arrow routing.
+            "alora_invocation_tokens": (None, []), "layer_replication": (None, []), "arrow_config": (None, {}),
         }
         for key, ok in refused.items():
             if key in d and d[key] not in ok:

@@ -28,9 +28,24 @@ def test_scaling_and_refusals():
     assert AdapterConfig.from_dict({"r": 4, "lora_alpha": 8, "use_rslora": True}).scaling == 4.0
     for bad, name in (({"use_dora": True}, "use_dora"), ({"bias": "all"}, "bias"),
                       ({"modules_to_save": ["lm_head"]}, "modules_to_save"), ({"r": 0}, "r="),
-                      ({"target_modules": ["embed_tokens"]}, "embed_tokens"), ({"peft_type": "IA3"}, "peft_type")):
+                      ({"target_modules": ["embed_tokens"]}, "embed_tokens"), ({"peft_type": "IA3"}, "peft_type"),
+                      ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+                      ({"layer_replication": [[0, 2]]}, "layer_replication")):
         with pytest.raises(ValueError, match=name):
             AdapterConfig.from_dict({"r": 4, "lora_alpha": 8, **bad})
+
+
+def test_peft_written_alora_config_is_refused_by_name():
+    """An aLoRA adapter (peft's LoraConfig with alora_invocation_tokens: it acts only after those tokens) adds no
+    tensors of its own, so only its config tells it apart: refused by name, where serving it as plain LoRA gave
+    other tokens than PeftModel; the same config without the key is taken."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5, 6])
+    d = config.to_dict()
+    with pytest.raises(ValueError, match="alora_invocation_tokens"):
+        AdapterConfig.from_dict(d)
+    assert AdapterConfig.from_dict({**d, "alora_invocation_tokens": None}).r == 4
 
 
 def test_engine_options_are_inferred_and_checked(tiny_llama, adapter_factory):

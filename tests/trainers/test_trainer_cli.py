@@ -37,6 +37,16 @@ def test_ppo_knobs_are_validated_by_flag_name(field, value, flag):
         PPOConfig(**{field: value})
 
 
+def test_group_size_floor_is_the_algorithms():
+    """GRPO needs a group of 2+ (its baseline is the group): 1 is refused naming --group-size and why; PPO takes
+    one sample per prompt (its baseline is the value head) and refuses only 0."""
+    with pytest.raises(ValueError, match="--group-size must be >= 2 .GRPO"):
+        RLConfig(group_size=1)
+    assert PPOConfig(group_size=1).group_size == 1
+    with pytest.raises(ValueError, match="--group-size must be >= 1"):
+        PPOConfig(group_size=0)
+
+
 def test_ppo_knobs_reach_the_loop_and_console_line_and_progress_bar(ckpt_factory, tmp_path, monkeypatch, capsys):
     """--gamma / --gae-lambda reach GAE, --value-lr is the value head's learning rate, the console line
     carries value_loss, and the run prints a progress bar (steps, ETA) on stderr."""
@@ -48,7 +58,8 @@ def test_ppo_knobs_reach_the_loop_and_console_line_and_progress_bar(ckpt_factory
         return real_gae(*args, **kwargs)
 
     monkeypatch.setattr(ppo_module, "gae", recording_gae)
-    cfg = PPOConfig(model=str(ckpt_factory("llama")), steps=2, prompts_per_step=2, group_size=2, no_wandb=True,
+    # One sample per prompt, PPO's usual setting (the value head is the baseline; GRPO needs a group of 2+).
+    cfg = PPOConfig(model=str(ckpt_factory("llama")), steps=2, prompts_per_step=2, group_size=1, no_wandb=True,
                     eval_every=0, output_dir=str(tmp_path / "run"), gamma=0.9, gae_lambda=0.5, value_lr=0.05)
     trainer = PPOTrainer(cfg)
     try:
