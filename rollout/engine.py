@@ -511,7 +511,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         sink = SyncSink(self._thread.is_alive)
         self._submit(reqs, sink)
         if stream:
-            return SyncStream(reqs, sink, self._output, self._abort_quietly)
+            return SyncStream(reqs, sink, self._output, self._abort_quietly, segments=self.args.stream_output)
         show = self.args.show_progress if show_progress is None else show_progress
         results: list[dict | None] = [None] * len(reqs)
         t0 = time.perf_counter()
@@ -544,7 +544,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         sink = AsyncSink(asyncio.get_running_loop())
         self._submit(reqs, sink)
         if stream:
-            return AsyncStream(reqs, sink, self._output, self._abort_quietly)
+            return AsyncStream(reqs, sink, self._output, self._abort_quietly, segments=self.args.stream_output)
         return await gather_final_outputs(sink, reqs, self._output, lambda: self._abort_quietly(reqs), single)
 
     # ---- control (SGLang's semantics) -------------------------------------------------------------

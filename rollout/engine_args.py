@@ -42,8 +42,13 @@ class FrontendConfig:
     # always); a request's sampling param stream_interval overrides it. Fewer, larger chunks cost the
     # consumer (an HTTP server's socket writes, its clients' reads) less per token.
     stream_interval: int = 1
+    # SGLang's --stream-output: a streamed request's chunks carry only the output_ids new since its previous chunk
+    # (disjoint segments that join up to the whole output); text, logprobs and meta_info stay cumulative, as there.
+    stream_output: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stream_output, bool):
+            raise ValueError(f"stream_output={self.stream_output!r} must be a bool")
         if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"stream_interval={self.stream_interval!r} must be an int >= 1 (1: every token is "
                              f"streamed)")
@@ -104,6 +109,8 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "log_level": ("'debug', 'info', 'warning', 'error', 'critical'", "level of the `rollout` loggers"),
     "stream_interval": ("an int >= 1", "a streaming request's chunks every N tokens: the first token at once, "
                                        "then tokens N+1, 2N+1, ..., and the final output"),
+    "stream_output": ("bool", "a streamed request's chunks carry only the output_ids new since its previous "
+                      "chunk (text and logprobs stay cumulative)"),
     "base_gpu_id": ("int >= 0; 0 when tp_size > 1 on CUDA", "device='cuda' runs on cuda:{base_gpu_id}; "
                     "no-op on the CPU"),
     "weight_version": ("str", "weight_version before the first update"),

@@ -176,15 +176,24 @@ class AsyncSink:
 
 
 class _StreamBase:
-    """Shared state of the sync and async streams: how many requests are still open, and the close."""
+    """Shared state of the sync and async streams: how many requests are still open, and the close.
+
+    `segments` (SGLang's stream_output): each chunk's output_ids holds only the ids after those of the same
+    request's previous chunk taken from this stream. Cut when a chunk is built, so a consumer that builds only
+    the newest of several pending chunks (ready_nowait) still loses no id: the newest is cut from where the last
+    one built ended."""
+
+    segments = False
 
     def __init__(self, reqs: list[Req], sink, build: Callable[[Req, bool], dict],
-                 abort: Callable[[list[Req]], None]) -> None:
+                 abort: Callable[[list[Req]], None], segments: bool = False) -> None:
         self._reqs = reqs
         self._sink = sink
         self._build = build
         self._abort = abort
         self._num_open = len(reqs)
+        self.segments = segments
+        self._sent: dict[int, int] = {}  # request index -> output ids in the chunks built so far (segments)
 
     @property
     def done(self) -> bool:
@@ -195,7 +204,12 @@ class _StreamBase:
         kind, req = item
         final = kind == "final"
         self._num_open -= final
-        return self._build(req, final)
+        out = self._build(req, final)
+        if self.segments:
+            ids, start = out["output_ids"], self._sent.get(req.index, 0)
+            self._sent[req.index] = len(ids)
+            out["output_ids"] = ids[start:]
+        return out
 
     def _close(self) -> None:
         """The reader is done early: stop generating for it (its requests finish as abort, KV freed)."""

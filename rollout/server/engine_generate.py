@@ -180,7 +180,7 @@ class RemoteGeneration:
         reqs = call.reqs
         if stream:
             return AsyncStream(reqs, call.sink, functools.partial(call.build, self),
-                               lambda _reqs: self._abort_call(call_id))
+                               lambda _reqs: self._abort_call(call_id), segments=self.args.stream_output)
         def cancelled() -> None:
             call.sink.closed = True
             self._abort_call(call_id)

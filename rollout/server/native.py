@@ -163,9 +163,16 @@ async def await_unless_disconnected(request: Request, coro):
             task.cancel()
 
 
-def coalesce(chunks: list[dict]) -> list[dict]:
-    """Chunks are cumulative snapshots: of each sequence ("index") keep only the newest (the last)."""
+def coalesce(chunks: list[dict], segments: bool = False) -> list[dict]:
+    """Chunks are cumulative snapshots: of each sequence ("index") keep only the newest (the last). With
+    `segments` (--stream-output) their output_ids are disjoint pieces: the newest gets all of them, in order."""
     newest = {c["index"]: i for i, c in enumerate(chunks)}
+    if segments:
+        ids: dict[int, list] = {}
+        for c in chunks:
+            ids.setdefault(c["index"], []).extend(c["output_ids"])
+        for i in newest.values():
+            chunks[i]["output_ids"] = ids[chunks[i]["index"]]
     return [c for i, c in enumerate(chunks) if newest[c["index"]] == i]
 
 
@@ -188,7 +195,7 @@ async def sse(chunks, post=lambda c: c):
             ready = chunks.ready_nowait(keep_first_of=started)
             firsts = [c for c in ready if c["index"] not in started]
             started.update(c["index"] for c in firsts)
-            batch = firsts + coalesce([chunk, *(c for c in ready if not any(c is f for f in firsts))])
+            batch = firsts + coalesce([chunk, *(c for c in ready if not any(c is f for f in firsts))], chunks.segments)
             yield b"".join(b"data: " + dumpb(post(c)) + b"\n\n" for c in batch) + (done if chunks.done else b"")
         if not started:  # nothing was streamed (no request): the end still says so
             yield done

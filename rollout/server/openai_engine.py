@@ -153,6 +153,7 @@ async def stream_choices(request: Request, prompts: list, sampling: dict, num_to
                                                            return_logprob=num_top is not None,
                                                            top_logprobs_num=num_top or 0, rid=rids[len(streams)],
                                                            lora_path=lora_path))
+                streams[-1].segments = False  # OpenAI deltas are cut from cumulative chunks here, whatever --stream-output
     except BaseException:
         await abort_unfinished()
         raise

@@ -67,3 +67,39 @@ def test_launch_server_flag_reaches_the_engine():
     """`--stream-interval 3` is an Engine option the server passes on (SGLang's flag name)."""
     _, kw = parse_args(["--model-path", "m", "--stream-interval", "3"])
     assert kw["stream_interval"] == 3
+
+
+@pytest.mark.parametrize("in_child", [True, False], ids=["engine-process", "engine-in-process"])
+def test_stream_output_flag_streams_disjoint_output_ids(tiny_llama, in_child):
+    """--stream-output (SGLang's): /generate chunks carry only their new output_ids, which join (n=2 included) to
+    the non-streamed answer's, however the server coalesced them; text stays cumulative; the OpenAI routes'
+    deltas are unchanged by it (their streamed text equals the non-streamed text)."""
+    _, kw = parse_args(["--model-path", str(tiny_llama), "--stream-output"])
+    assert kw["stream_output"] is True
+    with start_server(tiny_llama, engine_kw={"stream_output": True}, in_child=in_child) as s, s.client() as c:
+        body = dict(input_ids=PROMPT, sampling_params={**GREEDY, "n": 2, "temperature": 1.0, "seed": 5})
+        want = c.post("/generate", json=body).json()
+        with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        joined: dict[int, list[int]] = {}
+        for ch in chunks:
+            joined.setdefault(ch["index"], []).extend(ch["output_ids"])
+        assert joined == {i: w["output_ids"] for i, w in enumerate(want)}
+        assert {ch["index"]: ch for ch in chunks}[1]["text"] == want[1]["text"]
+        comp = dict(model="tiny", prompt=PROMPT, max_tokens=25, temperature=0, ignore_eos=True)
+        whole = c.post("/v1/completions", json=comp).json()["choices"][0]["text"]
+        with c.stream("POST", "/v1/completions", json={**comp, "stream": True}) as r:
+            pieces = [json.loads(line[6:])["choices"] for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(ch[0]["text"] for ch in pieces if ch) == whole
+
+
+def test_coalesce_joins_segments_into_the_newest_chunk():
+    """coalesce keeps each sequence's newest chunk; with segments (--stream-output) that chunk carries every
+    dropped chunk's output_ids before its own, in order, so no id is lost when a stream falls behind."""
+    from rollout.server.native import coalesce
+
+    def chunks():
+        return [{"index": 0, "output_ids": [1]}, {"index": 1, "output_ids": [7]}, {"index": 0, "output_ids": [2, 3]}]
+
+    assert coalesce(chunks()) == [{"index": 1, "output_ids": [7]}, {"index": 0, "output_ids": [2, 3]}]
+    assert coalesce(chunks(), segments=True) == [{"index": 1, "output_ids": [7]}, {"index": 0, "output_ids": [1, 2, 3]}]
