@@ -16,8 +16,13 @@ import torch
 
 from runner.config import MODEL_DTYPES
 
-_DTYPES = {**MODEL_DTYPES, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+# Every plain (byte-addressable, unquantized) dtype, so any tensor a caller may send decodes on the far side,
+# where the command's own checks refuse what it cannot take (an int weight): a name missing here once killed the
+# receiving rank in recv. send() refuses the rest (quantized, sub-byte) before a byte goes out.
+_DTYPES = {**{name: getattr(torch, name) for name in (
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+    "float8_e8m0fnu", "complex64", "complex128", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+    "uint64", "bool") if hasattr(torch, name)}, **MODEL_DTYPES}
 
 
 class ChannelClosed(RuntimeError):
@@ -26,12 +31,22 @@ class ChannelClosed(RuntimeError):
 
 def send(conn, header: dict, tensors: list[torch.Tensor] = ()) -> None:
     tensors = [t.detach().to("cpu").contiguous() for t in tensors]
+    # Every tensor's bytes are viewed before the first byte goes out, so a message is whole or not sent: one
+    # the far side could not decode once killed the receiving rank.
+    raw = []
+    for t in tensors:
+        if _DTYPES.get(str(t.dtype).removeprefix("torch.")) != t.dtype:
+            raise ValueError(f"a tensor of dtype {t.dtype} cannot be sent to another rank")
+        try:
+            raw.append(t.reshape(-1).view(torch.uint8))
+        except RuntimeError as e:  # quantized, sub-byte: no plain bytes to send
+            raise ValueError(f"a tensor of dtype {t.dtype} cannot be sent to another rank: {e}") from None
     header = {**header, "tensors": [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                                     for t in tensors]}
     conn.send_bytes(json.dumps(header).encode())
-    for t in tensors:
+    for t, b in zip(tensors, raw):
         # A copy: numpy() would pin the storage of a tensor the caller still owns (no resize_ after).
-        conn.send_bytes(t.reshape(-1).view(torch.uint8).clone().numpy().tobytes() if t.numel() else b"")
+        conn.send_bytes(b.clone().numpy().tobytes() if t.numel() else b"")
 
 
 def recv(conn, timeout_s: float | None = None, is_alive: Callable[[], bool] | None = None,

@@ -130,6 +130,35 @@ def test_tp2_bad_update_changes_nothing_on_any_rank(tp_engine, reference, ckpts)
                                                     ("model.layers.1.mlp.down_proj.weight", bad)])
     assert not ok and "NaN" in msg
     _assert_same(_run(tp_engine), before)
+    # Integer and bool tensors reach every rank (the command channel carries any plain dtype) and are refused
+    # there by name; a dtype the channel could not decode once killed rank 1 and the engine with it.
+    name = "model.layers.0.mlp.down_proj.weight"
+    for dtype in (torch.int16, torch.bool, torch.int8):
+        ok, msg = tp_engine.update_weights_from_tensor([(name, sd[name].to(dtype))])
+        assert not ok and "not a floating-point dtype" in msg and str(dtype) in msg, msg
+    _assert_same(_run(tp_engine), before)
+
+
+def test_channel_carries_plain_dtypes_and_refuses_the_rest_before_sending():
+    """The rank command channel round-trips every plain dtype bit for bit; a quantized tensor is refused by name
+    before any byte goes out (the far side sees no message, so the channel stays in step)."""
+    import multiprocessing
+    import warnings
+
+    from runner.tp import channel
+
+    a, b = multiprocessing.Pipe()
+    for dtype in (torch.int16, torch.bool, torch.uint8, torch.complex64, torch.float8_e4m3fn, torch.bfloat16):
+        t = (torch.arange(6).reshape(2, 3) % 3).to(dtype)
+        channel.send(a, {"cmd": "x"}, [t])
+        header, (got,) = channel.recv(b, 5)
+        assert header == {"cmd": "x"} and got.dtype == dtype and got.view(torch.uint8).equal(t.view(torch.uint8))
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; one must still be refused cleanly
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(ValueError, match="qint8"):
+        channel.send(a, {"cmd": "x"}, [torch.ones(2), q])
+    assert not b.poll(0.1)
 
 
 def test_tp2_release_resume_act_on_every_rank(tp_engine, reference, ckpts):
