@@ -106,11 +106,18 @@ class EngineActor:
                 self.engine.runner.invalidate_weights("a group weight sync failed and was rolled back; load a "
                                                       "full set of weights")
                 self.engine.weight_version = version
+                self.engine._num_updates = num_updates
             return True, "weights marked invalid again (there was nothing valid to restore)"
         # online: requests that arrived since are retracted and go on under the restored weights, instead
         # of the rollback being refused (which would leave this engine on a version no other engine has).
-        return self.engine.update_weights_from_tensor(snapshot, flush_cache=True, weight_version=version,
-                                                      online=True)
+        ok, msg = self.engine.update_weights_from_tensor(snapshot, flush_cache=True, weight_version=version,
+                                                         online=True)
+        if ok:
+            # The update count labels the next update that names no version: put it back too, or this engine
+            # would label it one ahead of an engine that refused (versions "3" against "1").
+            with self.engine._cv:
+                self.engine._num_updates = num_updates
+        return ok, msg
 
     def commit(self) -> None:
         self._txn = None

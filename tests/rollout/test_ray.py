@@ -174,6 +174,11 @@ def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ck
     assert group.get_weights_checksum()["checksum"] == base_sum  # raises if the engines' bits differ
     ray.get(group.handles[1].call.remote("abort_request", (), dict(rid="busy")), timeout=60)
     ray.get([busy, late], timeout=120)
+    # No version named: each engine labels the update with its update count, which the rollback put back too
+    # (left one ahead on engine 0, the group read versions ["3", "1"] and refused every later update).
+    ok, msg = sync_weights(model, group, bucket_bytes=32 << 10)
+    assert ok, msg
+    assert group.weight_version.isdigit()  # raises if the engines disagree
     ok, msg = sync_weights(model, group, bucket_bytes=32 << 10, weight_version="after")
     assert ok, msg
     assert group.weight_version == "after"
