@@ -184,6 +184,33 @@ def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ck
     assert group.weight_version == "after"
 
 
+def test_rollback_keeps_the_engines_labelling_alike(group, ckpt, trainer):
+    """Engine 1 busy refuses an update engine 0 applied and rolled back: the rollback also puts back engine 0's
+    update count, which labels an update that names no version, so the next such update commits with one
+    version on both (it read ["3", "1"] once, and the group refused every update after it)."""
+    ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base4")
+    assert ok, msg
+    long = dict(input_ids=PROMPTS[0], sampling_params=dict(max_new_tokens=100000, ignore_eos=True), rid="busy4")
+    busy = group.handles[1].call.remote("generate", (), long)
+    deadline = time.monotonic() + 60
+    while ray.get(group.handles[1].call.remote("get_server_info", (), {}), timeout=60)["num_in_flight"] == 0:
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.05)
+    model, _, want = trainer
+    try:
+        ok, msg = group.update_weights_from_tensor(list(model.state_dict().items()))
+        assert not ok and "engine 1" in msg and "rolled back" in msg, msg
+        assert group.weight_version == "base4"
+    finally:
+        ray.get(group.handles[1].call.remote("abort_request", (), dict(rid="busy4")), timeout=60)
+        ray.get(busy, timeout=120)
+    for _ in range(2):
+        ok, msg = group.update_weights_from_tensor(list(model.state_dict().items()))
+        assert ok, msg
+        assert group.weight_version.isdigit()  # raises if the engines disagree
+    assert_same(greedy(group), want)
+
+
 def test_killed_engine_is_named_and_nothing_hangs(cluster, ckpt):
     """An actor killed mid-run: the next call fails within seconds with an error naming that engine."""
     g = launch_engines(2, str(ckpt), num_cpus_per_engine=0.5, call_timeout_s=60, **ENGINE_KW)
