@@ -144,8 +144,6 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "quantization": ("None", "no quantized kernels"),
     "enable_dp_attention": ("bool; True only with dp_size=1", "no-op: with one data-parallel rank, DP attention "
                             "is plain attention"),
-    "schedule_policy": ("'fcfs'", "waiting requests are admitted in arrival order (SGLang's 'lpm', 'random', ... "
-                        "are refused)"),
     "json_model_override_args": ("None, '', '{}'", "config.json is used as it is"),
     "enable_metrics": ("bool", "no-op: the HTTP server always serves /metrics"),
     # The HTTP server's own flags (rollout.launch_server); an in-process Engine drops them.
@@ -185,7 +183,6 @@ class SGLangCompatConfig:
     nccl_port: int | None = None
     quantization: str | None = None
     enable_dp_attention: bool = False
-    schedule_policy: str = "fcfs"
     json_model_override_args: str | None = "{}"
     weight_version: str = "default"
 
@@ -209,9 +206,6 @@ class SGLangCompatConfig:
         if self.quantization is not None:
             raise _refuse("quantization", self.quantization, "None", "no quantized kernels; load a bf16/fp16/fp32 "
                           "checkpoint")
-        if self.schedule_policy != "fcfs":
-            raise _refuse("schedule_policy", self.schedule_policy, "'fcfs'",
-                          "waiting requests are admitted in arrival order")
         if self.json_model_override_args not in (None, "", "{}"):
             raise _refuse("json_model_override_args", self.json_model_override_args, "None, '' or '{}'",
                           "config.json is used as it is; edit the checkpoint's config.json instead")

@@ -67,6 +67,13 @@ class KVManager:
         return self.kv_pool.alloc(n)
 
     # ---- a request's life ----------------------------------------------------------------------
+    def cached_prefix_len(self, req: Req) -> int:
+        """Tokens of req's prompt the prefix cache holds now (what admitting it would reuse; 0 without a cache)."""
+        if self.tree is None:
+            return 0
+        slots, _ = self.tree.match_prefix(req.fill_ids, self._namespace(req))
+        return len(slots)
+
     def admit(self, req: Req, max_prefix: int | None = None) -> None:
         """Give req a row and its longest cached prefix (locked so it cannot be evicted under it), of at
         most `max_prefix` tokens (positions whose logits the request needs must be computed)."""

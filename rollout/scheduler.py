@@ -25,6 +25,7 @@ its own thread's intra-op thread count, see SINGLE_THREAD_MAX_WEIGHTS).
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -75,6 +76,10 @@ def _overlap_by_default(runner) -> bool:
             and cpu_kernels.kernel_isa() == "avx512")
 
 
+SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")
+LPM_MAX_WAITING = 128  # past this many waiting requests, lpm admits in arrival order (SGLang's cut-off)
+
+
 @dataclass
 class SchedulerConfig:
     chunked_prefill_size: int = 2048
@@ -99,8 +104,16 @@ class SchedulerConfig:
     # token (one forward), instead of a prefill step during which the running requests wait. Plain schedule
     # only (the overlap schedule keeps its own decode steps), never with enable_deterministic_inference.
     enable_mixed_chunk: bool = False
+    # SGLang's --schedule-policy, the order waiting requests are admitted in: "fcfs" (arrival), "lpm" (longest
+    # cached prefix first; arrival order past 128 waiting, as SGLang), "lof" (longest max_new_tokens first),
+    # "random" (shuffled, seeded by the engine's random_seed). It orders admission only: a request's tokens do not
+    # depend on it. SGLang's "dfs-weight" is refused.
+    schedule_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy={self.schedule_policy!r}: choose one of {SCHEDULE_POLICIES} "
+                             f"(SGLang's 'dfs-weight' is not implemented)")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -186,6 +199,8 @@ class Scheduler:
         self.max_loras_per_batch = getattr(runner_cfg, "max_loras_per_batch", 1) if getattr(
             runner_cfg, "enable_lora", False) else 0
         self.waiting: deque[Req] = deque()
+        # schedule_policy="random": reproducible from the engine's random_seed
+        self._policy_rng = random.Random(getattr(getattr(runner, "config", None), "random_seed", 0))
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self._admit_counter = 0
@@ -388,10 +403,26 @@ class Scheduler:
         the running requests of a mixed step."""
         budget = self.config.chunked_prefill_size - reserve
         self._kv_reserve = reserve
+        self._order_waiting()
         try:
             return self._schedule_prefill_within(budget)
         finally:
             self._kv_reserve = 0
+
+    def _order_waiting(self) -> None:
+        """Put the waiting queue in the schedule policy's order (stable: ties keep arrival order)."""
+        policy = self.config.schedule_policy
+        if policy == "fcfs" or len(self.waiting) < 2:
+            return
+        reqs = list(self.waiting)
+        if policy == "lof":
+            reqs.sort(key=lambda r: -(r.sampling_params.max_new_tokens or self.runner.context_len))
+        elif policy == "random":
+            self._policy_rng.shuffle(reqs)
+        elif len(reqs) <= LPM_MAX_WAITING:  # lpm
+            cached = {id(r): self.kv.cached_prefix_len(r) for r in reqs}
+            reqs.sort(key=lambda r: -cached[id(r)])
+        self.waiting = deque(reqs)
 
     def _schedule_prefill_within(self, budget: int) -> list[tuple[Req, int, int]]:
         items: list[tuple[Req, int, int]] = []

@@ -100,7 +100,6 @@ def test_every_name_in_the_table_is_an_option():
     ("gpu_id_step", 0, "an int >= 1"), ("base_gpu_id", -1, "an int >= 0"),
     ("load_format", "remote_instance", "'auto', 'safetensors' or 'dummy'"),
     ("cpu_offload_gb", -1, ">= 0"),
-    ("schedule_policy", "random", "supported: 'fcfs'"),
 ])
 def test_unsupported_values_are_refused_naming_option_and_supported_values(tiny_llama, name, value, supported):
     """A value that would mean something this engine does not do is refused before anything is built,
