@@ -89,6 +89,8 @@ ARG_HELP: dict[str, str] = {
                                       "in any batch (dense and MoE; CPU torch_native attention)",
     "cpu_pin_overlap_threads": "with the overlap schedule on the CPU (a model stepping on one intra-op thread): "
                                "pin its two threads to distinct CPUs (rollout/thread_pinning.py)",
+    "schedule_policy": "the order waiting requests are admitted in: fcfs (arrival), lpm (longest cached prefix "
+                       "first), lof (longest max_new_tokens first), random (seeded by --random-seed)",
     "enable_mixed_chunk": "a step that admits prompts also decodes the running requests (one forward), instead of "
                           "a prefill step they wait through (plain schedule only)",
     "in_batch_prefix_threshold": "shared prompt tokens that make a request wait a step to reuse another's KV",
