@@ -151,6 +151,17 @@ def test_sync_failing_in_a_later_bucket_rolls_every_engine_back(group, ckpt, tra
     assert_same(greedy(group), base_outputs)
 
 
+def _busy_engine_1(group, rid: str):
+    """Start a request on engine 1 that runs until aborted by `rid`; return once it runs (its ObjectRef)."""
+    long = dict(input_ids=PROMPTS[0], sampling_params=dict(max_new_tokens=100000, ignore_eos=True), rid=rid)
+    busy = group.handles[1].call.remote("generate", (), long)
+    deadline = time.monotonic() + 60
+    while ray.get(group.handles[1].call.remote("get_server_info", (), {}), timeout=60)["num_in_flight"] == 0:
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.05)
+    return busy
+
+
 def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ckpt, trainer):
     """Engine 1 busy, engine 0 idle: engine 0 takes bucket 0, engine 1 refuses; the rollback of engine 0
     cannot be refused by a request arriving meanwhile (it retracts it), the busy engine is left alone, and the
@@ -158,12 +169,7 @@ def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ck
     ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base3")
     assert ok, msg
     base_sum = group.get_weights_checksum()["checksum"]
-    long = dict(input_ids=PROMPTS[0], sampling_params=dict(max_new_tokens=100000, ignore_eos=True), rid="busy")
-    busy = group.handles[1].call.remote("generate", (), long)
-    deadline = time.monotonic() + 60
-    while ray.get(group.handles[1].call.remote("get_server_info", (), {}), timeout=60)["num_in_flight"] == 0:
-        assert time.monotonic() < deadline, "the long request never started"
-        time.sleep(0.05)
+    busy = _busy_engine_1(group, "busy")
     # A request on engine 0 after its first bucket: the rollback must retract it, not be refused by it.
     late = group.handles[0].call.remote("generate", (), dict(input_ids=PROMPTS[1], sampling_params=dict(
         max_new_tokens=200, ignore_eos=True)))
@@ -190,12 +196,7 @@ def test_rollback_keeps_the_engines_labelling_alike(group, ckpt, trainer):
     version on both (it read ["3", "1"] once, and the group refused every update after it)."""
     ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base4")
     assert ok, msg
-    long = dict(input_ids=PROMPTS[0], sampling_params=dict(max_new_tokens=100000, ignore_eos=True), rid="busy4")
-    busy = group.handles[1].call.remote("generate", (), long)
-    deadline = time.monotonic() + 60
-    while ray.get(group.handles[1].call.remote("get_server_info", (), {}), timeout=60)["num_in_flight"] == 0:
-        assert time.monotonic() < deadline, "the long request never started"
-        time.sleep(0.05)
+    busy = _busy_engine_1(group, "busy4")
     model, _, want = trainer
     try:
         ok, msg = group.update_weights_from_tensor(list(model.state_dict().items()))
