@@ -217,6 +217,15 @@ def test_killed_engine_is_named_and_nothing_hangs(cluster, ckpt):
     g = launch_engines(2, str(ckpt), num_cpus_per_engine=0.5, call_timeout_s=60, **ENGINE_KW)
     try:
         ray.kill(g.handles[1])
+        # Ray learns of the death asynchronously (slowly on a loaded machine): time the group's call once it has.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ray.get(g.handles[1].call.remote("get_server_info", (), {}), timeout=5)
+            except Exception:  # noqa: BLE001 - RayActorError once the kill landed
+                break
+            assert time.monotonic() < deadline, "the killed actor still answers after 60 s"
+            time.sleep(0.1)
         t0 = time.monotonic()
         with pytest.raises(EngineGroupError, match="engine 1"):
             g.generate(input_ids=PROMPTS, sampling_params=GREEDY)
