@@ -3,7 +3,8 @@ retraction when the KV pool runs out.
 
 Each `step()` runs one forward: a prefill (EXTEND) batch when there are requests to admit, else a
 decode batch of everything running. Prefill takes at most `chunked_prefill_size` new tokens per step,
-so a long prompt is prefilled in chunks with a decode step between chunks. With `enable_mixed_chunk`
+so a long prompt is prefilled in chunks with a decode step between chunks. Waiting requests are admitted in
+the order `schedule_policy` gives (SGLang's fcfs, lpm, lof or random). With `enable_mixed_chunk`
 (plain schedule only) a step that admits prompts carries every running request's next token too, as a
 one-token extend, so nobody waits through a prefill step. Requests whose prompt
 shares a long prefix with one already in the batch wait one step, so the n samples of a prompt
