@@ -18,7 +18,6 @@ import torch
 
 from rollout.weights_api import weight_version_problem
 from runner.weights import checker
-from runner.weights.loader import WeightUpdateError
 from runner.weights.routes import require_weights_resident
 
 DRAIN_POLL_S = 0.02  # drain() looks at the requests in flight this often
@@ -64,9 +63,8 @@ class EngineInfoAPI:
         rank order (num_tensors: summed over ranks). Returns {"checksum", "num_tensors", "weight_version"}."""
         with self._cv:
             # Freed storages (released weights, a shut-down engine) must not be read: the copy would fault.
-            if self.runner.is_shut_down:
-                raise WeightUpdateError("the engine was shut down: its weights are freed")
-            require_weights_resident(getattr(self.runner, "local", self.runner))  # tensor parallel: rank 0's
+            # Tensor parallel: rank 0's runner says (the TP runner's shutdown shuts it down too).
+            require_weights_resident(getattr(self.runner, "local", self.runner))
             ranks = getattr(self.runner, "rank_checksums", None)
             parts = ranks() if ranks is not None else [checker.parameters_sha256(self.runner.model)]
             version = self.weight_version

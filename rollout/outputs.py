@@ -183,8 +183,6 @@ class _StreamBase:
     the newest of several pending chunks (ready_nowait) still loses no id: the newest is cut from where the last
     one built ended."""
 
-    segments = False
-
     def __init__(self, reqs: list[Req], sink, build: Callable[[Req, bool], dict],
                  abort: Callable[[list[Req]], None], segments: bool = False) -> None:
         self._reqs = reqs
