@@ -49,7 +49,11 @@ def write_adapters(ckpt: Path, out: Path, num: int, rank: int) -> dict[str, str]
 
 
 def throughput(args) -> None:
-    work = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:  # checkpoint and adapters go with the run
+        _throughput(args, Path(tmp))
+
+
+def _throughput(args, work: Path) -> None:
     ckpt = write_preset(args.preset, "float32", work / "ckpt")
     adapters = write_adapters(ckpt, work, args.num_adapters, args.rank)
     vocab = PRESETS[args.preset].get("vocab_size", 32000)
@@ -83,11 +87,15 @@ def throughput(args) -> None:
 
 
 def sync(args) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-lora-sync-") as tmp:
+        _sync(args, Path(tmp))
+
+
+def _sync(args, work: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from weight_sync.bucket import FlattenedTensorBucket
 
-    work = Path(tempfile.mkdtemp(prefix="bench-lora-sync-"))
     cfg = Qwen2Config(**PRESETS["qwen2.5-0.5b"], bos_token_id=0, eos_token_id=1, use_sliding_window=False,
                       architectures=["Qwen2ForCausalLM"])
     cfg.save_pretrained(work)

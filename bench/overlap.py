@@ -58,12 +58,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    from rollout import Engine
-
     args = parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    model_dir = write_preset(args.preset, args.dtype, Path(tempfile.mkdtemp(prefix="bench_overlap_")) / "ckpt")
+    with tempfile.TemporaryDirectory(prefix="bench_overlap_") as tmp:  # the checkpoint goes with the run
+        return _run(args, write_preset(args.preset, args.dtype, Path(tmp) / "ckpt"))
+
+
+def _run(args, model_dir: Path) -> dict:
+    from rollout import Engine
+
     prompts = make_prompts(args.batch, args.prompt_len, vocab_size_of(model_dir), seed=0)
     num_seqs = args.batch * args.n
     seq_len = args.prompt_len + args.output_len
