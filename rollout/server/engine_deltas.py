@@ -11,7 +11,7 @@ A delta is a tuple (kept small: one step of 64 streams is one message):
   items): the copy is cut to `offset` and extended, so a list that shrank (a step taken back) stays exact;
 - input_logprobs: the whole dict when it changed (it fills during prefill), else None;
 - fields: (cached_tokens, num_retractions, the engine's weight version, the request's, finished_reason,
-  stop_at, error, the output tokens' weight-version spans);
+  stop_at, error, the output tokens' weight-version spans, the version at its submission);
 - times (final only): (created, first token, last token, finished, routed experts as a numpy array or
   None, prefill weight-version spans or None); perf_counter values of the engine process, compared only
   with each other.
@@ -46,7 +46,7 @@ def encode(call_id: int, req: Req, final: bool, sent: tuple, engine_version: str
         offset = min(sent[0], len(ids))
         tails, inputs, now_sent = ((offset, ids[offset:]), None, None, None), None, (len(ids), 0, 0, 0, -1)
     fields = (req.cached_tokens, req.num_retractions, engine_version, req.weight_version, req.finished_reason,
-              req.stop_at, req.error, _spans(req))
+              req.stop_at, req.error, _spans(req), req.weight_version_start)
     times = None
     if final:
         routed = req.routed_experts
@@ -62,7 +62,7 @@ def _spans(req: Req) -> tuple:
 def abort_delta(call_id: int, req: Req, message: str, engine_version: str) -> tuple:
     """A final delta that ends the request as abort with `message` (its outputs as the server has them)."""
     fields = (req.cached_tokens, req.num_retractions, engine_version, engine_version,
-              FinishReason("abort", message=message), None, message, _spans(req))
+              FinishReason("abort", message=message), None, message, _spans(req), req.weight_version_start)
     times = (req.created_time, req.first_token_time, req.last_token_time, time.perf_counter(), None, None)
     return call_id, req.index, True, (None, None, None, None), None, fields, times
 
@@ -77,7 +77,7 @@ def apply(req: Req, delta: tuple) -> None:
     if inputs is not None:
         req.input_logprobs = inputs
     (req.cached_tokens, req.num_retractions, engine_version, final_version, req.finished_reason, req.stop_at,
-     req.error, spans) = fields
+     req.error, spans, req.weight_version_start) = fields
     req.output_version_spans = [list(s) for s in spans]
     # A chunk reports the version served now, a final output the one it finished under (as in-process).
     req.weight_version = final_version if final else engine_version

@@ -223,13 +223,15 @@ def test_openai_routes_equal_the_in_process_server(split, oracle, tiny_llama):
 
 
 def test_weight_version_and_adapter_list_follow_the_child(client):
-    """What the parent serves from its cache (weight version, model path, loaded adapters) is the child's
-    after each call; the child's torch threads are the ones an in-process engine would get."""
+    """What the parent serves from its cache (weight version, model path, loaded adapters) and each output's
+    versions (the one at submission too) are the child's after each call; the child's torch threads are the ones an in-process engine would get."""
     assert client.post("/update_weight_version", json={"new_version": "v7"}).status_code == 200
     assert client.get("/get_weight_version").json()["weight_version"] == "v7"
     assert client.get("/get_model_info").json()["weight_version"] == "v7"
     out = client.post("/generate", json=dict(input_ids=PROMPTS[0], sampling_params=GREEDY)).json()
     assert out["meta_info"]["weight_version"] == "v7"
+    assert out["meta_info"]["weight_version_start"] == "v7"  # set in the child at submission
+    assert out["meta_info"]["weight_versions"] == [{"start": 0, "end": 8, "version": "v7"}]
     assert client.get("/get_server_info").json()["weight_version"] == "v7"
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
 
