@@ -283,6 +283,7 @@ async def health_generate(request: Request):
 
 
 @router.get("/get_model_info")
+@router.get("/model_info")  # SGLang's newer name; /get_model_info stays for the clients that use it
 async def get_model_info(request: Request):
     engine = request.app.state.engine
     # Built here from what an EngineClient caches too (no engine call): the same keys as Engine.get_model_info.
@@ -295,6 +296,7 @@ async def get_model_info(request: Request):
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")  # SGLang's newer name, as /model_info
 async def get_server_info(request: Request):
     engine = request.app.state.engine
     """SGLang's shape: one flat dict of every server arg (the engine's and this server's, api_key left

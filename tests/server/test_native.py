@@ -86,7 +86,8 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client):
 
 
 def test_info_and_health(server, client):
-    """health, health_generate, model/server info, load and weight version report the engine's state."""
+    """health, health_generate, model/server info (under both SGLang names), load and weight version report the
+    engine's state."""
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
     info = client.get("/get_model_info").json()
@@ -97,6 +98,10 @@ def test_info_and_health(server, client):
     # SGLang's flat shape: the engine's info merged with the server's args, not nested inside them
     assert set(server.engine.get_server_info()) <= set(sinfo)
     assert sinfo["max_total_num_tokens"] == 4096 and sinfo["max_n"] == 256 and sinfo["paused"] is False
+    # SGLang's newer names answer the same (volatile fields aside)
+    assert client.get("/model_info").json() == info
+    new = client.get("/server_info").json()
+    assert set(new) == set(sinfo) and new["port"] == sinfo["port"] and new["max_n"] == sinfo["max_n"]
     load = client.get("/get_load").json()
     assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
     assert client.get("/get_weight_version").json() == {"weight_version": server.engine.weight_version}

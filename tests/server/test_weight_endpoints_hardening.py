@@ -167,3 +167,27 @@ def test_requests_sent_while_paused_wait_for_weights_released_without_backup(tin
         assert got["status"] == 200, got
         assert got["body"]["output_ids"] == reference
         assert _checksum(c) == checksum
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_pickled_tensor_payload_is_refused_by_name_and_never_unpickled(client, load_format, tmp_path):
+    """What SGLang's MultiprocessingSerializer sends (base64 of a pickle) gets a 400 naming the pickle;
+    the pickle is never loaded (its payload would have written a file) and the weights stay as they were."""
+    import base64
+    import pickle
+
+    marker = tmp_path / "unpickled"
+
+    class Payload:  # unpickling calls open(marker, "w"): proof that the server ran it
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    blob = base64.b64encode(pickle.dumps([("model.norm.weight", Payload())], protocol=4)).decode()
+    before = _checksum(client)
+    body = {"serialized_named_tensors": [blob], **({"load_format": load_format} if load_format else {})}
+    r = client.post("/update_weights_from_tensor", json=body)
+    assert r.status_code == 400 and "pickle" in r.json()["message"], r.text
+    assert "serialized_named_tensors[0]" in r.json()["message"]
+    assert not marker.exists()
+    assert _checksum(client) == before
+    assert client.post("/generate", json=GOOD).status_code == 200
