@@ -28,7 +28,12 @@ class SinkClosedError(RuntimeError):
 
 def build_output(req: Req, tok: TokenizerWrapper, weight_version: str, final: bool) -> dict:
     try:
-        text = tok.final_text(req) if final else tok.decode(req.output_ids, req)
+        if final:
+            text = tok.final_text(req)
+        else:  # a chunk never ends in a partial character that the next token completes (SGLang holds it too)
+            text = tok.output_text(req.output_ids, req)
+            if text and text[-1] == "\ufffd":
+                text = text.rstrip("\ufffd")
         text_error = None
     except Exception as e:  # a request that cannot be detokenized still returns its tokens
         text, text_error = None, f"detokenization failed: {type(e).__name__}: {e}"

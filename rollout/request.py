@@ -97,6 +97,8 @@ class Req:
     prefill_version_spans: list[list] | None = None
     sink: Any = None  # where the engine delivers outputs
     text: str = ""
+    detok_head: str | None = None  # the text of the prompt tokens decoded ahead of the output (rollout.tokenizer)
+    stop_min_end: int | None = None  # with min_new_tokens: a stop match must end past this character
     stop_scan_from: int = 0  # decoded characters already searched for stop strings (rollout.stop_match)
     stop_at: int | None = None  # where in the decoded output the stop match begins
     # The decoded output ends with the start of a stop string (rollout.stop_match): a stream chunk now

@@ -79,18 +79,19 @@ def find(req: Req, text: str) -> str | FinishReason | None:
     output), recording where it starts in `req.stop_at`; a FinishReason (abort) if a pattern timed out."""
     sp = req.sampling_params
     hits: list[tuple[int, str]] = []
+    min_end = req.stop_min_end or 0  # min_new_tokens: a match must end past this character
     if sp.stop:
         longest = max(map(len, sp.stop))
         start = max(0, req.stop_scan_from - longest + 1 - _UNSTABLE_TAIL_CHARS)
         for s in sp.stop:
-            at = text.find(s, start)
+            at = text.find(s, max(start, min_end - len(s) + 1))
             if at >= 0:
                 hits.append((at, s))
     if sp.stop_regex:
         window_start = max(0, len(text) - REGEX_WINDOW_CHARS)
         for r in sp.stop_regex:
             try:
-                m = compiled(r).search(text, window_start, timeout=REGEX_TIMEOUT_S)
+                m = _first_ending_past(compiled(r), text, window_start, min_end)
             except TimeoutError:
                 from rollout.request import FinishReason
 
@@ -107,6 +108,17 @@ def find(req: Req, text: str) -> str | FinishReason | None:
     at, matched = min(hits)
     req.stop_at = at
     return matched
+
+
+def _first_ending_past(pattern: regex.Pattern, text: str, start: int, min_end: int):
+    """The first match of `pattern` in text[start:] (anchors seeing the whole text) that ends past `min_end`,
+    or None; one deadline of REGEX_TIMEOUT_S for the whole search (TimeoutError past it)."""
+    if min_end <= start:
+        return pattern.search(text, start, timeout=REGEX_TIMEOUT_S)
+    for m in pattern.finditer(text, start, overlapped=True, timeout=REGEX_TIMEOUT_S):
+        if m.end() > min_end:
+            return m
+    return None
 
 
 def trimmed(req: Req, text: str) -> str:

@@ -2,6 +2,12 @@
 
 A checkpoint without tokenizer files, or `skip_tokenizer_init=True`, gives a TokenizerWrapper whose
 `tokenizer` is None: requests must then come as input_ids and outputs carry `text` None.
+
+Output text is decoded after the prompt's last CONTEXT_TOKENS tokens and cut after their text, as SGLang's
+detokenizer and vLLM's do: a decoder that drops the leading space of the first token it sees (SentencePiece's
+Metaspace: Llama-2, Mistral) would otherwise lose the space before the first output word, so prompt + text
+would not read as the model wrote it. Where the prompt's tail decodes to a partial character, or the joint
+decoding does not start with it, the output is decoded alone.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from rollout import stop_match
 from rollout.request import Req
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output (SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
 
 
 def _rust_decoder(tokenizer):
@@ -78,6 +85,22 @@ class TokenizerWrapper:
             spaces_between_special_tokens=sp.spaces_between_special_tokens if sp else True,
         )
 
+    def output_text(self, ids: list[int], req: Req) -> str | None:
+        """The text of `ids`, output tokens of `req`, as they read after its prompt (see the module doc)."""
+        if self.tokenizer is None:
+            return None
+        context = req.prompt_ids[-CONTEXT_TOKENS:]
+        if not context or not ids:
+            return self.decode(ids, req)
+        head = req.detok_head
+        if head is None:  # once per request: the prompt does not change
+            head = req.detok_head = self.decode(list(context), req)
+        if head and not head.endswith("\ufffd"):
+            full = self.decode([*context, *ids], req)
+            if full.startswith(head):
+                return full[len(head):]
+        return self.decode(ids, req)
+
     def token_text(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
@@ -85,9 +108,15 @@ class TokenizerWrapper:
         """The first stop string or stop_regex pattern found in req's new decoded output, if any (checked
         on text, as SGLang; a regex is reported by its pattern), or an abort FinishReason when a pattern
         ran out of time (rollout.stop_match)."""
-        text = self.decode(req.output_ids, req)
+        text = self.output_text(req.output_ids, req)
         if text is None:
             return None
+        sp = req.sampling_params
+        if sp.min_new_tokens and req.stop_min_end is None:
+            # Only a match that the min_new_tokens-th token or a later one completes counts (vLLM's min_tokens):
+            # one the model wrote earlier is text it was made to go on past, never a cut in it.
+            head = self.output_text(req.output_ids[: sp.min_new_tokens - 1], req) or ""
+            req.stop_min_end = len(head) if text.startswith(head) else 0
         return stop_match.find(req, text)
 
     def final_text(self, req: Req) -> str | None:
@@ -99,5 +128,5 @@ class TokenizerWrapper:
                 and not isinstance(reason.matched, bool) and not req.sampling_params.no_stop_trim
                 and ids and ids[-1] == reason.matched):
             ids = ids[:-1]
-        text = self.decode(ids, req)
+        text = self.output_text(ids, req)
         return None if text is None else stop_match.trimmed(req, text)

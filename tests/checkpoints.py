@@ -97,6 +97,28 @@ def make_tokenizer(path: str | pathlib.Path) -> PreTrainedTokenizerFast:
     return wrapped
 
 
+def make_metaspace_tokenizer(path: str | pathlib.Path) -> PreTrainedTokenizerFast:
+    """Train a SentencePiece-style BPE (Llama-2 / Mistral: words start with "▁", byte fallback, a decoder that
+    drops the leading space of the first token it decodes) and save it into `path`, over any tokenizer there."""
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(replacement="\u2581",
+                                                                                 prepend_scheme="first")])
+    trainer = trainers.BpeTrainer(
+        vocab_size=340,  # 4 specials + 256 byte tokens + the corpus's characters and merges
+        special_tokens=list(SPECIAL_TOKENS) + [f"<0x{i:02X}>" for i in range(256)],
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.strip().splitlines() * 4, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                      unk_token=UNK, model_max_length=512, clean_up_tokenization_spaces=False)
+    path = pathlib.Path(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    wrapped.save_pretrained(path)
+    return wrapped
+
+
 def base_config_fields(num_hidden_layers: int, hidden_size: int, tie_word_embeddings: bool) -> dict:
     """The config fields every tiny checkpoint shares (dense here, MoE in moe_checkpoints.py): the
     tokenizer's vocabulary and special ids, 4 query heads over 2 KV heads, 512 positions."""

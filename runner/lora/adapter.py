@@ -47,6 +47,10 @@ def stage_adapter(config: AdapterConfig, tensors: dict[str, torch.Tensor], modul
     ValueError naming the first problem. Reads `tensors`, writes nothing else."""
     if config.r > max_rank:
         raise ValueError(f"adapter rank r={config.r} exceeds max_lora_rank={max_rank}")
+    scaling = torch.tensor(config.scaling, dtype=dtype)  # what B is multiplied by in the pool's dtype
+    if not torch.isfinite(scaling):
+        raise ValueError(f"adapter config lora_alpha={config.lora_alpha!r} gives a scaling of {config.scaling:g}, "
+                         f"which overflows {dtype}")
     if config.target_modules is not None:
         extra = sorted(set(config.target_modules) - set(enabled))
         if extra:
@@ -103,6 +107,9 @@ def stage_adapter(config: AdapterConfig, tensors: dict[str, torch.Tensor], modul
             if not torch.isfinite(t).all():
                 raise ValueError(f"adapter tensor {label}.lora_{ab}.weight has non-finite values after the cast "
                                  f"to {dtype}")
+        if not torch.isfinite(b * scaling).all():
+            raise ValueError(f"adapter tensor {label}.lora_B.weight times the scaling {config.scaling:g} "
+                             f"(lora_alpha={config.lora_alpha!r}) overflows {dtype}")
         if spec.a_cols is not None:
             a = a.narrow(1, *spec.a_cols)
         if spec.b_rows is not None:

@@ -95,14 +95,17 @@ class LoRAModule:
         xs = x if batch.gather is None else x.index_select(0, batch.gather)  # [g * L, in_local]
         xa = torch.bmm(xs.view(g, batch.seg_len, -1), self.a_batch)  # [g, L, kR]
         if batch.valid is not None:
-            xa = xa * batch.valid  # padding rows give exact zeros
+            # Padding rows give exact zeros, even where the row they copied is inf/NaN (an adapter whose own
+            # activations overflowed): a product with 0 would keep the NaN and pass it to the base rows
+            # scattered from padding.
+            xa = torch.where(batch.valid, xa, 0.0)
         d = torch.bmm(xa, self.b_batch).view(-1, y.shape[1])  # [g * L, out_local]
         return y.add_(d if batch.scatter is None else d.index_select(0, batch.scatter))
 
     def _apply_masked(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         n, g = x.shape[0], mask.shape[1]
         xa = x @ self.a_flat.t()  # [n, g * kR]: every row against every adapter of the batch
-        xa = (xa.view(n, g, -1) * mask.unsqueeze(-1)).view(n, -1)
+        xa = torch.where(mask.unsqueeze(-1), xa.view(n, g, -1), 0.0).view(n, -1)  # NaN-safe, as `valid` above
         return y.addmm_(xa, self.b_batch.view(-1, y.shape[1]))  # [n, out_local]
 
 
@@ -119,8 +122,8 @@ class LoRABatch:
 
     seg_len: int | None = None  # L
     gather: torch.Tensor | None = None  # [g * L] int64 token rows (padding: row 0)
-    valid: torch.Tensor | None = None  # [g, L, 1] 1 for a real row, 0 for padding
+    valid: torch.Tensor | None = None  # [g, L, 1] bool: True for a real row, False for padding
     scatter: torch.Tensor | None = None  # [n] int64 position of each token row in the padded layout
     rows: torch.Tensor | None = None  # [m] int64 adapted token rows, grouped by adapter (per-segment path)
     segments: tuple[tuple[int, int], ...] = ()  # (start, end) of each adapter's rows in `rows`
-    masked: torch.Tensor | None = None  # [n, g] 0/1: the masked formulation (the default) instead
+    masked: torch.Tensor | None = None  # [n, g] bool: the masked formulation (the default) instead

@@ -260,10 +260,10 @@ class LoRAManager:
             counts[c] += n
         n_tok = sum(lens)
         if not self.segmented:
-            mask = torch.zeros(len(uids), g, dtype=self.dtype)
+            mask = torch.zeros(len(uids), g, dtype=torch.bool)
             for i, c in enumerate(req_col):
                 if c < g:
-                    mask[i, c] = 1.0
+                    mask[i, c] = True
             mask = mask.repeat_interleave(torch.tensor(lens), dim=0).to(self.device)  # [num_tokens, g]
             return LoRABatch(masked=mask)
         tok_col = torch.tensor(req_col).repeat_interleave(torch.tensor(lens))  # [num_tokens], g: the base model
@@ -276,18 +276,18 @@ class LoRAManager:
         if g * seg_len == n_tok and counts[g] == 0 and bool((order == torch.arange(n_tok)).all()):
             return LoRABatch(seg_len=seg_len)  # equal segments, already grouped, no base rows: no index at all
         gather = torch.zeros(g, seg_len, dtype=torch.int64)
-        valid = torch.zeros(g, seg_len, 1, dtype=self.dtype)
+        valid = torch.zeros(g, seg_len, 1, dtype=torch.bool)
         scatter = torch.empty(n_tok, dtype=torch.int64)
         start = 0
         for j in range(g):
             rows_j = order[start:start + counts[j]]
             gather[j, :counts[j]] = rows_j
-            valid[j, :counts[j]] = 1.0
+            valid[j, :counts[j]] = True
             scatter[rows_j] = j * seg_len + torch.arange(counts[j])
             start += counts[j]
         if counts[g]:
             pad_of = [j for j in range(g) if counts[j] < seg_len][0]  # a zero row of the padded output
             scatter[order[m:]] = pad_of * seg_len + seg_len - 1
-        padded = bool((valid == 0).any())
+        padded = not bool(valid.all())
         return LoRABatch(seg_len=seg_len, gather=gather.view(-1).to(self.device),
                          valid=valid.to(self.device) if padded else None, scatter=scatter.to(self.device))

@@ -6,6 +6,7 @@ requests using it; release/resume keeps adapters with a CPU backup (and drops th
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import threading
 
@@ -93,6 +94,10 @@ def _bad_cases(a):
                     config, "experts"),
         # PEFT would skip tensors of a module its config does not target; serving them is another model
         "off_config": (tensors, {**config, "target_modules": ["k_proj"]}, "adapter's own target_modules"),
+        # a finite alpha whose scaling is inf in float32, and one whose scaled B overflows
+        "alpha_inf": (tensors, {**config, "lora_alpha": 1e300}, "overflows torch.float32"),
+        "alpha_b": ({**tensors, f"{Q}.lora_B.weight": tensors[f"{Q}.lora_B.weight"] * 1e6},
+                    {**config, "lora_alpha": 3e38}, "times the scaling"),
     }
     return cases
 
@@ -120,6 +125,25 @@ def test_bad_adapters_are_refused_and_change_nothing(env, make_engine, tmp_path)
     assert not res.success and "lora_target_modules" in res.error_message
     _same(_gen(engine, "b"), refs["b"])
     _same(_gen(engine, None), refs[None])
+
+
+@pytest.mark.parametrize("segmented", [True, False])
+def test_an_adapter_that_overflows_its_own_rows_leaves_other_rows_alone(env, make_engine, segmented):
+    """An adapter loaded with a huge but representable lora_alpha turns its own rows' activations inf/NaN;
+    the base-model and other-adapter rows of the same steps still give their fresh engines' outputs (padding
+    and masked rows are zeroed with a select, not a product that keeps NaN)."""
+    ckpt, a, b, refs = env
+    engine = _lora_engine(make_engine, ckpt, lora_paths={"b": str(b)})
+    engine.runner.lora_manager.segmented = segmented
+    tensors, config = _files(a)
+    assert engine.load_lora_adapter_from_tensors("huge", tensors, {**config, "lora_alpha": 1e30}).success
+    names = ["huge", None, "b", None]
+    outs = engine.generate(input_ids=[PROMPTS[0], PROMPTS[0], PROMPTS[0], PROMPTS[1]], sampling_params=GREEDY,
+                           return_logprob=True, lora_path=names)
+    got = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+    assert not all(lp is not None and math.isfinite(lp) for lp in got[0][1])  # the case under test: it overflowed
+    _same([got[1], got[3]], refs[None])
+    _same([got[2]], refs["b"][:1])
 
 
 def test_unknown_adapter_requests_are_refused(env, make_engine):

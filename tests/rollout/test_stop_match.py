@@ -104,6 +104,31 @@ def test_a_stream_never_sends_text_the_stop_cuts(engine):
     assert head not in chunks  # the chunk ending with the stop's first character was held back
 
 
+@pytest.mark.parametrize("kind", ["stop", "stop_regex"])
+def test_min_new_tokens_counts_only_stops_its_own_tokens_complete(engine, kind):
+    """With min_new_tokens=m, a stop string the model wrote before token m is text it had to go on past:
+    the request stops at the first occurrence that token m or a later one completes (vLLM's min_tokens),
+    and text is the decoded output_ids cut there, so text and output_ids agree."""
+    tok = engine.tokenizer.tokenizer
+    m = 6
+    ids = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=40))["output_ids"]
+    full, before = tok.decode(ids), tok.decode(ids[: m - 1])
+    # a letter in the text of the first m - 1 tokens that comes again later
+    stop = next((c for c in before if c.isascii() and c.isalpha() and full.find(c, len(before)) >= 0), None)
+    assert stop is not None, "the tiny checkpoint's greedy text repeats no letter of its first tokens"
+    at = full.find(stop, len(before))
+    cut = next(n for n in range(m, len(ids) + 1) if len(tok.decode(ids[:n])) > at)  # the token completing it
+    sp = dict(GREEDY, max_new_tokens=40, min_new_tokens=m, **{kind: [stop]})
+    out = engine.generate(PROMPT, sp)
+    assert out["output_ids"] == ids[:cut]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == full[:at] and tok.decode(out["output_ids"]).startswith(out["text"])
+    chunks = [c["text"] for c in engine.generate(PROMPT, sp, stream=True)]
+    assert chunks[-1] == out["text"] and all(out["text"].startswith(c) for c in chunks)
+    early = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=40, **{kind: [stop]}))  # no minimum: the first
+    assert early["text"] == full[: full.find(stop)] and len(early["output_ids"]) < m
+
+
 def test_ends_with_stop_prefix_matches_a_naive_check():
     """The bounded prefix check equals the naive one (any proper prefix of any stop ends the text) for stops
     up to PREFIX_CHARS long."""

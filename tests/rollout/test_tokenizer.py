@@ -54,3 +54,59 @@ def test_tokenizers_with_clean_up_keep_transformers_decode(tok_dir):
     wrapper._rust = _rust_decoder(wrapper.tokenizer)
     ids = wrapper.tokenizer.encode("a , b . c ' d")
     assert wrapper.decode(ids) == wrapper.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def metaspace_ckpt(ckpt_factory, tmp_path_factory):
+    """A tiny llama whose tokenizer is SentencePiece-style (Llama-2 / Mistral's Metaspace decoder)."""
+    import shutil
+
+    from tests.checkpoints import make_metaspace_tokenizer
+
+    path = tmp_path_factory.mktemp("metaspace") / "ckpt"
+    shutil.copytree(ckpt_factory("llama"), path)
+    make_metaspace_tokenizer(path)
+    return path
+
+
+def test_output_text_keeps_the_first_words_space_after_the_prompt(metaspace_ckpt):
+    """With a decoder that drops the leading space of the first token it decodes, an output's text still reads
+    on from its prompt: decode(prompt) + text == decode(prompt + output) (the HF tokenizer as oracle), for the
+    final output and every stream chunk, forced "▁word" tokens and sampled ones alike."""
+    from rollout import Engine
+
+    with Engine(str(metaspace_ckpt), device="cpu", show_progress=False, max_total_tokens=2048) as engine:
+        hf = engine.tokenizer.tokenizer
+        prompt = hf.encode("The answer")
+        word = next(t for t in range(len(hf)) if hf.convert_ids_to_tokens(t).startswith("\u2581")
+                    and hf.convert_ids_to_tokens(t)[1:].isalpha())
+        head = hf.decode(prompt, skip_special_tokens=True)
+        forced = dict(temperature=0, max_new_tokens=3, ignore_eos=True, logit_bias={str(word): 100.0})
+        out = engine.generate(input_ids=prompt, sampling_params=forced)
+        assert out["output_ids"] == [word] * 3
+        assert out["text"].startswith(" ") and head + out["text"] == hf.decode(prompt + out["output_ids"],
+                                                                              skip_special_tokens=True)
+        for seed in range(4):
+            sp = dict(temperature=1.0, seed=seed, max_new_tokens=12, ignore_eos=True)
+            chunks = list(engine.generate(input_ids=prompt, sampling_params=sp, stream=True))
+            whole = hf.decode(prompt + chunks[-1]["output_ids"], skip_special_tokens=True)
+            assert head + chunks[-1]["text"] == whole
+            assert all(whole.startswith(head + c["text"]) for c in chunks)
+
+
+def test_stream_chunks_never_end_in_a_partial_character(tiny_llama, module_engines):
+    """A chunk whose tokens end inside a multi-byte UTF-8 character holds that character back (SGLang's and
+    vLLM's detokenizers do too), so every chunk's text is a prefix of the final text; the streams here do
+    split characters (checked with the HF decode of the chunks' ids)."""
+    engine = module_engines(tiny_llama)
+    hf = engine.tokenizer.tokenizer
+    split = 0
+    for seed in range(12):
+        sp = dict(temperature=1.0, seed=seed, max_new_tokens=24, ignore_eos=True)
+        chunks = list(engine.generate(prompt="Once upon a time", sampling_params=sp, stream=True))
+        final = chunks[-1]["text"]
+        assert final == engine.generate(prompt="Once upon a time", sampling_params=sp)["text"]
+        for c in chunks[:-1]:
+            assert final.startswith(c["text"]) and not c["text"].endswith("\ufffd"), (seed, c["text"][-4:])
+            split += hf.decode(c["output_ids"]).endswith("\ufffd")
+    assert split > 0  # the case under test happened
