@@ -134,6 +134,31 @@ class WeightNameMap:
         return LoadTarget(param_name, param_name, None, self.params[param_name])
 
 
+_SPARSE_COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"), torch.sparse_csc: ("ccol_indices", "row_indices"),
+                      torch.sparse_bsr: ("crow_indices", "col_indices"), torch.sparse_bsc: ("ccol_indices", "row_indices")}
+
+
+def _densified(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """A sparse tensor as a dense one, its indices checked first: torch builds sparse tensors without checking
+    them by default, and to_dense() of an index past the size writes out of bounds (a silent change of other
+    memory, or a crash). Nested and other layouts are refused by name."""
+    try:
+        with torch.sparse.check_sparse_tensor_invariants():
+            if tensor.layout == torch.sparse_coo:
+                torch.sparse_coo_tensor(tensor._indices(), tensor._values(), tensor.shape)
+            elif tensor.layout in _SPARSE_COMPRESSED:
+                compressed, plain = (getattr(tensor, f)() for f in _SPARSE_COMPRESSED[tensor.layout])
+                torch.sparse_compressed_tensor(compressed, plain, tensor.values(), tensor.shape, layout=tensor.layout)
+            else:
+                raise WeightUpdateError(f"{what}: layout {'nested' if tensor.is_nested else tensor.layout} is not "
+                                        f"supported; send dense (strided) or sparse tensors")
+    except WeightUpdateError:
+        raise
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise WeightUpdateError(f"{what}: invalid sparse tensor ({str(e).splitlines()[0]})") from None
+    return tensor.to_dense()
+
+
 def _dtensor_type():
     try:
         from torch.distributed.tensor import DTensor
@@ -162,8 +187,8 @@ def prepare_tensor(target: LoadTarget, tensor, source: str = "", check_finite: b
                                     f"{e}); send plain tensors") from e
     if tensor.device.type == "meta":
         raise WeightUpdateError(f"weight {name!r}{where}: is a meta tensor (no data)")
-    if tensor.layout != torch.strided:
-        tensor = tensor.to_dense()
+    if tensor.layout != torch.strided or tensor.is_nested:
+        tensor = _densified(tensor, f"weight {name!r}{where}")
     expected = target.hf_shape()
     if tuple(tensor.shape) != expected:
         raise WeightUpdateError(f"weight {name!r}{where}: shape {tuple(tensor.shape)} does not match "

@@ -60,6 +60,19 @@ TENSOR_CASES = {
     "duplicate name, first value bad": lambda sd: (
         [(Q, sd[Q].clone().index_fill_(0, torch.tensor([1]), float("nan"))), *sd.items()], [Q, "NaN"]),
     "not pairs": lambda sd: ([Q], ["(name, tensor)"]),
+    # torch builds sparse tensors unchecked by default: an index past the size must be refused, not written
+    "sparse index past the size": lambda sd: (
+        _valid_first(sd, NORM, torch.sparse_coo_tensor(torch.tensor([[10**9]]), torch.tensor([1.0]), sd[NORM].shape)),
+        [NORM, "invalid sparse tensor", "1000000000"]),
+    "sparse negative index": lambda sd: (
+        _valid_first(sd, NORM, torch.sparse_coo_tensor(torch.tensor([[-5]]), torch.tensor([1.0]), sd[NORM].shape)),
+        [NORM, "invalid sparse tensor"]),
+    "sparse csr bad column": lambda sd: (
+        _valid_first(sd, UP, torch.sparse_csr_tensor(torch.tensor([0, 1] + [1] * (sd[UP].shape[0] - 1)),
+                                                     torch.tensor([sd[UP].shape[1] + 7]), torch.tensor([1.0]),
+                                                     sd[UP].shape)),
+        [UP, "invalid sparse tensor"]),
+    "nested": lambda sd: (_valid_first(sd, NORM, torch.nested.nested_tensor([sd[NORM]])), [NORM, "nested"]),
     "None": lambda sd: (None, ["named_tensors must be", "got NoneType"]),
 }
 
@@ -81,6 +94,19 @@ def test_bad_tensor_update_changes_nothing(setup, case):
     engine, _, sd, _, _ = setup
     named, expected = TENSOR_CASES[case](sd)
     _check_refused(setup, engine.update_weights_from_tensor(named), expected)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_valid_sparse_tensors_load_as_their_dense_values(ckpt_factory, layout):
+    """A well-formed sparse tensor (COO or CSR) loads exactly its dense value: the checks refuse only bad ones."""
+    a = ckpt_factory("llama", seed=0)
+    with make_engine(a) as engine:
+        dense = torch.zeros(128, 64)
+        dense[3, 5], dense[120, 1] = 0.25, -1.5
+        sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+        ok, msg = engine.update_weights_from_tensor([(Q, sparse)])
+        assert ok, msg
+        assert torch.equal(torch.tensor(engine.get_weights_by_name(Q, dense.numel())).view(128, 64), dense)
 
 
 # ---- flattened buckets ------------------------------------------------------------------------------
