@@ -100,6 +100,14 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
     if len(obj.serialized_named_tensors) not in (1, tp):
         return _refused(f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries; "
                         f"expected 1 or tp_size={tp}", "serialized_named_tensors")
+    # SGLang's clients send one entry per TP rank; the engine slices the full tensors for its ranks itself, so
+    # every entry must be the same payload: one that differs would otherwise be dropped unread.
+    differs = next((i for i, x in enumerate(obj.serialized_named_tensors) if x != obj.serialized_named_tensors[0]),
+                   None)
+    if differs is not None:
+        return _refused(f"serialized_named_tensors[{differs}] differs from serialized_named_tensors[0]: give one "
+                        f"entry, or one per TP rank, each the same full payload (the engine slices it for its "
+                        f"ranks)", "serialized_named_tensors")
     try:  # decoded where the engine runs (its own process by default): the tensors never cross a pipe
         res = await run_on_engine(request, decode_and_update, obj.serialized_named_tensors[0], obj.load_format,
                                   obj.flush_cache, obj.weight_version, obj.abort_all_requests, obj.force)

@@ -179,3 +179,20 @@ def test_update_from_distributed(wserver, wclient, ckpts, expected, load_format)
     r = wclient.post("/destroy_weights_update_group", json={"group_name": name})
     assert r.status_code == 400 and name in r.json()["message"]
 
+
+
+def test_tp_payloads_per_rank_must_be_the_same(ckpts, expected):
+    """On a tp_size=2 server, one entry per rank is accepted when both are the same full payload (B's weights:
+    B's outputs); entries that differ are refused naming the one that differs, and the weights stay B's."""
+    sd = read_state_dict(ckpts[1])
+    with start_server(ckpts[0], engine_kw={"tp_size": 2}) as s, s.client() as c:
+        full = encode_named_tensors(sd)
+        r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [full, full]})
+        assert r.status_code == 200, r.text
+        tokens, checksum = _observe(c)
+        assert [ids for ids, _ in tokens] == [ids for ids, _ in expected[1][0]]
+        zeros = encode_named_tensors({"lm_head.weight": sd["lm_head.weight"] * 0})
+        for second in (zeros, "not base64 at all"):
+            r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [full, second]})
+            assert r.status_code == 400 and "serialized_named_tensors[1] differs" in r.json()["message"], r.text
+        assert _observe(c) == (tokens, checksum)
