@@ -90,8 +90,9 @@ def max_token_chars(tokenizer) -> int:
     return max((len(k) for k in vocab), default=1)
 
 
-def check_prompt_chars(request: Request, prompts: list[str]) -> Response | None:
-    """A prompt that cannot fit the context whatever its tokenization: 400 before tokenizing it."""
+def check_prompt_chars(request: Request, prompts: list[str], what: str = "prompt") -> Response | None:
+    """A prompt that cannot fit the context whatever its tokenization: 400 before tokenizing it. `what`
+    names the field (chat: "messages", whose contents are counted together)."""
     state = request.app.state
     limit = state.max_prompt_chars
     if limit is None:
@@ -99,9 +100,10 @@ def check_prompt_chars(request: Request, prompts: list[str]) -> Response | None:
     for i, p in enumerate(prompts):
         if isinstance(p, str) and len(p) > limit:
             ctx = state.engine.runner.context_len
-            return error_response(f"prompt {i} has {len(p)} characters: more than {ctx} tokens (the context "
+            label = f"{what} {i}" if what == "prompt" else what
+            return error_response(f"{label} has {len(p)} characters: more than {ctx} tokens (the context "
                                   f"length) could hold at {limit // ctx} characters per token at most", 400,
-                                  param="prompt")
+                                  param=what)
     return None
 
 

@@ -21,6 +21,8 @@ engine calls, streams and SSE plumbing openai_engine.py's.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 import uuid
 from contextlib import aclosing
@@ -260,9 +262,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     bad = check_n(request, req.n)
     if bad is not None:
         return bad
-    try:
-        rendered = render_chat(engine, [m.model_dump() for m in req.messages], request.app.state.chat_template,
-                               req.chat_template_kwargs, req.continue_final_message)
+    messages = [m.model_dump() for m in req.messages]
+    try:  # the contents alone past what the context could hold: refused before rendering or tokenizing
+        contents = "".join(_content_text(m.get("content"), f"messages[{i}].content") for i, m in enumerate(messages))
+    except ValueError as e:
+        return error_response(str(e), 400, param="messages")
+    bad = limits.check_prompt_chars(request, [contents], what="messages")
+    if bad is not None:
+        return bad
+    try:  # rendering and tokenizing take time on a long conversation: in the tokenizer pool, off the event loop
+        rendered = await asyncio.get_running_loop().run_in_executor(
+            request.app.state.tokenize_executor, functools.partial(
+                render_chat, engine, messages, request.app.state.chat_template, req.chat_template_kwargs,
+                req.continue_final_message))
     except NoChatTemplate as e:
         return error_response(str(e), 400, param="--chat-template")
     except Exception as e:  # a template error is the request's content

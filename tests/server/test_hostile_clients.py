@@ -233,3 +233,33 @@ def test_error_bodies_do_not_echo_huge_inputs(client):
     r = client.post("/get_weights_by_name", json={"name": "w" * (1 << 20)})
     assert r.status_code == 400
     assert len(r.content) < 5000 and "characters omitted" in r.json()["error"]["message"]
+
+
+def test_chat_longer_than_the_context_is_refused_before_rendering(tiny_llama, monkeypatch):
+    """A chat whose message contents alone have more characters than the context could hold is 400 naming
+    `messages`, at once and without rendering the template; one that fits is rendered and tokenized in the
+    tokenizer pool, never on the event loop (a long conversation there stalled every client)."""
+    with start_server(tiny_llama, chat_template="chatml") as served, served.client() as c:
+        hf = served.engine.tokenizer.tokenizer
+        threads: list[str] = []
+        real = hf.apply_chat_template
+
+        def spy(*a, **kw):
+            threads.append(threading.current_thread().name)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(hf, "apply_chat_template", spy)
+        ctx = served.engine.runner.context_len
+        limit = 2 * ctx * limits.max_token_chars(hf)
+        half = "a" * (limit // 2 + 1)  # two messages, each within the limit, together past it
+        body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": half},
+                                                                {"role": "user", "content": [{"type": "text", "text": half}]}]}
+        t0 = time.perf_counter()
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert f"{ctx} tokens" in r.json()["error"]["message"] and time.perf_counter() - t0 < 2.0
+        assert threads == []
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "temperature": 0,
+                                                 "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code == 200, r.text
+        assert threads and all(name.startswith("rollout-tokenize") for name in threads), threads
