@@ -76,21 +76,29 @@ class WeightsAPI:
 
     # ---- weights -----------------------------------------------------------------------------
     def _update(self, what: str, fn, flush_cache: bool, weight_version: str | None,
-                online: bool = False) -> tuple[bool, str, int]:
-        """-> (success, message, num_paused_requests)."""
+                online: bool = False, abort_all: bool = False) -> tuple[bool, str, int]:
+        """-> (success, message, num_paused_requests). abort_all (SGLang's abort_all_requests): every request
+        in flight is aborted, but only once the update has succeeded. The write is all or nothing and no
+        step runs while the lock is held, so to every request that is the same as aborting first; a
+        refused update then loses nothing (SGLang aborts before it knows whether the update will load)."""
         problem = weight_version_problem(weight_version) if weight_version is not None else None
         if problem:  # checked before any weight moves
             return False, f"{what} failed: {problem}", 0
         with self._cv:
             num_paused = 0
             try:
-                num_paused = self._require_quiescent(online)
+                if abort_all:
+                    self._at_step_boundary()  # no step launched ahead reads the weights being written
+                else:
+                    num_paused = self._require_quiescent(online)
                 n = fn()
             except Exception as e:  # any failure is reported, never raised: the (bool, str) contract
                 logger.warning("%s failed: %s", what, e)
                 if not self.runner.weights_valid:  # not undone: never reuse KV computed from a mix
                     self.scheduler.flush_cache()
                 return False, f"{what} failed: {e}", num_paused
+            if abort_all:  # their outputs carry the version they were served under
+                self._abort_reqs(self._in_flight(), f"aborted by {what}(abort_all_requests=True)")
             # Retracted requests left KV of the old weights in the prefix cache: never keep that cache
             # across an update, whatever flush_cache says.
             if flush_cache or self._paused or num_paused:
@@ -100,26 +108,29 @@ class WeightsAPI:
             return True, f"{what}: loaded {n} tensors; weight_version={self.weight_version}", num_paused
 
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
-                                   weight_version: str | None = None, online: bool = False) -> tuple[bool, str]:
+                                   weight_version: str | None = None, online: bool = False,
+                                   abort_all_requests: bool = False) -> tuple[bool, str]:
         """named_tensors: list of (HF name, tensor) with load_format None; with "flattened_bucket" a
         bucket dict {"flattened_tensor", "metadata"} (or a list of them) from weight_sync.bucket; with
         "direct" (runner parameter name, whole tensor) pairs; with one of the engine's
         custom_weight_loader paths, whatever that function fn(model, named_tensors) takes.
         online=True: requests in flight (generation not paused) are retracted at this step boundary and
-        go on under the new weights, instead of the update being refused."""
+        go on under the new weights, instead of the update being refused. abort_all_requests=True: every
+        request in flight is aborted once the update succeeded (a refused update aborts nothing)."""
         # KV computed from the old weights must not be reused: an update without flush is only
         # safe when nothing is cached, so it is forced if requests were retracted.
         return self._update("update_weights_from_tensor",
                             lambda: self.runner.update_weights_from_tensor(_serialized_buckets(named_tensors, load_format),
                                                                            load_format),
-                            flush_cache, weight_version, online)[:2]
+                            flush_cache, weight_version, online, abort_all_requests)[:2]
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 weight_version: str | None = None, flush_cache: bool = True, online: bool = False
-                                 ) -> tuple[bool, str, int]:
+                                 weight_version: str | None = None, flush_cache: bool = True, online: bool = False,
+                                 abort_all_requests: bool = False) -> tuple[bool, str, int]:
         """Load the HF checkpoint at `model_path`. -> (success, message, num_paused_requests), SGLang's
         shape: the last is how many requests were retracted around the update (they go on under the new
-        weights, after continue_generation if paused). online=True: as update_weights_from_tensor's."""
+        weights, after continue_generation if paused). online=True, abort_all_requests=True: as
+        update_weights_from_tensor's."""
         if not isinstance(model_path, str | os.PathLike):
             return (False, f"update_weights_from_disk failed: model_path must be a checkpoint directory (a str), "
                            f"got {type(model_path).__name__}", 0)
@@ -132,7 +143,7 @@ class WeightsAPI:
                 return False, f"update_weights_from_disk failed: {e}", 0
             return self._update("update_weights_from_disk",
                                 lambda: self.runner.update_weights_from_tensor(blob, "delta"),
-                                flush_cache, weight_version, online)
+                                flush_cache, weight_version, online, abort_all_requests)
         if load_format not in (None, "auto", "safetensors"):
             return (False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported; "
                            f"choose None, 'auto', 'safetensors' or 'delta'", 0)
@@ -146,7 +157,7 @@ class WeightsAPI:
             except WeightUpdateError as e:
                 return False, f"update_weights_from_disk failed: {e}", 0
         result = self._update("update_weights_from_disk", lambda: self.runner.update_weights_from_disk(source),
-                              flush_cache, weight_version, online)
+                              flush_cache, weight_version, online, abort_all_requests)
         if result[0]:  # SGLang reports the checkpoint now served as the model path (/get_model_info)
             self.model_path = str(model_path)
         return result
@@ -172,9 +183,11 @@ class WeightsAPI:
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str, flush_cache: bool = True,
                                         weight_version: str | None = None,
-                                        load_format: str | None = None) -> tuple[bool, str]:
+                                        load_format: str | None = None,
+                                        abort_all_requests: bool = False) -> tuple[bool, str]:
         """Receive one bucket broadcast by rank 0 of `group_name`, then load it atomically.
         load_format: the wire format (weight_sync.distributed), None = one broadcast per tensor.
+        abort_all_requests=True: as update_weights_from_tensor's.
 
         The receive runs without the engine lock (serving goes on while the trainer is slow or silent);
         only the load takes it, like any other update."""
@@ -189,7 +202,7 @@ class WeightsAPI:
         def load(named) -> int:
             fn = (lambda: self.runner.update_weights_from_tensor(named[0][1], "delta")) if delta else \
                 (lambda: self.runner.update_weights_from_tensor(named))
-            result.append(self._update(what, fn, flush_cache, weight_version)[:2])
+            result.append(self._update(what, fn, flush_cache, weight_version, abort_all=abort_all_requests)[:2])
             return 0
 
         try:

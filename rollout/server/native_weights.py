@@ -45,9 +45,10 @@ def _result(res) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ok else 400)
 
 
-async def _abort_all_first(request: Request, abort_all_requests: bool) -> None:
-    if abort_all_requests:
-        await run_blocking(request, request.app.state.engine.abort_request, abort_all=True)
+def _only_if_set(**flags: bool) -> dict:
+    """The flags that are True: an engine whose method lacks one is only ever passed it when asked for it.
+    abort_all_requests is the engine's to apply, after a successful update, so a refused one aborts nothing."""
+    return {k: True for k, v in flags.items() if v}
 
 
 class UpdateWeightFromDiskReqInput(Body):
@@ -68,10 +69,9 @@ async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: R
     refused = security.disk_path_refusal(obj.model_path, request.app.state.server_args.allowed_disk_roots)
     if refused is not None:
         return JSONResponse({"success": False, "message": refused, "num_paused_requests": 0}, status_code=400)
-    await _abort_all_first(request, obj.abort_all_requests)
     res = await run_blocking(request, engine.update_weights_from_disk, obj.model_path, load_format=obj.load_format,
                              weight_version=obj.weight_version, flush_cache=obj.flush_cache,
-                             **({"online": True} if obj.online else {}))  # other engines' signatures lack it
+                             **_only_if_set(online=obj.online, abort_all_requests=obj.abort_all_requests))
     # SGLang always reports how many requests were paused across the update.
     return _result(res if len(res) > 2 else (*res, 0))
 
@@ -169,10 +169,9 @@ async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqIn
     kwargs = dict(group_name=obj.group_name, flush_cache=obj.flush_cache, weight_version=obj.weight_version)
     if obj.load_format is not None:
         kwargs["load_format"] = obj.load_format
-    await _abort_all_first(request, obj.abort_all_requests)
     try:
         res = await run_blocking(request, engine.update_weights_from_distributed, obj.names, obj.dtypes, obj.shapes,
-                                 **kwargs)
+                                 **kwargs, **_only_if_set(abort_all_requests=obj.abort_all_requests))
     except Exception as e:
         return engine_error(e)
     return _result(res)

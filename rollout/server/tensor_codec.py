@@ -134,20 +134,21 @@ def decode_payload(serialized: str, load_format: str | None) -> tuple[object, st
 def decode_and_update(engine, serialized: str, load_format: str | None, flush_cache: bool,
                       weight_version: str | None, abort_all_requests: bool, online: bool = False):
     """/update_weights_from_tensor next to the engine: decode (PayloadError if malformed: then nothing
-    else happens), abort every request if asked, update (`online`: retracting requests in flight)."""
+    else happens), update (`online`: retracting requests in flight; `abort_all_requests`: aborting every
+    request once the update succeeded)."""
     try:
         payload, load_format = decode_payload(serialized, load_format)
     except (ValueError, RuntimeError) as e:
         raise PayloadError(str(e)) from None
-    if abort_all_requests:
-        engine.abort_request(abort_all=True)
-    return update_and_release(engine, payload, load_format, flush_cache, weight_version, online)
+    return update_and_release(engine, payload, load_format, flush_cache, weight_version, online, abort_all_requests)
 
 
-def update_and_release(engine, payload, load_format, flush_cache, weight_version, online: bool = False):
+def update_and_release(engine, payload, load_format, flush_cache, weight_version, online: bool = False,
+                       abort_all_requests: bool = False):
     """The update, then (CUDA IPC) a synchronize, so nothing still reads a sender's memory once we reply."""
     try:
-        kw = {"online": True} if online else {}  # only when asked: other engines' signatures lack it
+        # only when asked: other engines' signatures lack them
+        kw = {k: True for k, v in (("online", online), ("abort_all_requests", abort_all_requests)) if v}
         return engine.update_weights_from_tensor(payload, load_format=load_format, flush_cache=flush_cache,
                                                  weight_version=weight_version, **kw)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -196,3 +197,39 @@ def test_tp_payloads_per_rank_must_be_the_same(ckpts, expected):
             r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [full, second]})
             assert r.status_code == 400 and "serialized_named_tensors[1] differs" in r.json()["message"], r.text
         assert _observe(c) == (tokens, checksum)
+
+
+@pytest.mark.parametrize("route", ["disk", "tensor"])
+def test_abort_all_requests_aborts_only_when_the_update_succeeds(wserver, wclient, ckpts, expected, route):
+    """abort_all_requests=True with a refused update (bad path / wrong shape) aborts nothing: the request
+    paused in place finishes by length after continue; with a good update it ends as abort, and the
+    server then answers with B's weights."""
+    sd = read_state_dict(ckpts[1])
+    good = ({"model_path": str(ckpts[1])} if route == "disk" else
+            {"serialized_named_tensors": [encode_named_tensors(sd)]})
+    bad = ({"model_path": str(ckpts[1]) + "-missing"} if route == "disk" else
+           {"serialized_named_tensors": [encode_named_tensors({"model.norm.weight": sd["model.norm.weight"][:-1]})]})
+    path = f"/update_weights_from_{route}"
+    for body, ok in ((bad, False), (good, True)):
+        finals: list[dict] = []
+
+        def stream():
+            req = dict(input_ids=[5, 6, 7], stream=True, sampling_params=dict(max_new_tokens=40, ignore_eos=True))
+            with wserver.client() as c, c.stream("POST", "/generate", json=req) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+            finals.append(json.loads(events[-1]))
+
+        assert wclient.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 30
+        while wclient.get("/get_server_info").json()["num_in_flight"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = wclient.post(path, json={**body, "abort_all_requests": True})
+        assert (r.status_code == 200) is ok, r.text
+        wclient.post("/continue_generation", json={})
+        t.join(60)
+        reason = finals[0]["meta_info"]["finish_reason"]["type"]
+        assert reason == ("abort" if ok else "length"), finals[0]["meta_info"]
+    assert _observe(wclient) == expected[1]
