@@ -2,13 +2,18 @@
 `model.safetensors.index.json`, as one consistent snapshot of the directory.
 
 `CheckpointIndex(path)` opens the directory once and, relative to that handle, reads the index (and
-`config.json`) and opens and maps every shard, all at construction. Every later read comes from those
-mappings, never from a path again, so a directory replaced meanwhile by an atomic saver
-(weight_sync/disk.py: write a temp dir, rename it into place) is seen either whole as it was when opened
-or not at all (a file already unlinked fails to open: a clean error, nothing read). It parses every
-shard's header itself (8-byte length + JSON) so names, shapes, dtypes and byte ranges are checked, and
-truncated or corrupt files rejected, before a byte of tensor data is read. Shard names from the index
-must stay inside the directory. Errors name the file and the tensor.
+`config.json`) and opens every shard, all at construction. Every later read comes from those open files,
+never from a path again, so a directory replaced meanwhile by an atomic saver (weight_sync/disk.py:
+write a temp dir, rename it into place) is seen either whole as it was when opened or not at all (a file
+already unlinked fails to open: a clean error, nothing read). A shard rewritten in place (`cp` over it)
+is the one case an open file does not isolate: each read checks that the file still has the size and
+modification time it had when opened, a short read is an error, and `check_unchanged()` (called after
+the last read of a load) catches a write that landed in between, so such a load fails cleanly instead of
+mixing two checkpoints. Tensors are read with pread, never through a mapping: a mapped file truncated
+under the reader kills the process (SIGBUS). It parses every shard's header itself (8-byte length +
+JSON) so names, shapes, dtypes and byte ranges are checked, and truncated or corrupt files rejected,
+before a byte of tensor data is read. Shard names from the index must stay inside the directory. Errors
+name the file and the tensor.
 
 It does not read .bin/.pt pickles (unsafe by design) and does not load anything into a model.
 """
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import stat
 import struct
@@ -126,8 +130,8 @@ def _open_regular(dir_fd: int, name: str, root: Path) -> int:
 class CheckpointIndex:
     """One checkpoint directory, opened once: entries (name -> TensorEntry) and the tensor data.
 
-    Use as a context manager (or call close()) to drop the mappings early; tensors already yielded stay
-    valid either way.
+    Use as a context manager (or call close()) to close the files; tensors already yielded stay valid
+    (each is its own buffer).
     """
 
     def __init__(self, model_path: str | os.PathLike) -> None:
@@ -145,7 +149,7 @@ class CheckpointIndex:
             raise CheckpointError(f"checkpoint directory {root}: cannot open: {e}") from e
         self.root = root
         self.entries: dict[str, TensorEntry] = {}
-        self._maps: dict[Path, mmap.mmap | None] = {}
+        self._files: dict[Path, tuple[int, int, int]] = {}  # path -> (fd, size, mtime_ns) at open
         self._closed = False
         try:
             listing = set(os.listdir(dir_fd))
@@ -194,35 +198,57 @@ class CheckpointIndex:
             raise CheckpointError(f"{path}: shard {what}") from None
         except OSError as e:
             raise CheckpointError(f"{path}: cannot open checkpoint file: {e}") from e
+        # Kept open: an unlinked or renamed-away file stays readable through it.
+        self._files[path] = (fd, -1, -1)
         try:
-            size = os.fstat(fd).st_size
-            entries = parse_safetensors_header(path, lambda n, off: os.pread(fd, n, off), size)
-            # A private mapping: pages come from the page cache and stay readable after the file is
-            # unlinked or its directory renamed away; nothing is copied unless written (never).
-            self._maps[path] = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
+            st = os.fstat(fd)
+            self._files[path] = (fd, st.st_size, st.st_mtime_ns)
+            entries = parse_safetensors_header(path, lambda n, off: os.pread(fd, n, off), st.st_size)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read checkpoint file: {e}") from e
-        finally:
-            os.close(fd)  # the mapping keeps its own reference to the file
         for tname, entry in entries.items():
             if tname in self.entries:
                 raise CheckpointError(f"tensor {tname!r} appears in both {self.entries[tname].file} and {path}")
             self.entries[tname] = entry
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, a view of the mapping (no copy) when its bytes are aligned for its dtype."""
+        """One tensor, read into its own buffer."""
         entry = self.entries[name]
         if self._closed:
             raise CheckpointError(f"{entry.file}: checkpoint was closed before tensor {name!r} was read")
         numel = math.prod(entry.shape)
         if numel == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
-        mapping = self._maps[entry.file]  # not None: a tensor with data lies in a non-empty file
-        if entry.begin % entry.dtype.itemsize:  # unaligned (old writers): copy out
-            flat = torch.frombuffer(bytearray(mapping[entry.begin:entry.end]), dtype=entry.dtype)
-        else:
-            flat = torch.frombuffer(mapping, dtype=entry.dtype, count=numel, offset=entry.begin)
-        return flat.view(entry.shape)
+        fd = self._check_file(entry.file)
+        raw = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
+        view, done = memoryview(raw.numpy()), 0
+        try:
+            while done < len(view):  # one read returns at most ~2 GiB on Linux
+                n = os.preadv(fd, [view[done:]], entry.begin + done)
+                if n == 0:
+                    raise CheckpointError(f"{entry.file}: ended while tensor {name!r} was being read (the file "
+                                          f"was truncated or rewritten during the load)")
+                done += n
+        except OSError as e:
+            raise CheckpointError(f"{entry.file}: cannot read tensor {name!r}: {e}") from e
+        return raw.view(entry.dtype).view(entry.shape)
+
+    def _check_file(self, path: Path) -> int:
+        fd, size, mtime_ns = self._files[path]
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot stat checkpoint file: {e}") from e
+        if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+            raise CheckpointError(f"{path}: the file was rewritten in place while the checkpoint was being loaded "
+                                  f"(size {size} -> {st.st_size} bytes): nothing of it is kept; write checkpoints "
+                                  f"to a new file or directory and rename it into place")
+        return fd
+
+    def check_unchanged(self) -> None:
+        """CheckpointError if any shard was written to since it was opened (see the module doc)."""
+        for path in self._files:
+            self._check_file(path)
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) file by file, in name order; each tensor is read when yielded."""
@@ -231,9 +257,16 @@ class CheckpointIndex:
             yield name, self.read(name)
 
     def close(self) -> None:
-        # Dropping our references is enough: a mapping is unmapped once no tensor views it any more.
-        self._maps = {}
+        files, self._files = self._files, {}
         self._closed = True
+        for fd, _, _ in files.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:  # an index opened and never loaded (a refused update) still closes its files
+        self.close()
 
     def __enter__(self) -> CheckpointIndex:
         return self

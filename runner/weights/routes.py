@@ -164,13 +164,15 @@ def load_checkpoint(runner, index: CheckpointIndex, writer: WeightWriter, check:
         for name, tensor in index.iter_tensors():
             plan.add(name, tensor, str(index.entries[name].file))
         plan.finish()
+    # aliases were compared in pass 1 (updates); they share a written tensor: neither they nor ignored
+    # tensors are read again
+    written = [n for n in index.entries if not name_map.is_ignored(n) and n not in name_map.aliases]
     with writer:
-        for name, tensor in index.iter_tensors():
-            if name_map.is_ignored(name) or name in name_map.aliases:
-                continue  # aliases were compared in pass 1 (updates); they share a written tensor
+        for name, tensor in index.iter_tensors(written):
             target = name_map.resolve(name)
             tensor = prepare_tensor(target, tensor, str(index.entries[name].file), check_finite=check)
             writer.write(target, tensor)
+        index.check_unchanged()  # a shard written to during either pass: the writer puts everything back
 
 
 def check_checkpoint_header(runner, index: CheckpointIndex) -> None:

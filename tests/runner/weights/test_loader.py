@@ -251,3 +251,62 @@ def test_nccl_duplicate_gpu_is_explained(tiny_qwen2):
     with pytest.raises(TimeoutError, match="no trainer"):
         runner.init_weights_update_group("127.0.0.1", 1, 1, 2, "g3", backend="gloo")
     assert runner.get_weights_by_name("model.norm.weight")
+
+
+def _in_place(src, dst, keep_bytes: int | None = None) -> None:
+    """What `cp src dst` does: the same inode, truncated, then written (keep_bytes: stop writing there)."""
+    data = src.read_bytes()
+    with open(dst, "r+b") as f:
+        f.truncate(0)
+        f.write(data if keep_bytes is None else data[:keep_bytes])
+
+
+@pytest.mark.parametrize("keep", [None, 1000])
+def test_shard_rewritten_in_place_during_an_update_fails_cleanly(ckpt_factory, tmp_path, keep):
+    """A checkpoint opened for an update whose shard is then rewritten in place (another model's bytes, or
+    cut short) fails the update naming the file, with the old weights intact; no read reaches past the
+    file's new end (a mapped read there killed the process with SIGBUS). A fresh open then loads it."""
+    a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
+    runner = make_runner(a)
+    served = tmp_path / "served"
+    shutil.copytree(b, served)
+    before = {n: runner.name_map.resolve(n).view().clone() for n in runner.name_map.hf_names()}
+    index = runner.open_checkpoint(served)
+    _in_place(a / "model.safetensors", served / "model.safetensors", keep)
+    with pytest.raises(Exception, match="model.safetensors") as e:
+        runner.update_weights_from_disk(index)
+    assert "rewritten in place" in str(e.value) or "ended while" in str(e.value)
+    for n, t in before.items():
+        assert torch.equal(runner.name_map.resolve(n).view(), t), n
+    if keep is None:  # the file now holds A whole: a new open loads it
+        runner.update_weights_from_disk(served)
+        _assert_matches_hf(runner, load_hf_model(a).state_dict())
+
+
+@pytest.mark.parametrize("when", ["before the write pass", "after its last read"])
+def test_a_write_during_the_load_is_caught(ckpt_factory, tmp_path, monkeypatch, when):
+    """A shard rewritten in place (same size) once the check pass read it fails the load, the old weights
+    intact: at the next read, or, when it lands after the last read, at check_unchanged (what the write
+    pass read may be a mix of the two files)."""
+    a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
+    runner = make_runner(a)
+    served = tmp_path / "served"
+    shutil.copytree(b, served)
+    before = runner.name_map.resolve("model.norm.weight").view().clone()
+    index = runner.open_checkpoint(served)
+    real = CheckpointIndex.iter_tensors
+    calls = []
+
+    def iter_then_rewrite(self, names=None):
+        calls.append(1)
+        rewrite = lambda: _in_place(a / "model.safetensors", served / "model.safetensors")  # noqa: E731
+        if len(calls) == 2 and when == "before the write pass":
+            rewrite()
+        yield from real(self, names)
+        if len(calls) == 2 and when == "after its last read":
+            rewrite()
+
+    monkeypatch.setattr(CheckpointIndex, "iter_tensors", iter_then_rewrite)
+    with pytest.raises(Exception, match="rewritten in place"):
+        runner.update_weights_from_disk(index)
+    assert torch.equal(runner.name_map.resolve("model.norm.weight").view(), before)
