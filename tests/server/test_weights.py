@@ -213,14 +213,14 @@ def test_abort_all_requests_aborts_only_when_the_update_succeeds(wserver, wclien
     for body, ok in ((bad, False), (good, True)):
         finals: list[dict] = []
 
-        def stream():
+        def stream(out: list):
             req = dict(input_ids=[5, 6, 7], stream=True, sampling_params=dict(max_new_tokens=40, ignore_eos=True))
             with wserver.client() as c, c.stream("POST", "/generate", json=req) as r:
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
-            finals.append(json.loads(events[-1]))
+            out.append(json.loads(events[-1]))
 
         assert wclient.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
-        t = threading.Thread(target=stream)
+        t = threading.Thread(target=stream, args=(finals,))
         t.start()
         deadline = time.monotonic() + 30
         while wclient.get("/get_server_info").json()["num_in_flight"] == 0:
