@@ -97,8 +97,9 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         mc = self.runner.model_config
         self.eos_ids = self.tokenizer.eos_token_ids(mc.eos_token_ids, self.args.model_path)
         self.scheduler = Scheduler(self.runner, self.args.scheduler_config(), self.eos_ids, self.tokenizer.find_stop)
-        self._set_weight_version(getattr(self.args, "weight_version", "default"))  # until the first update
         self._num_updates = 0
+        self._weights_generation = 0  # +1 on every weight change (the labels may repeat; this never does)
+        self._set_weight_version(getattr(self.args, "weight_version", "default"))  # until the first update
         self._rng = random.Random(self.args.random_seed)
         self._cv = StepGate()  # the step lock; `with self._cv:` is a control call (see rollout.step_gate)
         # SGLANG_ENGINE_PAUSE_TIMEOUT: a pause left alone that long ends by itself (rollout/pause_watchdog.py).

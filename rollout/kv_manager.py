@@ -38,12 +38,13 @@ class KVManager:
         self.tree = RadixCache(kv_pool.free) if enable_radix_cache else None
         self.stats = stats  # the scheduler's counters; this class adds num_evicted_tokens
         self.routed_experts: torch.Tensor | None = None  # [kv size + 1, num_layers, top_k] int32, host
-        self.isolation_version: str | None = None  # None: one namespace per adapter, across weight versions
+        self.isolation_version = None  # None: one namespace per adapter, across weight versions
         self.slot_versions: torch.Tensor | None = None  # enable_slot_versions: [kv size + 1] int32, host
 
-    def isolate_versions(self, weight_version: str) -> None:
-        """From now on requests admitted are keyed under `weight_version` (call on every version change)."""
-        self.isolation_version = weight_version
+    def isolate_versions(self, key) -> None:
+        """From now on requests admitted are keyed under `key` (hashable: the scheduler's (version label,
+        weights generation); call on every version change)."""
+        self.isolation_version = key
 
     def _namespace(self, req: Req):
         return req.lora_id if self.isolation_version is None else (req.lora_id, self.isolation_version)

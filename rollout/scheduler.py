@@ -267,12 +267,13 @@ class Scheduler:
         """In the waiting queue: not admitted yet, or retracted back to it (not the chunked prefill)."""
         return req is not self.chunked_req and any(r is req for r in self.waiting)
 
-    def set_weight_version(self, weight_version: str) -> None:
+    def set_weight_version(self, weight_version: str, generation: int = 0) -> None:
         """The engine's served version changed (under its lock, between steps): new tokens carry it and, with
-        weight-version KV isolation, requests admitted from now on cache their KV under it."""
+        weight-version KV isolation, requests admitted from now on cache their KV under it and `generation`
+        (the engine's count of weight changes: a label may repeat, the generation does not)."""
         self.weight_version = weight_version
         if self.config.enable_weight_version_kv_isolation:
-            self.kv.isolate_versions(weight_version)
+            self.kv.isolate_versions((weight_version, generation))
 
     # ---- decisions that move requests between queues (the KV work is self.kv's) ------------
     def _admit(self, req: Req) -> None:

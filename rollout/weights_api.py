@@ -45,13 +45,22 @@ class WeightsAPI:
         return n
 
     def _bump_version(self, weight_version: str | None) -> None:
+        """New weights: their label (`weight_version`, or the update count), and a new weights generation."""
         self._num_updates += 1
-        self._set_weight_version(weight_version if weight_version is not None else str(self._num_updates))
+        if weight_version is None:
+            weight_version = str(self._num_updates)
+            if weight_version == self.weight_version:  # never the label of the weights it replaces ("1" then "1")
+                self._num_updates += 1
+                weight_version = str(self._num_updates)
+        self._weights_generation += 1
+        self._set_weight_version(weight_version)
 
     def _set_weight_version(self, weight_version: str) -> None:
-        """The one place the served version changes (under the engine lock, between steps)."""
+        """The one place the served version changes (under the engine lock, between steps). The prefix cache's
+        isolation key is the label and the weights generation together, so a label used twice (by a caller,
+        or the count meeting an earlier label) never lets KV of other weights be reused."""
         self.weight_version = weight_version
-        self.scheduler.set_weight_version(weight_version)
+        self.scheduler.set_weight_version(weight_version, self._weights_generation)
 
     # ---- memory ------------------------------------------------------------------------------
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:

@@ -51,6 +51,35 @@ def test_an_update_without_flush_never_serves_old_kv(make_engine, ckpt_factory):
     assert _cached(plain)[0] == len(PROMPT) - 1
 
 
+def test_a_label_used_again_for_other_weights_never_serves_their_kv(make_engine, ckpt_factory):
+    """Labels may repeat (a caller sends the same weight_version twice; the update count meets an earlier
+    label): the cache is keyed by the weights generation too, so after A -> B -> A all labelled "v" (no
+    flush) each cached prompt is recomputed and the outputs equal fresh engines' on that checkpoint."""
+    a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
+    want = {p: make_engine(p).generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] for p in (a, b)}
+    iso = make_engine(a, enable_weight_version_kv_isolation=True, weight_version="v")
+    assert _cached(iso)[1]["output_ids"] == want[a]
+    for path in (b, a):
+        ok, msg, _ = iso.update_weights_from_disk(str(path), flush_cache=False, weight_version="v")
+        assert ok, msg
+        hit, out = _cached(iso)
+        assert hit == 0 and out["output_ids"] == want[path] and out["meta_info"]["weight_version"] == "v"
+
+
+def test_an_unlabelled_update_never_takes_the_label_it_replaces(make_engine, ckpt_factory):
+    """The update count labels an update that names no version, but never with the label of the weights
+    it replaces: started as "1", the first unlabelled update is "2" (count 1 -> 2); after an explicit "4"
+    (count 3) the next is "5", not "4"; then the count goes on ("6")."""
+    a, b = ckpt_factory("llama", seed=0), ckpt_factory("llama", seed=1)
+    engine = make_engine(a, weight_version="1")
+    labels = []
+    for path, label in ((b, None), (a, "4"), (b, None), (a, None)):
+        ok, msg, _ = engine.update_weights_from_disk(str(path), weight_version=label)
+        assert ok, msg
+        labels.append(engine.weight_version)
+    assert labels == ["2", "4", "5", "6"]
+
+
 def test_a_request_spanning_a_version_change_does_not_seed_the_new_namespace(make_engine, tiny_llama):
     """A request admitted under "a" that finishes after the version becomes "b" reports both versions,
     finishes normally, and its KV (cached when it finishes) is not matched by a request admitted under "b"."""
