@@ -61,6 +61,15 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(unique[:6]) + (f" (+{len(unique) - 6} more)" if len(unique) > 6 else ""), first
 
 
+def body_parse_problem(e: BaseException) -> str:
+    """What json.loads objected to in a request body, other than malformed JSON (which pydantic reports)."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    return f"{type(e).__name__}: {str(e)[:200]}"  # e.g. an integer of more digits than Python converts
+
+
 def _json_type(value) -> str:
     return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
             list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
@@ -151,6 +160,11 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
+        cause = exc.__cause__
+        if exc.status_code == 400 and cause is not None and "parsing the body" in str(exc.detail):
+            # FastAPI's generic message for a body json.loads refused otherwise than as malformed JSON: name why.
+            return error_response(f"{request.method} {request.url.path}: malformed JSON body: "
+                                  f"{body_parse_problem(cause)}", 400, param="body")
         return error_response(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
     app.include_router(native.router)

@@ -14,6 +14,10 @@ GOOD = dict(input_ids=[5, 6, 7], sampling_params=dict(temperature=0, max_new_tok
 CASES = [
     ("/generate", b'{"text": "hi", ', "malformed JSON"),
     ("/generate", b'[1, 2]', "JSON object"),
+    # bodies json.loads refuses otherwise than as malformed JSON: each named (FastAPI says only "an error")
+    ("/generate", b'{"text": "\xff", "sampling_params": {"max_new_tokens": 2}}', "not valid UTF-8 (byte 0xff"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ' + b'[' * 100000 + b']' * 100000 + b'}', "nested too deeply"),
+    ("/abort_request", b'{"rid": 1' + b'0' * 5000 + b'}', "digits"),
     ("/generate", {"text": 5}, "text"),
     ("/generate", {"text": "hi", "return_logprob": "yes"}, "return_logprob"),
     ("/generate", {"text": "hi", "temperature": 0}, "temperature"),  # unknown top-level field
