@@ -80,6 +80,8 @@ class EngineInfoAPI:
         (running, or paused in place); True otherwise (waiting or retracted requests hold none). The
         result is truthy iff it flushed, so `if engine.flush_cache():` reads as it does with a bool."""
         with self._cv:
+            if self.runner.is_shut_down:  # nothing is cached any more; "flushed" would claim work it did not do
+                return FlushCacheReqOutput(False)
             return FlushCacheReqOutput(self.scheduler.flush_cache())
 
     def get_model_info(self) -> dict:

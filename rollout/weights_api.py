@@ -62,10 +62,15 @@ class WeightsAPI:
         self.weight_version = weight_version
         self.scheduler.set_weight_version(weight_version, self._weights_generation)
 
+    def _require_not_shut_down(self, what: str) -> None:
+        if self.runner.is_shut_down:
+            raise RuntimeError(f"{what}: the engine was shut down (its memory is freed): create a new Engine")
+
     # ---- memory ------------------------------------------------------------------------------
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Release `tags` (None: every tag). RuntimeError if one is already released."""
         with self._cv:
+            self._require_not_shut_down("release_memory_occupation")
             tags = self.runner.check_memory_transition(tags, release=True)  # before retracting anything
             try:
                 self._require_quiescent()
@@ -80,6 +85,7 @@ class WeightsAPI:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Resume `tags` (None: every tag). RuntimeError if one is resident (nothing is resumed then)."""
         with self._cv:
+            self._require_not_shut_down("resume_memory_occupation")
             self.runner.resume_memory_occupation(tags)
             self._cv.notify_all()
 

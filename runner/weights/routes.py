@@ -85,6 +85,8 @@ def update_from_tensor(runner, named_tensors, load_format: str | None = None) ->
     else:
         plan = plan_weight_load(runner.name_map, unpack_named_tensors(named_tensors, load_format,
                                                                       list(runner.custom_loaders)))
+    if not plan:  # an update of nothing would still move the weight version
+        raise WeightUpdateError("no tensors to load: named_tensors is empty")
 
     def fill(writer: WeightWriter) -> None:
         with writer:

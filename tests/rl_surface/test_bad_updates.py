@@ -72,6 +72,7 @@ TENSOR_CASES = {
                                                      torch.tensor([sd[UP].shape[1] + 7]), torch.tensor([1.0]),
                                                      sd[UP].shape)),
         [UP, "invalid sparse tensor"]),
+    "empty": lambda sd: ([], ["no tensors to load"]),  # would move the version for nothing
     "nested": lambda sd: (_valid_first(sd, NORM, torch.nested.nested_tensor([sd[NORM]])), [NORM, "nested"]),
     "None": lambda sd: (None, ["named_tensors must be", "got NoneType"]),
 }

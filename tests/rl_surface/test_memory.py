@@ -125,4 +125,9 @@ def test_shutdown_frees_every_tensor_while_the_engine_is_referenced(big_ckpt, sa
     assert {t: saver_obj.bytes_held(t) for t in TAGS} == dict.fromkeys(TAGS, 0)
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(input_ids=[5, 6, 7], sampling_params=dict(max_new_tokens=2))
+    # control calls on freed memory say so (resume had failed inside torch; release and flush claimed work)
+    for call in (engine.release_memory_occupation, engine.resume_memory_occupation):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+    assert not engine.flush_cache().success
     engine.shutdown()  # idempotent
