@@ -115,7 +115,8 @@ class TokenizerWrapper:
         if sp.min_new_tokens and req.stop_min_end is None:
             # Only a match that the min_new_tokens-th token or a later one completes counts (vLLM's min_tokens):
             # one the model wrote earlier is text it was made to go on past, never a cut in it.
-            head = self.output_text(req.output_ids[: sp.min_new_tokens - 1], req) or ""
+            # (a partial character at its end is not text yet: the next token may complete it)
+            head = (self.output_text(req.output_ids[: sp.min_new_tokens - 1], req) or "").rstrip("\ufffd")
             req.stop_min_end = len(head) if text.startswith(head) else 0
         return stop_match.find(req, text)
 

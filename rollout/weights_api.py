@@ -101,10 +101,11 @@ class WeightsAPI:
             return False, f"{what} failed: {problem}", 0
         with self._cv:
             num_paused = 0
+            # abort_all: the requests in flight when the update was asked for (the lock's acquisition put the
+            # scheduler at a step boundary); one submitted while a slow load runs goes on under the new weights
+            to_abort = self._in_flight() if abort_all else []
             try:
-                if abort_all:
-                    self._at_step_boundary()  # no step launched ahead reads the weights being written
-                else:
+                if not abort_all:
                     num_paused = self._require_quiescent(online)
                 n = fn()
             except Exception as e:  # any failure is reported, never raised: the (bool, str) contract
@@ -112,8 +113,8 @@ class WeightsAPI:
                 if not self.runner.weights_valid:  # not undone: never reuse KV computed from a mix
                     self.scheduler.flush_cache()
                 return False, f"{what} failed: {e}", num_paused
-            if abort_all:  # their outputs carry the version they were served under
-                self._abort_reqs(self._in_flight(), f"aborted by {what}(abort_all_requests=True)")
+            if to_abort:  # their outputs carry the version they were served under
+                self._abort_reqs(to_abort, f"aborted by {what}(abort_all_requests=True)")
             # Retracted requests left KV of the old weights in the prefix cache: never keep that cache
             # across an update, whatever flush_cache says.
             if flush_cache or self._paused or num_paused:

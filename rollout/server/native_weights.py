@@ -102,8 +102,9 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
                         f"expected 1 or tp_size={tp}", "serialized_named_tensors")
     # SGLang's clients send one entry per TP rank; the engine slices the full tensors for its ranks itself, so
     # every entry must be the same payload: one that differs would otherwise be dropped unread.
-    differs = next((i for i, x in enumerate(obj.serialized_named_tensors) if x != obj.serialized_named_tensors[0]),
-                   None)
+    # (CUDA IPC descriptors are exempt: a sender may name each rank's own device in its entry)
+    differs = None if obj.load_format == "cuda_ipc" else next(
+        (i for i, x in enumerate(obj.serialized_named_tensors) if x != obj.serialized_named_tensors[0]), None)
     if differs is not None:
         return _refused(f"serialized_named_tensors[{differs}] differs from serialized_named_tensors[0]: give one "
                         f"entry, or one per TP rank, each the same full payload (the engine slices it for its "

@@ -257,7 +257,7 @@ class CheckpointIndex:
             yield name, self.read(name)
 
     def close(self) -> None:
-        files, self._files = self._files, {}
+        files, self._files = getattr(self, "_files", {}), {}  # {} if __init__ failed before opening any
         self._closed = True
         for fd, _, _ in files.values():
             try:

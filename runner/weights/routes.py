@@ -80,13 +80,12 @@ def update_from_tensor(runner, named_tensors, load_format: str | None = None) ->
         return custom_load(runner, load_format, named_tensors)
     if load_format == "delta":  # a sparse delta (weight_sync/delta_codec.py): runner/weights/delta.py
         return delta.apply_delta(runner, named_tensors, write)
-    if load_format == "direct":
-        plan = plan_direct_load(runner.name_map, _pairs(named_tensors))
-    else:
-        plan = plan_weight_load(runner.name_map, unpack_named_tensors(named_tensors, load_format,
-                                                                      list(runner.custom_loaders)))
-    if not plan:  # an update of nothing would still move the weight version
+    named = _pairs(named_tensors) if load_format == "direct" else \
+        unpack_named_tensors(named_tensors, load_format, list(runner.custom_loaders))
+    if not named:  # an update of nothing would still move the weight version (a tied alias alone is something)
         raise WeightUpdateError("no tensors to load: named_tensors is empty")
+    plan = plan_direct_load(runner.name_map, named) if load_format == "direct" else \
+        plan_weight_load(runner.name_map, named)
 
     def fill(writer: WeightWriter) -> None:
         with writer:

@@ -141,6 +141,23 @@ def test_update_split_in_many_buckets(ckpt_pair, reference_outputs):
         assert run(engine) == reference_outputs(b)
 
 
+def test_a_bucket_of_only_the_tied_lm_head_loads(ckpt_pair, reference_outputs):
+    """A tied model's state_dict split so its last bucket holds only lm_head.weight (the embedding's alias):
+    every bucket loads (the alias is checked against the embedding, not refused as an empty update), and
+    the engine then equals a fresh one on the trainer's checkpoint."""
+    a, b = ckpt_pair("qwen2", tie_word_embeddings=True)
+    sd = read_state_dict(b)
+    sd.pop("lm_head.weight", None)  # a tied checkpoint may not store it: the trainer's state_dict does
+    head = sd["model.embed_tokens.weight"].clone()
+    with make_engine(a) as engine:
+        assert engine.update_weights_from_tensor(list(sd.items()))[0]
+        ok, msg = engine.update_weights_from_tensor([("lm_head.weight", head)])
+        assert ok, msg
+        assert run(engine) == reference_outputs(b)
+        ok, msg = engine.update_weights_from_tensor([])
+        assert not ok and "no tensors to load" in msg
+
+
 def test_mixed_dtype_buckets_and_bf16_tensors(ckpt_factory, reference_outputs):
     """bf16 tensors (several single-dtype buckets) load into an fp32 engine as a fresh load of the bf16
     checkpoint does: the same rounding, so the same outputs."""
@@ -313,3 +330,47 @@ def test_update_from_disk_accepts_config_fields_that_keep_shapes(ckpt_pair, refe
     with make_engine(a) as engine:
         assert engine.update_weights_from_disk(str(other))[0]
         assert run(engine) == reference_outputs(b)
+
+
+def test_abort_all_requests_aborts_what_was_in_flight_not_what_arrives_during_the_update(ckpt_pair, reference_outputs):
+    """update_weights_from_disk(abort_all_requests=True) with a slow load: the request paused in flight when the
+    update was asked for ends as abort; one submitted while the load runs goes on under the new weights."""
+    import threading
+    import time
+
+    a, b = ckpt_pair("llama")
+    with make_engine(a) as engine:
+        runner = engine.runner
+        real = type(runner).update_weights_from_disk
+        loading = threading.Event()
+
+        def slow(self, source):
+            loading.set()
+            time.sleep(0.5)  # a big checkpoint
+            return real(self, source)
+
+        engine.pause_generation(mode="in_place")
+        first = engine.generate(input_ids=[5, 6, 7], sampling_params=dict(max_new_tokens=8, ignore_eos=True),
+                                stream=True)
+        outs = {}
+        type(runner).update_weights_from_disk = slow
+        try:
+            updater = threading.Thread(target=lambda: outs.setdefault("update", engine.update_weights_from_disk(
+                str(b), abort_all_requests=True)))
+            updater.start()
+            assert loading.wait(30)
+            late = threading.Thread(target=lambda: outs.setdefault("late", engine.generate(
+                input_ids=[5, 6, 7, 8], sampling_params=dict(temperature=0, max_new_tokens=4, ignore_eos=True))))
+            late.start()
+            updater.join(60)
+        finally:
+            type(runner).update_weights_from_disk = real
+        assert outs["update"][0], outs["update"]
+        engine.continue_generation()
+        late.join(60)
+        assert list(first)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert outs["late"]["meta_info"]["finish_reason"]["type"] == "length"
+        with make_engine(b) as fresh:
+            want = fresh.generate(input_ids=[5, 6, 7, 8], sampling_params=dict(temperature=0, max_new_tokens=4,
+                                                                               ignore_eos=True))
+        assert outs["late"]["output_ids"] == want["output_ids"]

@@ -110,3 +110,18 @@ def test_stream_chunks_never_end_in_a_partial_character(tiny_llama, module_engin
             assert final.startswith(c["text"]) and not c["text"].endswith("\ufffd"), (seed, c["text"][-4:])
             split += hf.decode(c["output_ids"]).endswith("\ufffd")
     assert split > 0  # the case under test happened
+
+
+def test_min_new_tokens_floor_ignores_a_partial_character_at_its_end(tok_dir):
+    """The text before token min_new_tokens ends in a partial UTF-8 character that the next token completes:
+    a stop string inside that text still does not count (the floor is the text without the partial end)."""
+    wrapper = TokenizerWrapper(str(tok_dir))
+    hf = wrapper.tokenizer
+    # "x", "a", and the byte-level tokens of the two bytes of "é" (0xC3 0xA9: "Ã" and "©" in GPT-2's alphabet)
+    x, a, c3, a9 = hf.convert_tokens_to_ids(["x", "a", "\u00c3", "\u00a9"])
+    assert hf.decode([x, a, c3]).endswith("\ufffd") and hf.decode([x, a, c3, a9]) == "xaé"
+    req = _req(stop=["a"], min_new_tokens=4)
+    req.output_ids = [x, a, c3, a9]
+    assert wrapper.find_stop(req) is None  # the "a" was written before token 4: no stop
+    req.output_ids = [x, a, c3, a9, a]
+    assert wrapper.find_stop(req) == "a" and req.stop_at == 3  # a later one is

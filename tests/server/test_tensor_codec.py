@@ -35,3 +35,24 @@ def test_tied_state_dict_round_trips_per_name(ckpt_factory):
         sp = dict(temperature=0, max_new_tokens=6, ignore_eos=True)
         assert engine.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"] == \
             fresh.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"]
+
+
+def test_a_safetensors_blob_whose_header_length_reads_like_a_pickle_decodes():
+    """A safetensors blob starts with its header length (u64, little-endian): one of 640 bytes starts with
+    0x80 0x02, a pickle's PROTO opcode. It decodes as the tensors it holds, not refused as a pickle."""
+    import base64
+    import struct
+
+    from safetensors.torch import save
+
+    for pad in range(200):  # a name length that makes the header 640, 896, 1152 or 1408 bytes
+        named = {f"model.layers.{i}.mlp.down_proj.weight" + "x" * (pad if i == 0 else 0): torch.full((2,), float(i))
+                 for i in range(7)}
+        blob = save(named)
+        if blob[0] == 0x80 and 2 <= blob[1] <= 5:
+            break
+    else:
+        raise AssertionError("no padding gave a header length starting 0x80 0x02-0x05")
+    assert struct.unpack("<Q", blob[:8])[0] in (640, 896, 1152, 1408)
+    decoded = dict(decode_named_tensors(base64.b64encode(blob).decode()))
+    assert decoded.keys() == named.keys() and all(torch.equal(decoded[k], v) for k, v in named.items())

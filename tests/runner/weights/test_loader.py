@@ -310,3 +310,20 @@ def test_a_write_during_the_load_is_caught(ckpt_factory, tmp_path, monkeypatch, 
     with pytest.raises(Exception, match="rewritten in place"):
         runner.update_weights_from_disk(index)
     assert torch.equal(runner.name_map.resolve("model.norm.weight").view(), before)
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/ckpt", "/etc/hostname", "a\x00b"])
+def test_a_refused_open_leaves_nothing_behind(path, monkeypatch):
+    """An index whose open fails (missing, not a directory, NUL byte) raises naming the path, and its
+    finalizer raises nothing (it had printed 'Exception ignored in __del__' for each refused update)."""
+    import gc
+    import sys
+
+    from runner.weights.checkpoint import CheckpointError
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(CheckpointError):
+        CheckpointIndex(path)
+    gc.collect()
+    assert unraisable == []
