@@ -25,6 +25,7 @@ imported only when this module is used.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,7 +84,9 @@ class EngineActor:
                 raise RuntimeError("weights are released on this engine; resume_memory_occupation first")
             if getattr(runner, "config", None) is not None and getattr(runner.config, "tp_size", 1) > 1:
                 # Each rank holds a slice: read the reassembled HF tensor through the public API.
+                names = [n for n in names if not runner.name_map.is_ignored(n)]  # what the engine never loads
                 return [(n, torch.tensor(runner.get_weights_by_name(n, truncate_size=1 << 62))) for n in names]
+            names = [n for n in names if not runner.name_map.is_ignored(n)]  # what the engine never loads
             return [(n, runner.name_map.resolve(n).view().detach().to("cpu", copy=True)) for n in names]
 
     # A transaction spans several update calls (a sync of many buckets): the snapshot stays here, in the
@@ -192,6 +195,9 @@ class EngineGroup:
         self.call_timeout_s = call_timeout_s
         self._outstanding = [0] * len(self.handles)  # prompts this group has in flight per engine
         self._snapshotted = False  # whether the update in progress took snapshots (set by _begin)
+        # One weight transaction at a time: each actor holds one snapshot slot, so two racing syncs would
+        # overwrite each other's and could commit a mix of both.
+        self._txn_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -289,6 +295,9 @@ class EngineGroup:
                 by_prompt[i] = outs[pos: pos + n]
                 pos += n
         flat = [o for group in by_prompt for o in group]
+        for k, o in enumerate(flat):  # each engine numbered its own outputs: number them as one Engine would
+            if isinstance(o, dict) and "index" in o:
+                o["index"] = k
         return flat[0] if single and len(flat) == 1 else flat
 
     # ---- weights: one version everywhere or nowhere -------------------------------------------
@@ -350,16 +359,21 @@ class EngineGroup:
                        f"to version {old_version!r}")
 
     def _atomic_update(self, what: str, names: list[str] | None, args: tuple, kwargs: dict) -> tuple[bool, str]:
-        try:  # a dead engine fails the update before anything is written anywhere
-            old_version = self._begin(what, names)
-        except EngineGroupError as e:
-            return False, f"{what} refused: {e}"
-        return self._end(what, self._apply_everywhere(what, args, kwargs), old_version)
+        with self._txn_lock:
+            try:  # a dead engine fails the update before anything is written anywhere
+                old_version = self._begin(what, names)
+            except EngineGroupError as e:
+                return False, f"{what} refused: {e}"
+            return self._end(what, self._apply_everywhere(what, args, kwargs), old_version)
 
     def sync_from(self, source, bucket_bytes: int, name_map=None, weight_version: str | None = None
                   ) -> tuple[bool, str]:
         """`weight_sync.sync_weights(source, group)` lands here: every bucket to every engine, and the whole
         sync commits on all engines or rolls all of them back (not just the failing bucket)."""
+        with self._txn_lock:
+            return self._sync_from(source, bucket_bytes, name_map, weight_version)
+
+    def _sync_from(self, source, bucket_bytes: int, name_map, weight_version: str | None) -> tuple[bool, str]:
         from weight_sync.bucket import iter_buckets
 
         try:
@@ -387,12 +401,16 @@ class EngineGroup:
     def sync_delta(self, updates, weight_version: str | None = None) -> tuple[bool, str, int]:
         """Sparse deltas (weight_sync/delta.py DeltaSync): every part to every engine inside one
         transaction, so all engines take the whole delta or none does. -> (ok, message, parts applied)."""
+        with self._txn_lock:
+            return self._sync_delta(updates, weight_version)
+
+    def _sync_delta(self, updates, weight_version: str | None) -> tuple[bool, str, int]:
         from weight_sync.delta_codec import DeltaUpdate
 
         blobs = [DeltaUpdate.from_blob(u).to_tensor() for u in updates]
         names = sorted({n for u in updates for n in DeltaUpdate.from_blob(u).names()})
-        try:
-            old_version = self._begin("sync_delta", names)
+        try:  # several parts are several calls: a group of one engine needs the snapshot too
+            old_version = self._begin("sync_delta", names, many_calls=len(blobs) > 1)
         except EngineGroupError as e:
             return False, f"sync_delta refused: {e}", 0
         failed: list[tuple[int, str]] = []

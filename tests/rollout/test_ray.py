@@ -95,7 +95,7 @@ def test_n_samples_of_one_prompt_stay_on_one_engine(group):
     prompt = random_prompts([40], seed=9)[0]
     outs = group.generate(input_ids=[prompt], sampling_params={"n": 4, "temperature": 1.0, "max_new_tokens": 3,
                                                                "seed": 1})
-    assert len(outs) == 4
+    assert len(outs) == 4 and [o["index"] for o in outs] == [0, 1, 2, 3]
     after = [i["num_cached_tokens"] for i in group.get_server_info()]
     gained = [a - b for a, b in zip(after, before)]
     assert sorted(gained) == [0, 3 * (len(prompt) - 1)], gained
@@ -270,3 +270,65 @@ def test_group_of_one_rolls_a_failed_many_bucket_sync_back(group_of_one, trainer
     after_first = torch.tensor(group_of_one.get_weights_by_name(first, truncate_size=1 << 30))
     assert torch.equal(after_first, before_first)
     assert_same(greedy(group_of_one), reference)
+
+
+def test_output_index_counts_across_engines_as_one_engine(group):
+    """Prompts spread over both engines, n=2 each: `index` runs 0..5 in output order, as one Engine numbers
+    them (each engine had numbered its own share from 0)."""
+    outs = group.generate(input_ids=random_prompts([5, 6, 7], seed=3),
+                          sampling_params={"n": 2, "temperature": 1.0, "max_new_tokens": 2, "seed": 4})
+    assert [o["index"] for o in outs] == list(range(6))
+
+
+def test_group_of_one_rolls_a_failed_multi_part_delta_back(group_of_one, trainer, reference):
+    """A delta split in parts (one tensor each), whose last part is refused (a NaN): the one engine keeps
+    every tensor and its version, as with two engines."""
+    from weight_sync import DeltaSync
+
+    import copy
+
+    model = copy.deepcopy(trainer[0])  # changed below: the fixture's model stays as it is
+    sync = DeltaSync(group_of_one, bucket_bytes=64)
+    ok, msg = sync.sync(model)
+    assert ok, msg
+    before = group_of_one.get_weights_checksum()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+        list(model.parameters())[-1].view(-1)[0] = float("nan")
+    ok, msg = sync.sync(model)
+    assert not ok and "rolled back" in msg, msg
+    assert group_of_one.get_weights_checksum() == before
+    assert sync_weights(trainer[0], group_of_one)[0]
+
+
+def test_racing_syncs_leave_one_version_everywhere(group, ckpt, trainer, reference):
+    """Two threads syncing different weights into one group at once: each sync commits whole, one after the
+    other, so every engine ends on the same version with all of one source's weights."""
+    import threading
+
+    model, _, trained = trainer
+    base = load_hf_model(ckpt)
+    results = {}
+    threads = [threading.Thread(target=lambda k=k, m=m: results.setdefault(k, sync_weights(
+        m, group, bucket_bytes=16 << 10, weight_version=k))) for k, m in (("base", base), ("trained", model))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert results["base"][0] and results["trained"][0], results
+    version = group.weight_version
+    assert version in ("base", "trained")
+    assert_same(greedy(group), reference if version == "base" else trained)
+    group.get_weights_checksum()  # raises if the engines hold different bits
+    assert sync_weights(base, group, weight_version="base")[0]
+
+
+def test_a_name_the_engines_ignore_is_accepted_by_the_group(group, trainer):
+    """A state_dict carrying a buffer the engine ignores by design (rotary inv_freq): one Engine takes it,
+    and so does a group of two (its snapshot had tried to resolve every name)."""
+    model, _, trained = trainer
+    named = list(model.state_dict().items()) + [("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8))]
+    ok, msg = group.update_weights_from_tensor(named, weight_version="with-ignored")
+    assert ok, msg
+    assert_same(greedy(group), trained)
