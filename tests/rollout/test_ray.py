@@ -283,9 +283,9 @@ def test_output_index_counts_across_engines_as_one_engine(group):
 def test_group_of_one_rolls_a_failed_multi_part_delta_back(group_of_one, trainer, reference):
     """A delta split in parts (one tensor each), whose last part is refused (a NaN): the one engine keeps
     every tensor and its version, as with two engines."""
-    from weight_sync import DeltaSync
-
     import copy
+
+    from weight_sync import DeltaSync
 
     model = copy.deepcopy(trainer[0])  # changed below: the fixture's model stays as it is
     sync = DeltaSync(group_of_one, bucket_bytes=64)
