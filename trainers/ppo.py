@@ -2,7 +2,8 @@
 
 The critic is a linear head on the policy's last hidden state (shared trunk). The reward arrives on
 the last completion token; GAE turns it into per-token advantages (whitened over the batch), and the
-loss is the clipped surrogate plus `--vf-coef` times the clipped value loss. `--gamma`, `--gae-lambda`
+loss is the clipped surrogate plus `--vf-coef` times the clipped value loss (plus `--kl-coef` times the k3
+KL to the initial policy, as GRPO's). `--gamma`, `--gae-lambda`
 and `--value-lr` (the value head's own learning rate) are PPO's flags (PPOConfig). Only the policy's
 weights are synced to the engine; the value head stays with the trainer. Run
 `python -m trainers.ppo --help`.
@@ -17,7 +18,7 @@ from torch import nn
 
 from trainers.config import PPOConfig, RLConfig
 from trainers.grpo import GRPOTrainer, run_cli
-from trainers.losses import gae, masked_whiten, policy_loss, sequence_logprobs, value_loss
+from trainers.losses import gae, kl_k3, masked_mean, masked_whiten, policy_loss, sequence_logprobs, value_loss
 from trainers.routing_replay import routing_replay
 
 
@@ -73,6 +74,10 @@ class PPOTrainer(GRPOTrainer):
                                       rollout_logp=exp.rollout_logprobs, tis_cap=self.cfg.tis_cap or None)
             vl, vmetrics = value_loss(values, exp.values, exp.returns, mask, clip_eps=self.cfg.clip_eps)
             loss = pl + self.cfg.vf_coef * vl
+            if self.ref is not None:  # --kl-coef: the k3 penalty to the initial policy, as GRPO's
+                kl = masked_mean(kl_k3(logp, exp.ref_logprobs), mask)
+                loss = loss + self.cfg.kl_coef * kl
+                metrics["kl_ref"] = kl.detach()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), 1.0)

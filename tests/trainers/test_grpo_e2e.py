@@ -20,6 +20,7 @@ import torch
 
 from trainers.config import RLConfig
 from trainers.grpo import GRPOTrainer
+from trainers.config import PPOConfig
 from trainers.ppo import PPOTrainer
 from trainers.tasks import Task, make_toy_prompts
 
@@ -165,3 +166,23 @@ def test_grpo_with_the_engine_in_its_own_process(ckpt_factory, tmp_path):
         trainer.close()
     with pytest.raises(ValueError, match="--engine-process runs one engine"):
         RLConfig(model=cfg.model, engine_process=True, num_engines=2)
+
+
+def test_ppo_applies_kl_coef(ckpt_factory, tmp_path):
+    """--kl-coef adds PPO's k3 penalty to the initial policy (it had built the reference and never used it):
+    with three updates in a step the policy moves off the reference, so kl_ref > 0 is reported and the loss
+    differs from the same step without it; with kl_coef 0 no reference exists and no kl_ref is reported."""
+    metrics = {}
+    for kl in (0.0, 5.0):
+        cfg = PPOConfig(model=str(ckpt_factory("llama")), steps=1, prompts_per_step=2, group_size=2, no_wandb=True,
+                        output_dir=str(tmp_path / f"kl{kl}"), eval_every=0, lr=1e-2, kl_coef=kl,
+                        updates_per_step=3, seed=0)
+        trainer = PPOTrainer(cfg)
+        trainer.task = Task("length", make_toy_prompts, length_reward)
+        try:
+            metrics[kl] = trainer.step(1)
+        finally:
+            trainer.close()
+    assert "kl_ref" not in metrics[0.0]
+    assert metrics[5.0]["kl_ref"] > 0 and math.isfinite(metrics[5.0]["kl_ref"])
+    assert metrics[5.0]["loss"] != metrics[0.0]["loss"]
