@@ -79,7 +79,7 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "max_running_requests": ("None (= 512) or >= 1", "requests decoded together"),
     "context_length": ("None or <= the model's", "longest prompt + output"),
     "kv_cache_dtype": ("'auto' or a model dtype", "KV cache dtype"),
-    "chunked_prefill_size": (">= 1", "prefill tokens per step"),
+    "chunked_prefill_size": (">= 1, or -1", "prefill tokens per step; -1 (SGLang's no chunking): max_prefill_tokens"),
     "disable_radix_cache": ("bool", "no prefix cache"),
     "enable_fp32_lm_head": ("bool", "the LM head of a bf16/fp16 model projects in fp32 (hidden states and head "
                                     "weight upcast each step): logits and logprobs not rounded to the model dtype"),
@@ -146,6 +146,11 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
                             "is plain attention"),
     "json_model_override_args": ("None, '', '{}'", "config.json is used as it is"),
     "enable_metrics": ("bool", "no-op: the HTTP server always serves /metrics"),
+    "decode_log_interval": ("int >= 1", "no-op: no periodic decode-throughput log line (/metrics has the figures)"),
+    "log_requests": ("bool", "no-op: requests are not logged (the access log is the server's --access-log)"),
+    "sampling_backend": ("None, 'pytorch', 'flashinfer'", "no-op: one sampler, chosen per device"),
+    "max_prefill_tokens": ("int >= 1", "the prefill tokens of a step when chunked_prefill_size=-1; otherwise "
+                           "chunked_prefill_size bounds them"),
     # The HTTP server's own flags (rollout.launch_server); an in-process Engine drops them.
     **{name: ("any", "no-op in-process: a flag of rollout.launch_server")
        for name in ("host", "port", "api_key", "served_model_name", "chat_template")},
@@ -185,6 +190,10 @@ class SGLangCompatConfig:
     enable_dp_attention: bool = False
     json_model_override_args: str | None = "{}"
     weight_version: str = "default"
+    decode_log_interval: int = 40
+    log_requests: bool = False
+    sampling_backend: str | None = None
+    max_prefill_tokens: int = 16384
 
     def __post_init__(self) -> None:
         for name in ("trust_remote_code", "skip_server_warmup", "disable_piecewise_cuda_graph",
@@ -211,6 +220,15 @@ class SGLangCompatConfig:
                           "config.json is used as it is; edit the checkpoint's config.json instead")
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version={self.weight_version!r} must be a str")
+        if not isinstance(self.log_requests, bool):
+            raise ValueError(f"log_requests={self.log_requests!r} must be a bool")
+        for name in ("decode_log_interval", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.sampling_backend not in (None, "pytorch", "flashinfer"):
+            raise _refuse("sampling_backend", self.sampling_backend, "None, 'pytorch' or 'flashinfer'",
+                          "SGLang's two sampling backends; one sampler runs here either way")
 
 
 _PARTS = (RunnerConfig, SchedulerConfig, FrontendConfig, SGLangCompatConfig)
@@ -260,6 +278,8 @@ class _EngineArgsMethods:
         for name in NONE_MEANS_DEFAULT:
             if name in kwargs and kwargs[name] is None:
                 kwargs[name] = defaults[name]
+        if kwargs.get("chunked_prefill_size") == -1:  # SGLang's "no chunking": a step takes whole prompts up to
+            kwargs["chunked_prefill_size"] = kwargs.get("max_prefill_tokens", defaults["max_prefill_tokens"])
         if model_path is None:
             model_path = kwargs.pop("model_path", None)
         else:

@@ -53,8 +53,10 @@ def score_prompts(encode, query, items, label_token_ids, item_first: bool = Fals
         raise ValueError(f"item_first must be a bool, got {item_first!r}")
     if _one_item(items):
         items = [items]
-    if not isinstance(items, list) or not items:
-        raise ValueError("items must be a non-empty list of strings or of token-id lists")
+    if isinstance(items, list) and not items:
+        return []  # no items, no scores (SGLang's answer too)
+    if not isinstance(items, list):
+        raise ValueError("items must be a list of strings or of token-id lists")
     if query is None:
         query = "" if isinstance(items[0], str) else []
     if isinstance(query, str):
@@ -130,6 +132,8 @@ async def async_score(engine, query=None, items=None, label_token_ids=None, appl
                       item_first: bool = False) -> list[list[float]]:
     """The scores through `engine.async_generate` (an Engine, or the HTTP server's engine client)."""
     prompts = _checked_prompts(engine, query, items, label_token_ids, apply_softmax, item_first)
+    if not prompts:
+        return []
     return scores_of(await score_outputs(engine, prompts, label_token_ids), label_token_ids, apply_softmax)
 
 
@@ -150,6 +154,8 @@ class ScoreAPI:
         query with item_first): over the whole vocabulary, or renormalised over the labels with apply_softmax.
         query and items are both text or both token ids; returns one list per item, in label order."""
         prompts = _checked_prompts(self, query, items, label_token_ids, apply_softmax, item_first)
+        if not prompts:
+            return []
         outs = self.generate(input_ids=prompts, sampling_params=dict(SCORE_SAMPLING), return_logprob=True,
                              token_ids_logprob=list(label_token_ids), show_progress=False)
         return scores_of(outs if isinstance(outs, list) else [outs], label_token_ids, apply_softmax)

@@ -32,6 +32,7 @@ class ServerArgs:
     served_model_name: str | None = None  # default: the model path
     chat_template: str | None = None  # a Jinja file, a built-in name or an inline template; default: the tokenizer's own
     max_n: int = 256  # refuse a request asking for more sequences (prompts x n) than this
+    enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens (SGLang's flag)
     # Security (rollout/server/security.py): None = the defaults described there; '*' = any.
     allowed_hosts: list[str] | None = None
     allowed_origins: list[str] | None = None
@@ -75,6 +76,8 @@ ARG_HELP: dict[str, str] = {
     "chat_template": "chat template for /v1/chat/completions: a Jinja file, a built-in name (plain, chatml) or an "
                      "inline template (default: the tokenizer's own; without one chat completions are refused)",
     "max_n": "refuse a request asking for more sequences (prompts x n) than this",
+    "enable_cache_report": "OpenAI responses' usage carries prompt_tokens_details.cached_tokens (prompt tokens "
+                           "served from the prefix cache)",
     "access_log": "uvicorn's access log (one line per request, at --log-level info or lower)",
     "engine_in_process": "run the engine (scheduler and model) in the HTTP server's own process, sharing its GIL "
                          "(the old layout; default: a child process, so HTTP and the model use two cores)",

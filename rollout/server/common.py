@@ -131,11 +131,13 @@ def error_response(message: str, status_code: int = 400, param: str | None = Non
 
 
 def error_body(message: str, status_code: int = 400, param: str | None = None, type_: str | None = None) -> dict:
-    """`{"error": {"message", "type", "param", "code"}}`, the body error_response sends."""
+    """The body error_response sends: OpenAI's `{"error": {"message", "type", "param", "code"}}`, and the same
+    fields at the top level with `"object": "error"`, SGLang's ErrorResponse (its tests read `body["type"]`)."""
     kind = type_ or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                      403: "Forbidden", 405: "MethodNotAllowed", 413: "RequestTooLarge",
                      415: "UnsupportedMediaType", 503: "ServiceUnavailable"}.get(status_code, "ServerError")
-    return {"error": {"message": truncate(message), "type": kind, "param": param, "code": status_code}}
+    fields = {"message": truncate(message), "type": kind, "param": param, "code": status_code}
+    return {"object": "error", **fields, "error": fields}
 
 
 _SAMPLING_PARAM = re.compile(r"^sampling params? (\w+)")

@@ -153,7 +153,7 @@ async def completions(req: CompletionRequest, request: Request):
             choices.append({"index": i, "text": o["text"], "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched})
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices, "usage": usage_of(outs, req.n), "metadata": metadata_of(outs)})
+                             "choices": choices, "usage": usage_of(outs, req.n, _cache_report(request)), "metadata": metadata_of(outs)})
 
     started = await start_stream(request, prompts, sampling, req.logprobs, req.model, names, req.rid)
     if isinstance(started, Response):
@@ -177,9 +177,13 @@ async def completions(req: CompletionRequest, request: Request):
         if req.stream_options and req.stream_options.include_usage:
             outs = [finals[i] for i in sorted(finals)]
             yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                   "usage": usage_of(outs, req.n)}
+                   "usage": usage_of(outs, req.n, _cache_report(request))}
 
     return sse_response(closing(events(), merged))
+
+
+def _cache_report(request: Request) -> bool:
+    return request.app.state.server_args.enable_cache_report
 
 
 def running_usage(options, meta: dict) -> dict:
@@ -299,7 +303,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             choices.append({"index": i, "message": {"role": "assistant", "content": o["text"]}, "logprobs": lp,
                             "finish_reason": reason, "matched_stop": matched})
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices, "usage": usage_of(outs, req.n), "metadata": metadata_of(outs)})
+                             "choices": choices, "usage": usage_of(outs, req.n, _cache_report(request)), "metadata": metadata_of(outs)})
 
     started = await start_stream(request, prompts, sampling, num_top, req.model, names, req.rid)
     if isinstance(started, Response):
@@ -323,7 +327,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                   "finish_reason": finish_of(c["meta_info"])[0] if final else None}],
                                 **running_usage(req.stream_options, c["meta_info"]))
         if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n))
+            yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n, _cache_report(request)))
 
     return sse_response(closing(events(), merged))
 
@@ -349,7 +353,7 @@ async def score(req: ScoreRequest, request: Request):
                                 token_ids_logprob=req.label_token_ids)
         if bad is not None:
             return bad
-        outs = await score_outputs(engine, prompts, req.label_token_ids)
+        outs = await score_outputs(engine, prompts, req.label_token_ids) if prompts else []
     except Exception as e:  # a bad argument is a 400 naming it (engine_error)
         return engine_error(e)
     usage = usage_of(outs, 1)

@@ -71,10 +71,15 @@ def metadata_of(outs: list[dict]) -> dict:
     return out
 
 
-def usage_of(outs: list[dict], n: int) -> dict:
+def usage_of(outs: list[dict], n: int, cache_report: bool = False) -> dict:
+    """OpenAI's usage of a request's outputs (n per prompt); with cache_report (--enable-cache-report),
+    SGLang's prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache."""
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])  # each prompt counted once
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cache_report:
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs)}
+    return usage
 
 
 def token_text(engine, tid: int, text: str | None) -> str:

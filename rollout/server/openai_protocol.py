@@ -64,6 +64,8 @@ class SamplingFields(Body):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    custom_params: dict | None = None  # SGLang's: handed to a custom logit processor (none is run here)
     rid: str | None = None
     # sglang-router re-serialises OpenAI bodies with SGLang's extras; unset (false/null) they change nothing.
     return_hidden_states: Literal[False] = False
@@ -82,6 +84,10 @@ class SamplingFields(Body):
             sp["max_new_tokens"] = max_new_tokens
         if self.stop_token_ids:
             sp["stop_token_ids"] = self.stop_token_ids
+        if self.stop_regex:
+            sp["stop_regex"] = self.stop_regex
+        if self.custom_params is not None:
+            sp["custom_params"] = self.custom_params
         # Forwarded only when set, so the Engine's refusal names exactly what was asked for.
         for key, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             if getattr(self, key) != default:

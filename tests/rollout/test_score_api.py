@@ -67,7 +67,7 @@ def test_async_score_equals_score(engine):
     (dict(query=[5], items=[[6]], label_token_ids=[]), "label_token_ids must be a non-empty list"),
     (dict(query=[5], items=[[6]], label_token_ids=[1, 10**6]), r"label_token_ids \[1000000\] are outside"),
     (dict(query=[5], items=[[6]], label_token_ids="3"), "label_token_ids must be"),
-    (dict(query=[5], items=[], label_token_ids=[3]), "items must be a non-empty list"),
+    (dict(query=[5], items=5, label_token_ids=[3]), "items must be a list"),
     (dict(query="a", items=[[6]], label_token_ids=[3]), "query is text, so items must be strings"),
     (dict(query=[5], items=["b"], label_token_ids=[3]), "query is token ids, so items must be token-id lists"),
     (dict(query=[5, -1], items=[[6]], label_token_ids=[3]), r"token ids \[-1\] outside the vocabulary"),

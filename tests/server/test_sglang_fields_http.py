@@ -171,3 +171,46 @@ def test_per_prompt_and_null_logprob_fields_and_custom_params_over_http(client):
     assert r.json()["output_ids"] == first["output_ids"]
     r = client.post("/generate", json=dict(input_ids=PROMPT, sampling_params=greedy, return_logprob="maybe"))
     assert r.status_code == 400 and "return_logprob" in r.text
+
+
+def test_sglang_serving_tests_expectations(tiny_llama):
+    """What SGLang's own serving tests read, each against an oracle computed here: stop_regex on the OpenAI
+    routes (finish "stop", matched_stop the pattern, text cut where the regex matches the free text);
+    errors with SGLang's top-level `type` beside OpenAI's nested `error`; /v1/score of no items is [];
+    --enable-cache-report's usage.prompt_tokens_details.cached_tokens; a too-long prompt's message;
+    custom_params taken on chat."""
+    with start_server(tiny_llama, chat_template="chatml", enable_cache_report=True) as served, \
+            served.client() as c:
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+        free = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        letter = next(ch for ch in free[3:] if ch.isascii() and ch.isalpha())
+        pattern = f"[{letter}]"
+        r = c.post("/v1/completions", json={**body, "stop_regex": pattern}).json()["choices"][0]
+        assert r["finish_reason"] == "stop" and r["matched_stop"] == pattern
+        assert r["text"] == free[: free.find(letter)]
+        bad = c.post("/v1/score", json={"model": "tiny", "query": "a", "items": ["b"], "label_token_ids": [999999]})
+        assert bad.status_code == 400 and bad.json()["type"] == "BadRequestError"
+        assert bad.json()["object"] == "error" and bad.json()["error"]["message"] == bad.json()["message"]
+        empty = c.post("/v1/score", json={"model": "tiny", "query": "a", "items": [], "label_token_ids": [5]})
+        assert empty.status_code == 200 and empty.json()["scores"] == []
+        assert served.engine.score(query="a", items=[], label_token_ids=[5]) == []
+        chat = {"model": "tiny", "max_tokens": 2, "temperature": 0, "custom_params": {"k": 1},
+                "messages": [{"role": "user", "content": "a long enough question to be cached " * 3}]}
+        first = c.post("/v1/chat/completions", json=chat)
+        assert first.status_code == 200, first.text
+        again = c.post("/v1/chat/completions", json=chat).json()["usage"]
+        assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
+        long = c.post("/generate", json={"input_ids": [5] * 5000, "sampling_params": {"max_new_tokens": 1}})
+        assert long.status_code == 400 and "longer than the model's context length" in long.json()["message"]
+
+
+def test_sglang_launch_flags_are_taken(tiny_llama):
+    """SGLang launch flags its tests pass: no-ops here (--decode-log-interval, --log-requests,
+    --sampling-backend) and --chunked-prefill-size -1 (no chunking: prompts up to --max-prefill-tokens a step)."""
+    from rollout.server.args import parse_args
+
+    _, kw = parse_args(["--model-path", str(tiny_llama), "--decode-log-interval", "10", "--log-requests",
+                        "--sampling-backend", "pytorch", "--chunked-prefill-size", "-1", "--max-prefill-tokens", "4096"])
+    from rollout.engine_args import EngineArgs
+
+    assert EngineArgs.from_kwargs(**kw).scheduler_config().chunked_prefill_size == 4096

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainers.config import RLConfig
+from trainers.config import PPOConfig, RLConfig
 from trainers.grpo import GRPOTrainer
-from trainers.config import PPOConfig
 from trainers.ppo import PPOTrainer
 from trainers.tasks import Task, make_toy_prompts
 
