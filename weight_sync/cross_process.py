@@ -252,6 +252,33 @@ class RemoteEngine:
             self._release()
         return bool(ok), msg
 
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict,
+                                       load_format: str | None = None, pinned: bool = False):
+        """Engine's signature (weight_sync/lora.py calls it): the adapter's tensors (PEFT names; a dict, pairs,
+        or with load_format="flattened_bucket" a bucket or its dict) in the shared-memory segment, the
+        config as JSON. -> the engine's LoRAUpdateOutput as a dict."""
+        try:
+            if load_format == "flattened_bucket":
+                bucket = tensors if isinstance(tensors, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(tensors)
+            elif load_format is None:
+                pairs = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+                bucket = FlattenedTensorBucket(pairs)
+            else:
+                raise ValueError(f"load_format={load_format!r} is not supported (None or 'flattened_bucket')")
+            if bucket.device.type != "cpu":
+                raise ValueError(f"the adapter's tensors are on {bucket.device}; send host tensors")
+        except (ValueError, TypeError) as e:
+            return {"success": False, "error_message": str(e), "loaded_adapters": None}
+        self._acquire()
+        try:
+            descriptor, self._shm = bucket_to_shm(bucket, self._shm, self.segment_prefix, self._segment_counter)
+            self._send("load_lora_adapter_from_tensors", (), dict(
+                lora_name=lora_name, tensors=descriptor, config_dict=config_dict, load_format="shm_bucket",
+                pinned=pinned))
+            return self._recv()
+        finally:
+            self._release()
+
     def _update_by_ipc(self, bucket: FlattenedTensorBucket, flush_cache: bool,
                        weight_version: str | None) -> tuple[bool, str]:
         from weight_sync import cuda_ipc

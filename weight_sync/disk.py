@@ -12,6 +12,7 @@ only), or notify an engine; the caller calls `engine.update_weights_from_disk(ou
 
 from __future__ import annotations
 
+import glob
 import fcntl
 import json
 import os
@@ -206,7 +207,8 @@ class DiskTarget:
         return self.out_dir.parent / f"{self.out_dir.name}.delta-{seq:06d}.safetensors"
 
     def _deltas(self) -> list[Path]:
-        return sorted(self.out_dir.parent.glob(f"{self.out_dir.name}.delta-*.safetensors"))
+        # the directory's name escaped: "[", "*" or "?" in it would match other files (another checkpoint's)
+        return sorted(self.out_dir.parent.glob(f"{glob.escape(self.out_dir.name)}.delta-*.safetensors"))
 
     def _clear_deltas(self) -> None:
         for p in self._deltas():

@@ -14,7 +14,8 @@ import base64
 
 
 class HttpEngine:
-    """`update_weights_from_tensor`, `get_server_info`, `get_weights_checksum`, `get_weights_by_name` on a server."""
+    """`update_weights_from_tensor`, the LoRA adapter calls, `get_server_info`, `get_weights_checksum`,
+    `get_weights_by_name` on a server."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
         if not url.startswith(("http://", "https://")):
@@ -69,6 +70,31 @@ class HttpEngine:
             err = out.get("error")
             return False, f"update_weights_from_tensor failed: {err.get('message') if isinstance(err, dict) else out}"
         return bool(out["success"]), str(out.get("message", ""))
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict,
+                                       load_format: str | None = None, pinned: bool = False) -> dict:
+        """/load_lora_adapter_from_tensors: the adapter's PEFT-named tensors (a dict or pairs, or with
+        load_format="flattened_bucket" a bucket or its dict) in the wire codec. -> SGLang's answer dict."""
+        from weight_sync.bucket import FlattenedTensorBucket
+        from weight_sync.wire import encode_bucket, encode_named_tensors
+
+        if load_format == "flattened_bucket":
+            bucket = tensors if isinstance(tensors, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(tensors)
+            payload = encode_bucket(bucket)
+        elif load_format is None:
+            payload = encode_named_tensors(tensors)
+        else:
+            return {"success": False, "error_message": f"load_format={load_format!r} is not supported over HTTP"}
+        out = self._call("/load_lora_adapter_from_tensors", {
+            "lora_name": lora_name, "config_dict": config_dict, "serialized_tensors": payload,
+            "load_format": load_format, "pinned": pinned})
+        if "success" not in out:  # the server's error shape (a 400 for a bad body)
+            err = out.get("error")
+            return {"success": False, "error_message": err.get("message") if isinstance(err, dict) else str(out)}
+        return out
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self._call("/unload_lora_adapter", {"lora_name": lora_name})
 
     def get_server_info(self) -> dict:
         return self._http().get("/get_server_info").json()

@@ -10,6 +10,7 @@ It never unpickles anything. The parent's side is weight_sync/cross_process.py.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from collections.abc import Callable
@@ -23,11 +24,15 @@ ALLOWED_METHODS = frozenset({
     "resume_memory_occupation", "flush_cache", "get_server_info", "pause_generation", "continue_generation",
     "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
     "get_weights_by_name", "get_weights_checksum",
+    # adapter-only sync (weight_sync/lora.py): the tensors travel as a shared-memory bucket
+    "load_lora_adapter_from_tensors", "load_lora_adapter", "unload_lora_adapter",
 })
 DELTA_BLOB = "delta_blob"  # the one tensor of a shared-memory bucket that carries a delta
 
 
 def jsonable(x):
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # LoRAUpdateOutput and the like: their fields
+        return jsonable(dataclasses.asdict(x))
     if isinstance(x, tuple | list):
         return [jsonable(v) for v in x]
     if isinstance(x, dict):
@@ -101,6 +106,8 @@ def serve(conn, factory: str, kwargs: dict, segment_prefix: str) -> None:
                     result = _update_from_shm(engine, args, segment_prefix)
                 elif method == "update_weights_from_tensor" and args.get("load_format") == "cuda_ipc":
                     result = _update_from_ipc(engine, args)
+                elif method == "load_lora_adapter_from_tensors" and args.get("load_format") == "shm_bucket":
+                    result = _adapter_from_shm(engine, args, segment_prefix)
                 else:
                     result = getattr(engine, method)(*pos, **args)
                 reply = {"ok": True, "result": jsonable(result)}
@@ -131,6 +138,25 @@ def _update_from_shm(engine, args: dict, segment_prefix: str):
         try:
             seg.close()
         except BufferError:  # a view is still referenced somewhere; the mapping goes with it
+            pass
+
+
+def _adapter_from_shm(engine, args: dict, segment_prefix: str):
+    """load_lora_adapter_from_tensors with the adapter's tensors in a shared-memory bucket (validated first)."""
+    args = dict(args)
+    try:
+        bucket, seg = bucket_from_shm(args.pop("tensors"), segment_prefix)
+    except (ValueError, FileNotFoundError, PermissionError, TypeError, KeyError) as e:
+        return {"success": False, "error_message": f"bad adapter bucket: {e}", "loaded_adapters": None}
+    try:  # copies: the segment is rewritten by the next call
+        tensors = {n: t.clone() for n, t in bucket.named_tensors()}
+        args["load_format"] = None
+        return engine.load_lora_adapter_from_tensors(tensors=tensors, **args)
+    finally:
+        del bucket
+        try:
+            seg.close()
+        except BufferError:
             pass
 
 

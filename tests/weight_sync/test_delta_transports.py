@@ -94,20 +94,26 @@ def test_http_server_url(ckpt, reference):
         assert greedy(served.engine)
 
 
-def test_disk_delta_files_beside_the_checkpoint(ckpt, reference, tmp_path):
+@pytest.mark.parametrize("name", ["policy", "policy[1]"])
+def test_disk_delta_files_beside_the_checkpoint(ckpt, reference, tmp_path, name):
     """DiskTarget writes the full checkpoint once, then one delta file per sync beside it; a new full
-    sync starts a new chain."""
-    out_dir = tmp_path / "sync" / "policy"
+    sync starts a new chain. A name with glob characters ("[1]") chains the same (it had matched no file,
+    so every delta was numbered 1), and another checkpoint's deltas beside it are never touched."""
+    out_dir = tmp_path / "sync" / name
+    out_dir.parent.mkdir(parents=True)
+    other = out_dir.parent / "policy1.delta-000001.safetensors"  # what "policy[1]" would glob as a pattern
+    other.write_bytes(b"another checkpoint's delta")
     with Engine(str(ckpt), **ENGINE_KW) as engine:
         target = DiskTarget(engine, out_dir, ckpt / "config.json")
         ds = DeltaSync(target)
         trainer = Trainer(ckpt, 1e-6, seed=5)
         run_steps(ds, trainer, lambda: checksum(engine), reference, serving=engine)
-        names = sorted(p.name for p in out_dir.parent.iterdir())
-        assert names == ["policy"] + [f"policy.delta-{i:06d}.safetensors" for i in (1, 2, 3)], names
+        names = sorted(p.name for p in out_dir.parent.iterdir() if p != other)
+        assert names == sorted([name] + [f"{name}.delta-{i:06d}.safetensors" for i in (1, 2, 3)]), names
         stale_then_fallback(ds, trainer, Trainer(ckpt, 1e-2, seed=6),
                             lambda o: engine.update_weights_from_tensor(o.cast()), lambda: checksum(engine), reference)
-        assert sorted(p.name for p in out_dir.parent.iterdir()) == ["policy"]
+        assert sorted(p.name for p in out_dir.parent.iterdir() if p != other) == [name]
+        assert other.read_bytes() == b"another checkpoint's delta"
         ok, msg, _ = engine.update_weights_from_disk(str(tmp_path / "missing.safetensors"), load_format="delta")
         assert not ok and "missing.safetensors" in msg
 

@@ -1,0 +1,53 @@
+"""Adapter-only sync (weight_sync/lora.py) into an engine in another process (RemoteEngine, shared memory)
+and into a server (HttpEngine): the adapter served under its name generates what transformers + peft
+generate with the same adapter (a PeftModel on an adapter peft itself wrote)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.lora_adapters import make_adapter, peft_model
+from tests.server.conftest import start_server
+from weight_sync.cross_process import RemoteEngine
+from weight_sync.http import HttpEngine
+from weight_sync.lora import sync_lora_adapter
+
+LORA_KW = dict(device="cpu", max_total_tokens=1024, show_progress=False, enable_lora=True, max_lora_rank=8,
+               lora_target_modules=["all"])
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def _peft_greedy(model, n: int = 6) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(PROMPT):].tolist()
+
+
+def _served(engine, name: str, n: int = 6) -> list[int]:
+    out = engine.generate(input_ids=PROMPT, lora_path=name,
+                          sampling_params=dict(temperature=0, max_new_tokens=n, ignore_eos=True))
+    return out["output_ids"]
+
+
+def test_adapter_sync_through_a_remote_engine_and_a_server(ckpt_factory, tmp_path):
+    """sync_lora_adapter(peft_model, RemoteEngine) and (peft_model, HttpEngine): success, and greedy under the
+    synced name equals the PeftModel's; a second version loads beside the first; unload works over HTTP."""
+    ckpt = ckpt_factory("llama")
+    model = peft_model(ckpt, make_adapter(ckpt, tmp_path / "a", r=8, seed=3))
+    want = _peft_greedy(model)
+    with RemoteEngine(model_path=str(ckpt), **LORA_KW) as remote:
+        ok, msg = sync_lora_adapter(model, remote, "v1")
+        assert ok, msg
+        assert _served(remote, "v1") == want
+    with start_server(ckpt, engine_kw=LORA_KW) as served:
+        http = HttpEngine(served.url)
+        try:
+            for name in ("v1", "v2"):
+                ok, msg = sync_lora_adapter(model, http, name)
+                assert ok, msg
+            assert _served(served.engine, "v2") == want
+            assert http.unload_lora_adapter("v1")["success"]
+            ok, msg = sync_lora_adapter(model, http, "v2")  # the name is taken: refused, by name
+            assert not ok and "already loaded" in msg
+        finally:
+            http.close()
