@@ -12,8 +12,8 @@ only), or notify an engine; the caller calls `engine.update_weights_from_disk(ou
 
 from __future__ import annotations
 
-import glob
 import fcntl
+import glob
 import json
 import os
 import shutil
