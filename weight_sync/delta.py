@@ -77,10 +77,12 @@ class DeltaSync:
         t0 = time.perf_counter()
         dtype = self.dtype or self._probe_dtype()
         with torch.no_grad():
-            cast = {}
+            cast, ties = {}, {}
             for name, t in iter_named_tensors(model, self.name_map):
                 if name in cast:
                     raise ValueError(f"DeltaSync: tensor {name!r} appears twice in the source")
+                # tensors that are one in the source (a tied embedding and LM head): sent in one part
+                ties[name] = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
                 cast[name] = t.detach().to(device="cpu", dtype=dtype, copy=True)
         why = self._full_reason(cast, full)
         if why:
@@ -92,7 +94,7 @@ class DeltaSync:
             if h is None:
                 h = self._hash[name] = tensor_hash(base)
             encoded.append(encode_tensor(name, base, new, h))
-        updates = _split(encoded, self.bucket_bytes)
+        updates = _split(encoded, self.bucket_bytes, ties)
         encode_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
         ok, msg, applied = send_deltas(self.target, updates, weight_version)
@@ -184,15 +186,21 @@ def _nbytes(cast: dict) -> int:
     return sum(t.numel() * t.element_size() for t in cast.values())
 
 
-def _split(encoded: list[EncodedTensor], bucket_bytes: int) -> list[DeltaUpdate]:
-    """Pack encoded tensors into updates of at most ~bucket_bytes of payload each (at least one)."""
-    groups, cur, size = [], [], 0
+def _split(encoded: list[EncodedTensor], bucket_bytes: int, ties: dict | None = None) -> list[DeltaUpdate]:
+    """Pack encoded tensors into updates of at most ~bucket_bytes of payload each (at least one). Tensors with
+    the same `ties` key (one tensor in the source under two names: a tied embedding and LM head) go in one
+    update: the engine holds them as one, so a part changing one would leave the other's base stale."""
+    units: dict = {}  # tie key (or the name itself) -> its tensors, in first-seen order
     for e in encoded:
-        n = e.pos_bytes.numel() + e.val_bytes.numel()
+        key = (ties or {}).get(e.entry["name"], e.entry["name"])
+        units.setdefault(key, []).append(e)
+    groups, cur, size = [], [], 0
+    for unit in units.values():
+        n = sum(e.pos_bytes.numel() + e.val_bytes.numel() for e in unit)
         if cur and size + n > bucket_bytes:
             groups.append(cur)
             cur, size = [], 0
-        cur.append(e)
+        cur.extend(unit)
         size += n
     groups.append(cur)
     return [DeltaUpdate.pack(g) for g in groups]

@@ -45,6 +45,23 @@ def test_adam_steps_equal_a_full_update(engines, tiny_llama, lr):
         assert_equals_full_update(engine, ref, trainer, outputs=step == 2)
 
 
+def test_a_tied_state_dict_split_in_parts_stays_a_delta(ckpt_factory):
+    """A tied model's state_dict (embedding and LM head one tensor under two names) whose delta is split in
+    several parts: the tied pair travels in one part, so every sync is a delta (it had been refused as a
+    stale base, every step falling back to a full sync) and the engine equals a full update of the cast."""
+    ckpt = ckpt_factory("qwen2", tie_word_embeddings=True)
+    with Engine(str(ckpt), **ENGINE_KW) as engine, Engine(str(ckpt), **ENGINE_KW) as ref:
+        trainer = Trainer(ckpt, 1e-3)
+        ds = DeltaSync(engine, bucket_bytes=1 << 14)
+        assert ds.sync(trainer.model.state_dict())[0]
+        for _ in range(2):
+            trainer.step()
+            ok, msg = ds.sync(trainer.model.state_dict(), fallback=True)
+            assert ok and ds.last["mode"] == "delta" and ds.last["num_updates"] > 1, (msg, ds.last)
+            assert "fallback" not in ds.last
+            assert_equals_full_update(engine, ref, trainer)
+
+
 def test_stale_base_is_refused_then_fallback_sends_full(engines, tiny_llama):
     """A delta against weights the engine no longer holds is refused untouched; fallback=True syncs in full."""
     engine, ref = engines
