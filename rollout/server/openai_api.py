@@ -119,8 +119,8 @@ def _completion_logprobs(engine, pairs: list, offset: int) -> dict:
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     engine = request.app.state.engine
-    if req.echo:
-        return error_response("echo=true is not supported", 400, param="echo")
+    if req.echo and req.stream and req.logprobs is not None:
+        return error_response("echo=true with logprobs is served without stream only", 400, param="echo")
     if req.suffix is not None:
         return error_response("suffix is not supported", 400, param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -138,19 +138,25 @@ async def completions(req: CompletionRequest, request: Request):
         return bad
     sampling = req.sampling_params(req.max_tokens)
     names = openai_names()
+    given = prompts  # echo shows a text prompt as sent, a token-id prompt decoded
     prompts = await prepare(request, prompts, sampling, req.logprobs)
     if isinstance(prompts, Response):
         return prompts
+    echoed = [p if isinstance(p, str) else (engine.tokenizer.decode(p) or "") for p in given] if req.echo else None
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _served_model(request, req.model)
     if not req.stream:
-        outs = await generate_all(request, prompts, sampling, req.logprobs, req.rid, names, req.model)
+        # echo with logprobs: the prompt's tokens scored too (the first has no logprob), as OpenAI's and vLLM's
+        start = 0 if req.echo and req.logprobs is not None else None
+        outs = await generate_all(request, prompts, sampling, req.logprobs, req.rid, names, req.model, start)
         if isinstance(outs, Response):
             return outs
         choices = []
         for i, o in enumerate(outs):
             reason, matched = finish_of(o["meta_info"])
-            lp = None if req.logprobs is None else _completion_logprobs(engine, logprob_pairs(o["meta_info"]), 0)
-            choices.append({"index": i, "text": o["text"], "logprobs": lp, "finish_reason": reason,
+            lp = None if req.logprobs is None else \
+                _completion_logprobs(engine, logprob_pairs(o["meta_info"], prompt=req.echo), 0)
+            text = o["text"] if echoed is None else echoed[i // req.n] + (o["text"] or "")
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched})
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "usage": usage_of(outs, req.n, _cache_report(request)), "metadata": metadata_of(outs)})
@@ -162,8 +168,12 @@ async def completions(req: CompletionRequest, request: Request):
 
     async def events():
         finals: dict[int, dict] = {}
+        unechoed = set(range(len(prompts) * req.n)) if echoed is not None else set()
         async with aclosing(choice_texts(first, merged, req.stop, len(prompts) * req.n, finals)) as items:
             async for i, chunk, final, text, d in items:
+                if i in unechoed:  # echo: the choice's first chunk starts with its prompt
+                    unechoed.discard(i)
+                    text = echoed[i // req.n] + text
                 lp = None
                 if req.logprobs is not None:
                     lp = _completion_logprobs(engine, d.new_logprobs(chunk["meta_info"]), d.text_offset)

@@ -102,7 +102,7 @@ async def prepare(request: Request, prompts: list, sampling: dict, num_top: int 
 
 
 async def generate_all(request: Request, prompts: list, sampling: dict, num_top: int | None, rid,
-                    names: dict[str, str], model=None):
+                    names: dict[str, str], model=None, logprob_start_len: int | None = None):
     """One engine call for every choice: the outputs in choice order (prompt-major, then n), or the
     error Response to send (499 for a client gone mid-request, the engine's error otherwise, naming
     the OpenAI fields: `names`)."""
@@ -113,7 +113,8 @@ async def generate_all(request: Request, prompts: list, sampling: dict, num_top:
     try:
         out = await await_unless_disconnected(request, engine.async_generate(
             **{key: prompts}, sampling_params=sampling, return_logprob=num_top is not None,
-            top_logprobs_num=num_top or 0, rid=rid, lora_path=lora_of_model(request, model)))
+            top_logprobs_num=num_top or 0, rid=rid, lora_path=lora_of_model(request, model),
+            **({} if logprob_start_len is None else {"logprob_start_len": logprob_start_len})))
     except asyncio.CancelledError:
         return Response(status_code=499)
     except Exception as e:
@@ -200,10 +201,15 @@ async def start_stream(request: Request, prompts: list, sampling: dict, num_top:
     return merged, first
 
 
-def logprob_pairs(meta: dict) -> list:
-    """A final output's (token logprob entry, its top logprobs or None) per output token."""
-    entries = meta["output_token_logprobs"]
-    return list(zip(entries, meta.get("output_top_logprobs") or [None] * len(entries)))
+def logprob_pairs(meta: dict, prompt: bool = False) -> list:
+    """A final output's (token logprob entry, its top logprobs or None) per output token; `prompt`: per prompt
+    token first (the first one's logprob None), as echo shows them."""
+    pairs = []
+    for kind in (("input", "output") if prompt else ("output",)):
+        entries = meta[f"{kind}_token_logprobs"]
+        tops = meta.get(f"{kind}_top_logprobs") or [None] * len(entries)
+        pairs += list(zip(entries, [t or None for t in tops]))
+    return pairs
 
 
 class TextDelta:

@@ -242,3 +242,36 @@ def test_continuous_usage_stats_puts_usage_on_every_chunk(server, route):
                for e in content)
     plain = events({"include_usage": True})
     assert [("usage" in e) for e in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_completion_echo(server, oai):
+    """echo=true: text is the prompt then the completion (a text prompt as sent, token ids decoded), streamed
+    or not; with logprobs the prompt's tokens come first, the first without a logprob, each prompt logprob the
+    Engine's input_token_logprobs; max_tokens=0 scores the prompt alone (lm-eval's loglikelihood request)."""
+    prompt = "Hello, world"
+    plain = oai.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, extra_body=IGN)
+    echo = oai.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                  extra_body=IGN)
+    assert echo.choices[0].text == prompt + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True, stream=True, extra_body=IGN)
+        if c.choices)
+    assert streamed == echo.choices[0].text
+    ids = server.engine.tokenizer.encode(prompt)
+    by_ids = oai.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0, echo=True, extra_body=IGN)
+    assert by_ids.choices[0].text == server.engine.tokenizer.tokenizer.decode(ids) + plain.choices[0].text
+    server.engine.flush_cache()
+    scored = oai.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    want = server.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                  logprob_start_len=0)["meta_info"]["input_token_logprobs"]
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.token_logprobs == [e[0] for e in want]
+    assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+    both = oai.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1,
+                                  extra_body=IGN).choices[0].logprobs
+    alone = oai.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                                   extra_body=IGN).choices[0].logprobs
+    assert len(both.tokens) == len(ids) + 3 and both.tokens[len(ids):] == alone.tokens
+    # the same tokens; their logprobs within float rounding (scoring the prompt takes another kernel path)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(both.token_logprobs[len(ids):], alone.token_logprobs))
