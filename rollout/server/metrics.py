@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -39,6 +40,18 @@ class EngineCollector:
     def __init__(self, engine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
+        self._last_rate: tuple[float, int] | None = None  # (time, generated tokens) at the previous scrape
+        self._rate_lock = threading.Lock()  # two scrapes at once: one window each, not a torn one
+
+    def _gen_throughput(self, generated: int) -> float:
+        """Tokens generated per second since the previous scrape (SGLang's gen_throughput, whose window is its
+        log interval); 0 at the first scrape."""
+        now = time.monotonic()
+        with self._rate_lock:
+            last, self._last_rate = self._last_rate, (now, generated)
+        if last is None or now <= last[0]:
+            return 0.0
+        return max(0, generated - last[1]) / (now - last[0])
 
     def collect(self):
         from rollout.server.native import load_snapshot
@@ -71,6 +84,11 @@ class EngineCollector:
         yield counter("sglang:generation_tokens", "Tokens generated", info["num_generated_tokens"])
         yield counter("sglang:cached_tokens", "Prompt tokens served from the prefix cache", info["num_cached_tokens"])
         yield counter("sglang:num_retractions", "Requests retracted under KV pressure", info["num_retractions"])
+        yield gauge("sglang:gen_throughput", "Tokens generated per second since the previous scrape",
+                    self._gen_throughput(info["num_generated_tokens"]))
+        # SGLang's gauges of features not served here, at the values they have without them
+        yield gauge("sglang:num_grammar_queue_reqs", "Requests waiting for a grammar (no constrained decoding: 0)", 0)
+        yield gauge("sglang:spec_accept_length", "Mean accepted draft length (no speculative decoding: 0)", 0)
         wv = InfoMetricFamily("sglang:weight_version", "Version of the weights being served", labels=labels)
         wv.add_metric(lv, {"weight_version": str(info["weight_version"])})
         yield wv

@@ -285,3 +285,23 @@ def test_metrics(server, client):
     for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate"):
         assert name in values
     assert f'weight_version="{info["weight_version"]}"' in values["sglang:weight_version_info"]
+    assert values["sglang:num_grammar_queue_reqs"].endswith(" 0.0")
+
+
+def test_gen_throughput_is_tokens_since_the_previous_scrape(server, client):
+    """sglang:gen_throughput = tokens generated between two scrapes / the seconds between them: positive after
+    a request ran in between, within the bounds the scrapes' own timestamps give; 0 with nothing generated."""
+    def scrape() -> float:
+        text = client.get("/metrics").text
+        line = next(ln for ln in text.splitlines() if ln.startswith("sglang:gen_throughput{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    before = server.engine.get_server_info()["num_generated_tokens"]
+    t0 = time.monotonic()
+    scrape()  # the window opens inside this call...
+    client.post("/generate", json=dict(input_ids=PROMPTS[1], sampling_params=GREEDY))
+    rate = scrape()  # ...and closes inside this one: it is shorter than t0 -> now
+    elapsed = time.monotonic() - t0
+    tokens = server.engine.get_server_info()["num_generated_tokens"] - before
+    assert tokens > 0 and rate >= tokens / elapsed
+    assert scrape() < rate  # nothing generated since: the next window is idle
