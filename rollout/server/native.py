@@ -206,6 +206,8 @@ async def sse(chunks, post=lambda c: c):
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(obj: GenerateReqInput, request: Request):
     engine = request.app.state.engine
+    if obj.text is None and obj.input_ids is None and obj.input_embeds is not None:
+        return error_response("input_embeds are not supported: pass text or input_ids", 400, param="input_embeds")
     if (obj.text is None) == (obj.input_ids is None):
         return error_response("pass exactly one of text or input_ids", 400, param="text")
     try:

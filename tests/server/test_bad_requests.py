@@ -14,6 +14,7 @@ GOOD = dict(input_ids=[5, 6, 7], sampling_params=dict(temperature=0, max_new_tok
 CASES = [
     ("/generate", b'{"text": "hi", ', "malformed JSON"),
     ("/generate", b'[1, 2]', "JSON object"),
+    ("/generate", {"input_embeds": [[0.1, 0.2]]}, "input_embeds are not supported"),  # alone, it is named
     # bodies json.loads refuses otherwise than as malformed JSON: each named (FastAPI says only "an error")
     ("/generate", b'{"text": "\xff", "sampling_params": {"max_new_tokens": 2}}', "not valid UTF-8 (byte 0xff"),
     ("/v1/completions", b'{"model": "tiny", "prompt": ' + b'[' * 100000 + b']' * 100000 + b'}', "nested too deeply"),
