@@ -33,16 +33,25 @@ class WeightsAPI:
         """Raise unless no request is in flight, generation is paused or `online` (then retract them);
         returns how many requests were retracted (SGLang's num_paused_requests). online None: the call has
         no such option (the refusal does not offer it)."""
+        problem = self._quiescence_problem(online)
+        if problem:
+            raise RuntimeError(problem)
         n = self.scheduler.num_in_flight()
-        if n and not (self._paused or online):
-            retract = "" if online is None else (
-                "pass online=True (over HTTP: `online` on /update_weights_from_disk, `force` on "
-                "/update_weights_from_tensor; they are retracted and go on under the new weights), ")
-            raise RuntimeError(f"{n} request(s) in flight; call pause_generation() first, {retract}"
-                               f"or wait for them to finish")
         if n:
             self.scheduler.retract_all()
         return n
+
+    def _quiescence_problem(self, online: bool | None) -> str | None:
+        """Why an update must be refused now (requests in flight, generation not paused, not online), or None.
+        Read without the lock it is a fast path only (a refusal before any file is opened); the lock's
+        check decides."""
+        n = self.scheduler.num_in_flight()
+        if not n or self._paused or online:
+            return None
+        retract = "" if online is None else (
+            "pass online=True (over HTTP: `online` on /update_weights_from_disk, `force` on "
+            "/update_weights_from_tensor; they are retracted and go on under the new weights), ")
+        return f"{n} request(s) in flight; call pause_generation() first, {retract}or wait for them to finish"
 
     def _bump_version(self, weight_version: str | None) -> None:
         """New weights: their label (`weight_version`, or the update count), and a new weights generation."""
@@ -163,6 +172,10 @@ class WeightsAPI:
         if load_format not in (None, "auto", "safetensors"):
             return (False, f"update_weights_from_disk failed: load_format={load_format!r} is not supported; "
                            f"choose None, 'auto', 'safetensors' or 'delta'", 0)
+        if not abort_all_requests:  # refused at once, before opening anything, when it would be refused anyway
+            problem = self._quiescence_problem(online)
+            if problem:
+                return False, f"update_weights_from_disk failed: {problem}", 0
         source = model_path
         # On the class: the TP runner forwards unknown attributes to its rank-0 runner, but its workers
         # open their own copy of the checkpoint, so it takes the path.

@@ -114,13 +114,16 @@ def test_get_load_and_submission_answer_within_two_steps(engine):
     assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
-def test_weight_update_and_release_answer_within_two_steps(engine, tiny_llama):
+def test_weight_update_and_release_answer_within_two_steps(engine, tiny_llama, monkeypatch):
     """update_weights_from_disk answers within two steps while the batch runs (refused: requests in
-    flight); after pause(in_place) the update and release/resume run, and the batch completes after
-    continue."""
+    flight, before the checkpoint is even opened); after pause(in_place) the update and release/resume run,
+    and the batch completes after continue."""
+    opened = []
+    real = type(engine.runner).open_checkpoint
+    monkeypatch.setattr(type(engine.runner), "open_checkpoint", lambda self, p: opened.append(p) or real(self, p))
     t, out = _start(engine)
     ok, msg, _ = _within_steps(engine, lambda: engine.update_weights_from_disk(str(tiny_llama)))
-    assert not ok and "pause_generation" in msg
+    assert not ok and "pause_generation" in msg and opened == []
     _within_steps(engine, lambda: engine.pause_generation(mode="in_place"))
     ok, msg, _ = engine.update_weights_from_disk(str(tiny_llama))
     assert ok, msg
