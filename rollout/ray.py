@@ -82,11 +82,10 @@ class EngineActor:
             if not runner.memory_saver.is_resident("weights"):
                 # Released storage cannot be read: refuse the update here (the engine would refuse it too).
                 raise RuntimeError("weights are released on this engine; resume_memory_occupation first")
+            names = [n for n in names if not runner.name_map.is_ignored(n)]  # what the engine never loads
             if getattr(runner, "config", None) is not None and getattr(runner.config, "tp_size", 1) > 1:
                 # Each rank holds a slice: read the reassembled HF tensor through the public API.
-                names = [n for n in names if not runner.name_map.is_ignored(n)]  # what the engine never loads
                 return [(n, torch.tensor(runner.get_weights_by_name(n, truncate_size=1 << 62))) for n in names]
-            names = [n for n in names if not runner.name_map.is_ignored(n)]  # what the engine never loads
             return [(n, runner.name_map.resolve(n).view().detach().to("cpu", copy=True)) for n in names]
 
     # A transaction spans several update calls (a sync of many buckets): the snapshot stays here, in the

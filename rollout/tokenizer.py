@@ -94,7 +94,7 @@ class TokenizerWrapper:
             return self.decode(ids, req)
         head = req.detok_head
         if head is None:  # once per request: the prompt does not change
-            head = req.detok_head = self.decode(list(context), req)
+            head = req.detok_head = self.decode(context, req)
         if head and not head.endswith("\ufffd"):
             full = self.decode([*context, *ids], req)
             if full.startswith(head):

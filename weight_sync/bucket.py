@@ -203,6 +203,16 @@ class FlattenedTensorBucket:
         return cls(flattened_tensor=flat, metadata=entries)
 
 
+def as_one_bucket(named_tensors, load_format: str | None) -> FlattenedTensorBucket:
+    """An Engine update argument as one bucket: with load_format "flattened_bucket" a bucket, its dict (ours
+    or SGLang's) or a list of them (merged into one); otherwise (name, tensor) pairs or a mapping."""
+    if load_format == "flattened_bucket":
+        parts = named_tensors if isinstance(named_tensors, list) else [named_tensors]
+        buckets = [b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b) for b in parts]
+        return buckets[0] if len(buckets) == 1 else FlattenedTensorBucket([p for b in buckets for p in b.named_tensors()])
+    return FlattenedTensorBucket(list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors))
+
+
 def _flatten(named_tensors: NamedTensors) -> tuple[Tensor, list[TensorMeta]]:
     """One `torch.cat` of the tensors' bytes (SGLang's layout for one dtype too); one device, unique names."""
     pairs = []

@@ -48,7 +48,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from weight_sync.bucket import FlattenedTensorBucket
+from weight_sync.bucket import FlattenedTensorBucket, as_one_bucket
 from weight_sync.remote_child import ALLOWED_METHODS, DELTA_BLOB, jsonable, resolve_factory, serve
 from weight_sync.shm import bucket_from_shm, bucket_to_shm, new_segment_prefix
 
@@ -224,15 +224,8 @@ class RemoteEngine:
                 blob = named_tensors if isinstance(named_tensors, torch.Tensor) else \
                     DeltaUpdate.from_blob(named_tensors).to_tensor()
                 bucket, wire = FlattenedTensorBucket([(DELTA_BLOB, blob)]), "shm_delta"
-            elif load_format != "flattened_bucket":
-                pairs = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-                bucket = FlattenedTensorBucket(pairs)
             else:
-                parts = named_tensors if isinstance(named_tensors, list) else [named_tensors]
-                buckets = [b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b)
-                           for b in parts]
-                bucket = buckets[0] if len(buckets) == 1 else \
-                    FlattenedTensorBucket([p for b in buckets for p in b.named_tensors()])
+                bucket = as_one_bucket(named_tensors, load_format)
         except (ValueError, TypeError) as e:
             return False, f"update_weights_from_tensor failed: {e}"
         ipc = self.weight_transport == "cuda_ipc" or (self.weight_transport == "auto"
@@ -258,13 +251,9 @@ class RemoteEngine:
         or with load_format="flattened_bucket" a bucket or its dict) in the shared-memory segment, the
         config as JSON. -> the engine's LoRAUpdateOutput as a dict."""
         try:
-            if load_format == "flattened_bucket":
-                bucket = tensors if isinstance(tensors, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(tensors)
-            elif load_format is None:
-                pairs = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
-                bucket = FlattenedTensorBucket(pairs)
-            else:
+            if load_format not in (None, "flattened_bucket"):
                 raise ValueError(f"load_format={load_format!r} is not supported (None or 'flattened_bucket')")
+            bucket = as_one_bucket(tensors, load_format)
             if bucket.device.type != "cpu":
                 raise ValueError(f"the adapter's tensors are on {bucket.device}; send host tensors")
         except (ValueError, TypeError) as e:

@@ -48,15 +48,10 @@ class HttpEngine:
 
             payload = base64.b64encode(DeltaUpdate.from_blob(named_tensors).to_bytes()).decode("ascii")
         elif load_format == "flattened_bucket":
-            from weight_sync.bucket import FlattenedTensorBucket
+            from weight_sync.bucket import as_one_bucket
             from weight_sync.wire import encode_bucket
 
-            parts = named_tensors if isinstance(named_tensors, list) else [named_tensors]
-            buckets = [b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b)
-                       for b in parts]
-            if len(buckets) > 1:
-                buckets = [FlattenedTensorBucket([p for b in buckets for p in b.named_tensors()])]
-            payload = encode_bucket(buckets[0])
+            payload = encode_bucket(as_one_bucket(named_tensors, load_format))
         elif load_format in (None, "auto"):
             from weight_sync.wire import encode_named_tensors
 
@@ -66,21 +61,19 @@ class HttpEngine:
         body = {"serialized_named_tensors": [payload], "load_format": load_format, "flush_cache": flush_cache,
                 "weight_version": weight_version}
         out = self._call("/update_weights_from_tensor", body)
-        if "success" not in out:  # the server's error shape (a 400 for a bad body)
-            err = out.get("error")
-            return False, f"update_weights_from_tensor failed: {err.get('message') if isinstance(err, dict) else out}"
+        if "success" not in out:
+            return False, f"update_weights_from_tensor failed: {_error_message(out)}"
         return bool(out["success"]), str(out.get("message", ""))
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict,
                                        load_format: str | None = None, pinned: bool = False) -> dict:
         """/load_lora_adapter_from_tensors: the adapter's PEFT-named tensors (a dict or pairs, or with
         load_format="flattened_bucket" a bucket or its dict) in the wire codec. -> SGLang's answer dict."""
-        from weight_sync.bucket import FlattenedTensorBucket
+        from weight_sync.bucket import as_one_bucket
         from weight_sync.wire import encode_bucket, encode_named_tensors
 
         if load_format == "flattened_bucket":
-            bucket = tensors if isinstance(tensors, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(tensors)
-            payload = encode_bucket(bucket)
+            payload = encode_bucket(as_one_bucket(tensors, load_format))
         elif load_format is None:
             payload = encode_named_tensors(tensors)
         else:
@@ -88,9 +81,8 @@ class HttpEngine:
         out = self._call("/load_lora_adapter_from_tensors", {
             "lora_name": lora_name, "config_dict": config_dict, "serialized_tensors": payload,
             "load_format": load_format, "pinned": pinned})
-        if "success" not in out:  # the server's error shape (a 400 for a bad body)
-            err = out.get("error")
-            return {"success": False, "error_message": err.get("message") if isinstance(err, dict) else str(out)}
+        if "success" not in out:
+            return {"success": False, "error_message": _error_message(out)}
         return out
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
@@ -109,3 +101,9 @@ class HttpEngine:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _error_message(out: dict) -> str:
+    """The message of the server's error shape (a 400 for a bad body), or the whole answer."""
+    err = out.get("error")
+    return err.get("message") if isinstance(err, dict) else str(out)

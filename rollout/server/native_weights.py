@@ -30,7 +30,7 @@ from rollout.server.common import (
     truncate,
 )
 from rollout.server.native import Body
-from rollout.server.tensor_codec import PayloadError, decode_and_update
+from rollout.server.tensor_codec import PayloadError, decode_and_update, only_if_set
 
 router = APIRouter()
 
@@ -43,12 +43,6 @@ def _result(res) -> JSONResponse:
     if len(res) > 2:
         body["num_paused_requests"] = res[2]
     return JSONResponse(body, status_code=200 if ok else 400)
-
-
-def _only_if_set(**flags: bool) -> dict:
-    """The flags that are True: an engine whose method lacks one is only ever passed it when asked for it.
-    abort_all_requests is the engine's to apply, after a successful update, so a refused one aborts nothing."""
-    return {k: True for k, v in flags.items() if v}
 
 
 class UpdateWeightFromDiskReqInput(Body):
@@ -71,7 +65,7 @@ async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: R
         return JSONResponse({"success": False, "message": refused, "num_paused_requests": 0}, status_code=400)
     res = await run_blocking(request, engine.update_weights_from_disk, obj.model_path, load_format=obj.load_format,
                              weight_version=obj.weight_version, flush_cache=obj.flush_cache,
-                             **_only_if_set(online=obj.online, abort_all_requests=obj.abort_all_requests))
+                             **only_if_set(online=obj.online, abort_all_requests=obj.abort_all_requests))
     # SGLang always reports how many requests were paused across the update.
     return _result(res if len(res) > 2 else (*res, 0))
 
@@ -172,7 +166,7 @@ async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqIn
         kwargs["load_format"] = obj.load_format
     try:
         res = await run_blocking(request, engine.update_weights_from_distributed, obj.names, obj.dtypes, obj.shapes,
-                                 **kwargs, **_only_if_set(abort_all_requests=obj.abort_all_requests))
+                                 **kwargs, **only_if_set(abort_all_requests=obj.abort_all_requests))
     except Exception as e:
         return engine_error(e)
     return _result(res)

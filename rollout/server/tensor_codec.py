@@ -133,6 +133,11 @@ def decode_payload(serialized: str, load_format: str | None) -> tuple[object, st
     return decode_named_tensors(serialized), load_format
 
 
+def only_if_set(**flags: bool) -> dict:
+    """The flags that are True: an engine whose method lacks one is only ever passed it when asked for it."""
+    return {k: True for k, v in flags.items() if v}
+
+
 def decode_and_update(engine, serialized: str, load_format: str | None, flush_cache: bool,
                       weight_version: str | None, abort_all_requests: bool, online: bool = False):
     """/update_weights_from_tensor next to the engine: decode (PayloadError if malformed: then nothing
@@ -149,10 +154,9 @@ def update_and_release(engine, payload, load_format, flush_cache, weight_version
                        abort_all_requests: bool = False):
     """The update, then (CUDA IPC) a synchronize, so nothing still reads a sender's memory once we reply."""
     try:
-        # only when asked: other engines' signatures lack them
-        kw = {k: True for k, v in (("online", online), ("abort_all_requests", abort_all_requests)) if v}
         return engine.update_weights_from_tensor(payload, load_format=load_format, flush_cache=flush_cache,
-                                                 weight_version=weight_version, **kw)
+                                                 weight_version=weight_version,
+                                                 **only_if_set(online=online, abort_all_requests=abort_all_requests))
     finally:
         flats = [b["flattened_tensor"] for b in payload if isinstance(b, dict)] if isinstance(payload, list) else []
         if any(t.is_cuda for t in flats if isinstance(t, torch.Tensor)):
