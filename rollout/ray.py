@@ -424,22 +424,50 @@ class EngineGroup:
             (len(blobs) if ok else 0)
 
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
-                                   weight_version: str | None = None, online: bool = False) -> tuple[bool, str]:
+                                   weight_version: str | None = None, online: bool = False,
+                                   abort_all_requests: bool = False) -> tuple[bool, str]:
         """Engine.update_weights_from_tensor on every engine, committed on all or none. online=True: each
-        engine retracts its requests in flight (they go on under the new weights) instead of refusing."""
+        engine retracts its requests in flight (they go on under the new weights) instead of refusing.
+        abort_all_requests=True: see `_abort_after`."""
         names = _update_names(named_tensors, load_format)
-        return self._atomic_update("update_weights_from_tensor", names, (named_tensors,),
-                                   dict(load_format=load_format, flush_cache=flush_cache,
-                                        weight_version=weight_version, online=online))
+        return self._abort_after(abort_all_requests, lambda online_: self._atomic_update(
+            "update_weights_from_tensor", names, (named_tensors,),
+            dict(load_format=load_format, flush_cache=flush_cache, weight_version=weight_version,
+                 online=online_)), online)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 weight_version: str | None = None, flush_cache: bool = True, online: bool = False
-                                 ) -> tuple[bool, str, int]:
-        """SGLang's shape: (success, message, num_paused_requests); the group pauses nothing itself."""
-        ok, msg = self._atomic_update("update_weights_from_disk", None, (str(model_path),),
-                                      dict(load_format=load_format, weight_version=weight_version,
-                                           flush_cache=flush_cache, online=online))
+                                 weight_version: str | None = None, flush_cache: bool = True, online: bool = False,
+                                 abort_all_requests: bool = False) -> tuple[bool, str, int]:
+        """SGLang's shape: (success, message, num_paused_requests); the group pauses nothing itself.
+        abort_all_requests=True: see `_abort_after`."""
+        ok, msg = self._abort_after(abort_all_requests, lambda online_: self._atomic_update(
+            "update_weights_from_disk", None, (str(model_path),),
+            dict(load_format=load_format, weight_version=weight_version, flush_cache=flush_cache,
+                 online=online_)), online)
         return ok, msg, 0
+
+    def _abort_after(self, abort_all_requests: bool, update, online: bool) -> tuple[bool, str]:
+        """SGLang's abort_all_requests over the group: requests in flight do not refuse the update (each
+        engine retracts them, as online=True), and once every engine committed, every request in flight on
+        every engine is aborted (also one submitted while the update ran). A group that rolls back aborts
+        nothing: an engine's own abort_all_requests would already have aborted its requests when another
+        engine's refusal rolled it back, and those would be lost with nothing loaded."""
+        if not isinstance(abort_all_requests, bool):
+            raise TypeError(f"abort_all_requests must be a bool, got {abort_all_requests!r}")
+        if not abort_all_requests:
+            return update(online)
+        ok, msg = update(True)
+        if ok:
+            aborted = sum(self._all("abort_request", "", True))
+            msg = f"{msg}; aborted {aborted} request(s) in flight"
+        return ok, msg
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
+        """Engine.abort_request on every engine (a rid lives on one of them; the others find nothing).
+        Returns how many requests were aborted in all."""
+        if not isinstance(rid, str) or not isinstance(abort_all, bool):
+            raise TypeError(f"abort_request takes rid: str and abort_all: bool, got {rid!r}, {abort_all!r}")
+        return sum(self._all("abort_request", rid, abort_all))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str = "gloo", **kwargs) -> tuple[bool, str]:

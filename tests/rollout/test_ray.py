@@ -332,3 +332,41 @@ def test_a_name_the_engines_ignore_is_accepted_by_the_group(group, trainer):
     ok, msg = group.update_weights_from_tensor(named, weight_version="with-ignored")
     assert ok, msg
     assert_same(greedy(group), trained)
+
+
+def test_group_abort_request_finds_the_engine_that_holds_the_rid(group):
+    """abort_request on the group reaches every engine: the one running the rid aborts it (its output ends as
+    abort), the others find nothing, and the count is the group's total."""
+    busy = _busy_engine_1(group, "group-abort")
+    assert group.abort_request("group-abort") == 1
+    out = ray.get(busy, timeout=120)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert group.abort_request("group-abort") == 0  # finished: a no-op, as on one engine
+    with pytest.raises(TypeError, match="abort_all"):
+        group.abort_request("x", abort_all="yes")
+
+
+def test_abort_all_requests_aborts_only_once_every_engine_committed(group, ckpt, trainer):
+    """update_*(abort_all_requests=True) on the group: a request in flight does not refuse the update, and it
+    is aborted only after every engine committed; an update the engines refuse aborts nothing."""
+    model, _, want = trainer
+    ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base5")
+    assert ok, msg
+    busy = _busy_engine_1(group, "abort-all")
+    try:
+        bad = [("model.embed_tokens.weight", torch.zeros(3, 3))]  # refused by every engine: wrong shape
+        ok, msg = group.update_weights_from_tensor(bad, abort_all_requests=True)
+        assert not ok and "rolled back" in msg, msg
+        assert group.weight_version == "base5"
+        assert ray.get(group.handles[1].call.remote("get_server_info", (), {}), timeout=60)["num_in_flight"] == 1
+        ok, msg = group.update_weights_from_tensor(list(model.state_dict().items()), weight_version="trained5",
+                                                   abort_all_requests=True)
+        assert ok and "aborted 1 request" in msg, msg
+        out = ray.get(busy, timeout=120)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        group.abort_request("abort-all")
+    assert group.weight_version == "trained5"
+    assert_same(greedy(group), want)
+    ok, msg, _ = group.update_weights_from_disk(str(ckpt), abort_all_requests=True)  # nothing in flight
+    assert ok and "aborted 0 request" in msg, msg
