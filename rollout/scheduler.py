@@ -755,4 +755,8 @@ class Scheduler:
             return FinishReason("length", sp.max_new_tokens)
         if req.seq_len >= self.runner.context_len:
             return FinishReason("length", self.runner.context_len)
+        # SGLang clips max_new_tokens to what the pool can hold for the request alone: it ends as length, not
+        # as an abort once the pool is full (RL clients resubmit an aborted sample, which would fail again).
+        if req.seq_len >= self.kv.kv_pool.size:
+            return FinishReason("length", self.kv.kv_pool.size)
         return None

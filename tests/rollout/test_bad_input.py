@@ -202,3 +202,21 @@ def test_request_larger_than_kv_pool_aborts_with_reason(tiny_llama, make_engine,
     assert "max_total_tokens" in big["meta_info"]["finish_reason"]["message"]
     assert ok["output_ids"] == ref_ids
     assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == ref_ids
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_request_whose_output_outgrows_the_pool_ends_as_length(tiny_llama, make_engine, hf_models, overlap):
+    """A prompt that fits the KV pool but whose max_new_tokens would not ends as length when prompt + output fill
+    the pool (SGLang clips max_new_tokens so), its tokens HF's, not as an abort an RL client would resubmit;
+    a request beside it is untouched and the pool is whole afterwards."""
+    engine = make_engine(tiny_llama, max_total_tokens=40, disable_overlap_schedule=not overlap)
+    prompt = [5, 9, 13, 17, 21] * 6  # 30 tokens: 10 slots left for its output
+    want, _ = hf_generate(hf_models(tiny_llama), prompt, 10)
+    long = dict(temperature=0.0, max_new_tokens=25, ignore_eos=True)
+    out = engine.generate(input_ids=prompt, sampling_params=long)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    assert out["output_ids"] == want
+    ref_ids, _ = hf_generate(hf_models(tiny_llama), PROMPT, 8)
+    assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == ref_ids
+    engine.flush_cache()
+    assert engine.get_load()["num_tokens"] == 0
