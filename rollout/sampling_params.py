@@ -24,6 +24,11 @@ from rollout import stop_match
 _GREEDY_BELOW = 1e-6  # temperatures under this are greedy
 # |bias| / temperature stays below 1e12 (float32's max is 3.4e38): finite however many tokens are biased.
 MAX_LOGIT_BIAS = 1e6
+# The sampler divides float32 logits by these: a temperature over this bound (finite as a Python float, but
+# inf in float32 past 3.4e38) turns a banned token's -inf into NaN, and a repetition penalty under this one
+# overflows a positive logit. Within both bounds (and the bias's) every scaled logit stays under 1e18.
+MAX_TEMPERATURE = 1e6
+MIN_REPETITION_PENALTY = 1e-6
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 # SGLang sampling params not implemented here. None (their default, what a client dumping every field sends)
 # is dropped, as SGLang ignores it; any other value is refused naming what it asks for.
@@ -128,8 +133,9 @@ class SamplingParams:
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"sampling param min_new_tokens={self.min_new_tokens} exceeds "
                              f"max_new_tokens={self.max_new_tokens} (it must be in [0, max_new_tokens])")
-        if self.temperature < 0:
-            raise ValueError(f"sampling param temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"sampling param temperature must be in [0, {MAX_TEMPERATURE:g}] (a larger one "
+                             f"overflows the sampler's float32 logits), got {self.temperature}")
         if self.temperature < _GREEDY_BELOW:  # as SGLang: dividing by ~0 would overflow the logits
             self.temperature = 0.0
         if not 0 < self.top_p <= 1:
@@ -155,8 +161,9 @@ class SamplingParams:
             if not _is_int_like(self.seed):
                 raise ValueError(f"sampling param seed must be an int or None, got {self.seed!r}")
             self.seed = int(self.seed)
-        if not 0 < self.repetition_penalty <= 2:  # SGLang's bound above; 0 would divide by zero
-            raise ValueError(f"sampling param repetition_penalty must be in (0, 2] (1 = off), "
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:  # SGLang's bound above; 0 divides by 0
+            raise ValueError(f"sampling param repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2] "
+                             f"(1 = off; a smaller one overflows the sampler's float32 logits), "
                              f"got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):  # OpenAI's and SGLang's range
             if not -2 <= getattr(self, name) <= 2:

@@ -66,6 +66,14 @@ def uniform_from_seed_mix(seed_mix: torch.Tensor, steps: torch.Tensor) -> torch.
     return (_shr(h, 40).to(torch.float64) + 0.5) / float(1 << 24)
 
 
+def below_one(u: torch.Tensor) -> torch.Tensor:
+    """u with its values kept under 1 in its own dtype. The largest uniform, 1 - 2^-25, rounds to 1.0 in
+    float32 (once in 2^24 draws), and a draw of 1.0 finds no CDF entry above it: inverse_cdf would take the
+    last vocabulary id whatever its probability. Clamped to the largest float32 under 1; every other value
+    is unchanged (runner/csrc/sampler.cpp clamps alike)."""
+    return u.clamp_(max=1.0 - torch.finfo(u.dtype).eps / 2)
+
+
 @dataclass
 class SamplingBatchInfo:
     temperatures: torch.Tensor  # [bs] fp32, 0 = greedy
@@ -384,7 +392,7 @@ class Sampler:
             del scaled, masked
             if info.seed_mix is None:
                 info.seed_mix = splitmix64(info.seeds)
-            u = uniform_from_seed_mix(info.seed_mix, info.steps).to(probs.dtype)
+            u = below_one(uniform_from_seed_mix(info.seed_mix, info.steps).to(probs.dtype))
             ids = inverse_cdf(probs, u)  # [bs], the draw from the distribution sampled from
             # Rounding at the very top of the CDF could land on a masked (or underflowed, zero
             # probability) tail token: take argmax then.

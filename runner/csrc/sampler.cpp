@@ -131,7 +131,10 @@ std::tuple<Tensor, Tensor> sample_block(const Tensor& logits, const Tensor& temp
     for (int64_t i = 0; i < bs; ++i) {
       const uint64_t mix = mp ? static_cast<uint64_t>(mp[i]) : splitmix64(static_cast<uint64_t>(sp[i]));
       const uint64_t h = splitmix64(mix ^ static_cast<uint64_t>(tp[i]));
-      up[i] = static_cast<float>((static_cast<double>(h >> 40) + 0.5) / static_cast<double>(1 << 24));
+      // The largest value, 1 - 2^-25, rounds to 1.0f: kept at the largest float under 1 (runner/sampler.py
+      // below_one), or inverse_cdf would take the last vocabulary id whatever its probability.
+      up[i] = std::min(static_cast<float>((static_cast<double>(h >> 40) + 0.5) / static_cast<double>(1 << 24)),
+                       0x1.fffffep-1f);
     }
     ids = inverse_cdf(probs, u);
     const Tensor chosen_ok = probs.gather(1, ids.unsqueeze(1)).squeeze(1) > 0;

@@ -118,7 +118,9 @@ def test_bad_new_params_are_refused_naming_them(env):
     """Out-of-range penalties, bad logit_bias keys or ids, unknown keys: ValueError naming the field."""
     engine, _ = env
     for sp, needle in [(dict(repetition_penalty=0), "repetition_penalty"),
-                       (dict(repetition_penalty=2.5), r"repetition_penalty must be in \(0, 2\]"),  # SGLang's bound
+                       (dict(repetition_penalty=2.5), r"repetition_penalty must be in \[1e-06, 2\]"),  # SGLang's top
+                       (dict(repetition_penalty=1e-40), "repetition_penalty"),  # overflows a float32 logit
+                       (dict(temperature=1e39), "temperature"), (dict(temperature=2e6), "temperature"),
                        (dict(frequency_penalty=3), "frequency"),
                        (dict(presence_penalty=float("nan")), "presence_penalty"),
                        (dict(logit_bias={"x": 1.0}), "logit_bias"), (dict(logit_bias={99999: 1.0}), "logit_bias"),
@@ -129,6 +131,19 @@ def test_bad_new_params_are_refused_naming_them(env):
         engine.generate(input_ids=[5, 6], return_logprob=True, logprob_start_len=2)
     with pytest.raises(ValueError, match="token_ids_logprob"):
         engine.generate(input_ids=[5, 6], return_logprob=True, token_ids_logprob=[99999])
+
+
+def test_extreme_temperature_and_penalty_within_bounds_keep_logprobs_finite(env):
+    """At the largest temperature and the smallest repetition penalty accepted, with a banned token (a -1e6
+    bias) and top_k, every logprob is finite (a float32 inf temperature made the ban NaN and sampling fall back
+    to greedy) and no banned token is sampled."""
+    engine, _ = env
+    for extra in (dict(temperature=1e6, top_k=5), dict(temperature=0.7, repetition_penalty=1e-6)):
+        out = engine.generate(input_ids=[5, 6, 7, 5, 6], return_logprob=True, sampling_params=dict(
+            max_new_tokens=6, ignore_eos=True, seed=3, logit_bias={"9": -1e6}, **extra))
+        lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert len(lps) == 6 and all(math.isfinite(lp) for lp in lps), (extra, lps)
+        assert 9 not in out["output_ids"]
 
 
 def test_max_new_tokens_none_runs_to_the_context(tiny_llama, make_engine):

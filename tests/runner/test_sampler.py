@@ -354,3 +354,36 @@ def test_batches_beyond_the_plain_path_keep_the_python_sampler(cpu_direct, monke
     got = fast(_logits(1), info)
     assert calls == []
     assert torch.equal(got.next_token_ids, sampler(_logits(1), info).next_token_ids)
+
+
+TOP_DRAW_SEED = 14790804  # splitmix64(splitmix64(seed) ^ 0) has its top 24 bits all set: the largest uniform
+
+
+@pytest.mark.parametrize("path", ["python", "plain_op"])
+def test_the_largest_uniform_draws_by_probability_not_the_last_id(path, request):
+    """The (seed, step) whose uniform is the largest, 1 - 2^-25 (1.0 once rounded to float32), draws the token the
+    float64 inverse CDF gives at the largest float32 under 1, never the last vocabulary id for being last (here
+    it has probability ~1e-18: it used to be taken once in 2^24 draws)."""
+    from runner.sampler import seeded_uniform
+
+    u = seeded_uniform(torch.tensor([TOP_DRAW_SEED]), torch.tensor([0]))
+    assert u.item() == 1 - 2**-25 and u.float().item() == 1.0  # the case itself
+    vocab = 64
+    logits = _logits(1, vocab, seed=5)
+    logits[0, -1] = -40.0
+    p = torch.softmax(logits[0].double(), dim=-1)
+    cdf = p.cumsum(dim=-1)
+    want = int(torch.searchsorted(cdf, torch.tensor([(1 - 2**-24) * cdf[-1].item()], dtype=torch.float64),
+                                  right=True))
+    assert want != vocab - 1
+    fast = Sampler()
+    if path == "plain_op":
+        fast.cpu_ops = request.getfixturevalue("cpu_direct")
+    info = _info([{"temperature": 1.0, "seed": TOP_DRAW_SEED, "step": 0}], vocab)
+    info.need_logprobs = True
+    out = fast(logits, info)
+    assert out.next_token_ids.tolist() == [want]
+    # Every other draw is unchanged: the clamp touches only values that round to 1.0.
+    from runner.sampler import below_one
+    draws = seeded_uniform(torch.arange(1000), torch.arange(1000)).float()
+    assert torch.equal(below_one(draws.clone()), draws)
