@@ -738,10 +738,9 @@ class Scheduler:
     def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         sp = req.sampling_params
         num_out = len(req.output_ids)
-        if num_out > sp.min_new_tokens or num_out == sp.max_new_tokens:  # (None: no limit but the context)
-            if token in sp.stop_token_ids:
-                return FinishReason("stop", token)
-            if not sp.ignore_eos and token in self.eos_ids:
+        # ignore_eos also ignores stop_token_ids, as SGLang's token-based finish check does (vLLM's does not).
+        if not sp.ignore_eos and (num_out > sp.min_new_tokens or num_out == sp.max_new_tokens):
+            if token in sp.stop_token_ids or token in self.eos_ids:  # (max_new_tokens None: only the context)
                 return FinishReason("stop", token)
         # Stop strings before the limits, as stop tokens above: a stop the last allowed token completes is a
         # stop (its text trimmed), not a truncation that keeps the stop text.

@@ -181,7 +181,8 @@ def test_min_new_tokens_bans_stop_tokens(engine):
     prompt = random_prompts([10], seed=38)[0]
     base = engine.generate(input_ids=prompt, sampling_params=_sp(6, max_new_tokens=20))["output_ids"]
     stop = base[2]
-    out = engine.generate(input_ids=prompt, sampling_params=_sp(6, max_new_tokens=20, stop_token_ids=[stop]))
+    out = engine.generate(input_ids=prompt, sampling_params=_sp(6, max_new_tokens=20, stop_token_ids=[stop],
+                                                                ignore_eos=False))  # ignore_eos ignores them too
     assert out["output_ids"] == base[: base.index(stop) + 1]
     out = engine.generate(input_ids=prompt, sampling_params=_sp(6, max_new_tokens=20, stop_token_ids=[stop],
                                                                 min_new_tokens=8, ignore_eos=False))

@@ -144,13 +144,17 @@ def test_min_new_tokens_bans_eos_like_hf(ckpt_factory, make_engine, hf_models):
 
 
 def test_stop_token_ids(arch_env):
-    """stop_token_ids end generation at the first such token: output is the greedy run up to and including it."""
+    """stop_token_ids end generation at the first such token: output is the greedy run up to and including it;
+    with ignore_eos they are ignored too (SGLang's rule), and the run is the whole greedy one."""
     _, engine, _, prompts, refs = arch_env
     ref_ids = refs[4][0]
     k = _first_new_token(ref_ids, 2)
-    out = engine.generate(input_ids=prompts[4], sampling_params={**GREEDY, "stop_token_ids": [ref_ids[k]]})
+    out = engine.generate(input_ids=prompts[4], sampling_params={**GREEDY, "stop_token_ids": [ref_ids[k]],
+                                                                 "ignore_eos": False})  # else ignored, as SGLang
     assert out["output_ids"] == ref_ids[: k + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref_ids[k]}
+    ignored = engine.generate(input_ids=prompts[4], sampling_params={**GREEDY, "stop_token_ids": [ref_ids[k]]})
+    assert ignored["output_ids"] == ref_ids and ignored["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_max_new_tokens_zero(arch_env):

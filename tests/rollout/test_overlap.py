@@ -54,7 +54,7 @@ def test_greedy_with_stops_equals_off_and_hf(tiny_llama, make_engine, hf_models)
     ref = engines["off"].generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 24,
                                                                       "ignore_eos": True})
     # Stop each odd request at the token it produces at step 6 (a stop token the schedule cannot foresee).
-    params = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": True,
+    params = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": not i % 2,  # ignore_eos ignores stop ids
                "stop_token_ids": [r["output_ids"][6]] if i % 2 else []} for i, r in enumerate(ref)]
     outs = _run_both(engines, input_ids=PROMPTS, sampling_params=params)
     _assert_same(outs["on"], outs["off"])
@@ -214,8 +214,7 @@ def test_kv_of_a_finished_request_is_freed_only_after_the_step_that_reads_it(tin
         return deferred
 
     kv.release, overlap.defer_release = release, defer
-    params = [{"temperature": 0, "max_new_tokens": 16, "ignore_eos": True, "stop_token_ids": [r["output_ids"][5]]}
-              for r in ref]
+    params = [{"temperature": 0, "max_new_tokens": 16, "stop_token_ids": [r["output_ids"][5]]} for r in ref]
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     assert seen["deferred"] > 0 and seen["early"] == 0
     for out, r in zip(outs, ref):

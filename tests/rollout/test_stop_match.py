@@ -50,12 +50,13 @@ def test_a_matched_stop_token_is_trimmed_from_text_as_sglang(engine):
     tok = engine.tokenizer.tokenizer
     free = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=20))["output_ids"]
     stop_id = next(t for t in free[3:] if tok.decode([t]).strip())  # a token with visible text, not the first
-    out = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=20, stop_token_ids=[stop_id]))
+    out = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=20, stop_token_ids=[stop_id], ignore_eos=False))
     cut = free.index(stop_id) + 1
     assert out["output_ids"] == free[:cut]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     assert out["text"] == tok.decode(free[: cut - 1], skip_special_tokens=True)
-    kept = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=20, stop_token_ids=[stop_id], no_stop_trim=True))
+    kept = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=20, stop_token_ids=[stop_id], no_stop_trim=True,
+                                        ignore_eos=False))
     assert kept["text"] == tok.decode(free[:cut], skip_special_tokens=True) != out["text"]
     eos = engine.eos_ids[0]
     raw = engine.generate(PROMPT, dict(temperature=0, max_new_tokens=20, skip_special_tokens=False,
