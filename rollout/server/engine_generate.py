@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import defaultdict
 
 from rollout.engine import prompt_token_ids
@@ -216,6 +217,9 @@ def _abort_all(calls: list, reason: str) -> None:
             if not req.finished:
                 req.finished_reason = FinishReason("abort", message=reason)
                 req.error = reason
+                # The engine process never sent this request's times: end it now. perf_counter is the
+                # system's monotonic clock on Linux, the one the engine process read created_time from.
+                req.finished_time = max(time.perf_counter(), req.created_time)
                 call.offer("final", req)
 
 

@@ -127,6 +127,9 @@ class _Histogram:
         return fam
 
 
+_FINISH_REASONS = ("stop", "length", "abort")  # each has a sample from the start, 0 until one finishes so
+
+
 class RequestMetrics:
     """Latency histograms and finish-reason counts, fed by the engine as each request finishes; a
     collector of the app's registry."""
@@ -158,13 +161,21 @@ class RequestMetrics:
         yield self.itl.family("sglang:inter_token_latency_seconds", "Gap between consecutive output tokens "
                               "(each request's gaps at their mean)", labels, values)
         yield self.e2e.family("sglang:e2e_request_latency_seconds", "Submission to final output", labels, values)
-        fam = CounterMetricFamily("sglang:num_requests", "Finished requests by finish reason",
-                                  labels=["model_name", "finish_reason"])
         with self.lock:
             finished = dict(self.finished)
-        for reason, n in sorted(finished.items()):
-            fam.add_metric([self.model_name, reason], n)
-        yield fam
+        # SGLang's two counters, by model name only and present from the start: sglang-router merges the
+        # workers' /metrics and fails while one worker lacks a sample another has, or labels it differently.
+        total = CounterMetricFamily("sglang:num_requests", "Finished requests", labels=labels)
+        total.add_metric(values, sum(finished.values()))
+        yield total
+        aborted = CounterMetricFamily("sglang:num_aborted_requests", "Requests finished as abort", labels=labels)
+        aborted.add_metric(values, finished.get("abort", 0))
+        yield aborted
+        by_reason = CounterMetricFamily("rollout:finished_requests", "Finished requests by finish reason",
+                                        labels=["model_name", "finish_reason"])
+        for reason in sorted(set(finished) | set(_FINISH_REASONS)):
+            by_reason.add_metric([self.model_name, reason], finished.get(reason, 0))
+        yield by_reason
 
 
 def make_registry(engine, model_name: str) -> tuple[CollectorRegistry, RequestMetrics]:

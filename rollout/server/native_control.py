@@ -140,6 +140,9 @@ async def abort_request(obj: AbortReq, request: Request):
 # ---- memory -----------------------------------------------------------------------------------
 class MemoryOccupationReqInput(Body):
     tags: list[str] | None = None
+    # verl posts it with every release (and SGLang's bodies ignore keys they do not know): there is no KV
+    # connector here to reset, so it changes nothing.
+    reset_connector: bool | None = None
 
 
 @router.post("/release_memory_occupation")  # POST only: it changes state (security.py)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout.server.common import Body
 
 MAX_TOP_LOGPROBS = 20
+_ROUTING_FIELDS = ("data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank", "bootstrap_host",
+                   "bootstrap_port", "bootstrap_room")
 
 
 class StreamOptions(Body):
@@ -74,6 +76,23 @@ class SamplingFields(Body):
     regex: None = None
     json_schema: None = None
     ebnf: None = None
+    # SGLang's routing fields, as on /generate: sglang-router --dp-aware adds data_parallel_rank to every body.
+    # Taken at their neutral value (rank 0 or null: this server is one data-parallel rank, no PD split),
+    # refused naming the field otherwise (rollout/sglang_generate_args.py).
+    data_parallel_rank: Any = None
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+
+    @field_validator(*_ROUTING_FIELDS)
+    @classmethod
+    def _routing_field_neutral(cls, value, info):
+        from rollout.sglang_generate_args import check_generate_args
+
+        check_generate_args({info.field_name: value}, "this server")
+        return value
 
     def sampling_params(self, max_new_tokens: int | None) -> dict:
         sp: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,

@@ -20,7 +20,7 @@ its own name resolve to 127.0.0.1. `RequestGuard` closes those doors before any 
 
 Starlette's TrustedHostMiddleware checks names only and answers in plain text; this guard checks the
 Origin too and answers in the server's error shape. `APIKeyMiddleware` requires
-`Authorization: Bearer <key>` on every path but /health. Neither buffers bodies, so streaming and
+`Authorization: Bearer <key>` on every path but /health, /health_generate and /metrics (SGLang's). Neither buffers bodies, so streaming and
 disconnect detection are untouched.
 """
 
@@ -36,7 +36,9 @@ from rollout.server.args import API_KEY_ENV
 from rollout.server.common import error_response
 
 logger = logging.getLogger("rollout.server")
-OPEN_PATHS = frozenset({"/health"})
+# As SGLang's API-key middleware: health probes and the Prometheus scrape need no key (a router's or a
+# scraper's prober does not send one); every other path does.
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 

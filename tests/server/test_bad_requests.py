@@ -121,16 +121,19 @@ def _app_routes(app) -> list[tuple[str, str]]:
 
 
 def test_api_key(server):
-    """With --api-key every route the app has but /health needs 'Authorization: Bearer <key>': 401 without
-    it or with a wrong one, before the handler runs (the engine is untouched), then served with it."""
+    """With --api-key every route the app has but SGLang's open ones (/health, /health_generate, /metrics: what a
+    router's prober or a Prometheus scraper calls without a key) needs 'Authorization: Bearer <key>': 401
+    without it or with a wrong one, before the handler runs (the engine is untouched), then served with it."""
     with start_server(server.path, engine=server.engine, api_key="s3cret") as s:
         routes = _app_routes(s.thread.server.config.app)
         assert len({p for _, p in routes}) >= 25, routes  # the enumeration found the app's routes
         version = server.engine.weight_version
         with httpx.Client(base_url=s.url, timeout=30) as c:
-            assert c.get("/health").status_code == 200
+            open_paths = ("/health", "/health_generate", "/metrics")
+            for path in open_paths:
+                assert c.get(path).status_code == 200, path
             for method, path in routes:
-                if path == "/health":
+                if path in open_paths:
                     continue
                 for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                     r = c.request(method, path, json={}, headers=headers)

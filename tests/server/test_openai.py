@@ -156,6 +156,23 @@ def test_openai_bookkeeping_fields_change_nothing(server):
         assert r.status_code == 400 and "reasoning_effort" in r.text
 
 
+def test_sglang_routing_fields_at_rank_0_change_nothing_and_others_are_named(server, client):
+    """data_parallel_rank / routed_dp_rank 0 (sglang-router --dp-aware adds the first to every body) give the same
+    completion as without them; rank 1 or a PD bootstrap host is a 400 naming the field; chat takes them too."""
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+    plain = client.post("/v1/completions", json=body)
+    for extra in ({"data_parallel_rank": 0}, {"routed_dp_rank": 0, "bootstrap_room": None}):
+        r = client.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"], r.text
+    for field, value in (("data_parallel_rank", 1), ("routed_dp_rank", 3), ("bootstrap_host", "10.0.0.1")):
+        r = client.post("/v1/completions", json={**body, field: value})
+        assert r.status_code == 400 and field in r.text, r.text
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "data_parallel_rank": 2}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "data_parallel_rank" in r.text, r.text
+
+
 def test_chat_template_is_the_tokenizers(server):
     """With a chat template, the prompt is exactly the tokenizer's apply_chat_template output, tokenized."""
     tok = server.engine.tokenizer.tokenizer

@@ -138,9 +138,12 @@ def test_metrics_latency_histograms_and_finish_reasons(server):
             tokens.append(len(out["output_ids"]))
         assert set(reasons) >= {"length", "stop"}, reasons
         samples = _samples(c.get("/metrics").text)
-        for reason, n in reasons.items():
-            assert _metric(samples, "sglang:num_requests_total", finish_reason=reason) == n
+        for reason in ("stop", "length", "abort"):
+            assert _metric(samples, "rollout:finished_requests_total", finish_reason=reason) == reasons.get(reason, 0)
         assert _metric(samples, "sglang:num_requests_total") == len(bodies)
+        assert _metric(samples, "sglang:num_aborted_requests_total") == reasons.get("abort", 0)
+        assert {tuple(k for k, _ in lab) for (n, lab), _ in samples.items() if n == "sglang:num_requests_total"} \
+            == {("model_name",)}  # SGLang's labels: sglang-router merges workers' metrics by them
         assert _metric(samples, "sglang:e2e_request_latency_seconds_count") == len(bodies)
         assert _metric(samples, "sglang:e2e_request_latency_seconds_sum") == pytest.approx(e2e, rel=1e-9)
         buckets = {float(dict(lab)["le"]): v for (n, lab), v in samples.items()
