@@ -10,7 +10,8 @@ client's own cost stays small). Both servers are started here (`python -m rollou
 `python -m vllm.entrypoints.openai.api_server` from vLLM's venv, with the same thread binding, tcmalloc
 and KV space as bench/vllm_peer.py gives its offline run), both stay up the whole run (an idle server
 costs nothing: each side's CPU seconds during the other's run are printed to show it), both are warmed,
-then `--repeat` pairs of runs alternate between them, swapping which goes first each pair. Prints each
+then `--repeat` pairs of runs alternate between them, swapping which goes first each pair; each pair sends
+new random prompts (the same to both sides), so no run is served from a prefix cache another run filled. Prints each
 run's output tok/s, p50/p99 latency and time to first token, and each server's CPU seconds, then the
 median of the pairs' tok/s ratios (this server / vLLM) with the load average. Every wait is bounded.
 
@@ -172,9 +173,11 @@ def main() -> None:
                 write_word_tokenizer(model)
         max_len = args.prompt_len + args.output_len + 16
         threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
-        prompts = make_prompts(args.num_requests, args.prompt_len, vocab_size_of(model), seed=0)
-        reqs = [dict(model=MODEL_NAME, prompt=ids, max_tokens=args.output_len, temperature=1.0, ignore_eos=True,
-                     stream=True, stream_options={"include_usage": True}) for ids in prompts]
+        def requests(seed: int, num: int) -> list[dict]:
+            # Fresh prompts for every pair (the same for both sides of it): no run hits a prefix another cached.
+            return [dict(model=MODEL_NAME, prompt=ids, max_tokens=args.output_len, temperature=1.0, ignore_eos=True,
+                         stream=True, stream_options={"include_usage": True})
+                    for ids in make_prompts(num, args.prompt_len, vocab_size_of(model), seed=seed)]
         want = args.num_requests * args.output_len
 
         ours_port, vllm_port = free_port(), free_port()
@@ -198,11 +201,13 @@ def main() -> None:
             wait_ready(procs["vllm"], urls["vllm"], vllm_log, args.startup_timeout)
             version = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                      capture_output=True, text=True, timeout=300).stdout.strip()
-            for side in ("ours", "vllm"):  # warm-up: every prompt length's path once, a few streams at once
-                asyncio.run(run_client(urls[side], reqs[: args.concurrency], args.concurrency, args.timeout))
+            warm = requests(0, args.concurrency)
+            for side in ("ours", "vllm"):  # warm-up: the prefill and decode paths once, every stream at once
+                asyncio.run(run_client(urls[side], warm, args.concurrency, args.timeout))
 
             def one(side: str, pair: int) -> dict:
                 other = "vllm" if side == "ours" else "ours"
+                reqs = requests(pair, args.num_requests)
                 cpu0 = {s: tree_cpu_s(procs[s].pid)[0] for s in procs}
                 wall, results = asyncio.run(run_client(urls[side], reqs, args.concurrency, args.timeout))
                 cpu1 = {s: tree_cpu_s(procs[s].pid)[0] for s in procs}
