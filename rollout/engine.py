@@ -326,7 +326,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         # (rollout/server/engine_client.py); the engine then never sees the text.
         ids_list, single = encoded if encoded is not None else prompt_token_ids(self.tokenizer, prompt, input_ids)
         if not ids_list:
-            raise ValueError("empty batch: no prompts given")
+            raise ValueError("empty batch: no prompts given (prompt or input_ids is an empty list)")
         num = len(ids_list)
         if isinstance(sampling_params, list):
             if len(sampling_params) != num:

@@ -247,7 +247,7 @@ class EngineGroup:
             items = [input_ids] if single else list(input_ids)
             key = "input_ids"
         if not items:
-            raise ValueError("empty batch: no prompts given")
+            raise ValueError("empty batch: no prompts given (prompt or input_ids is an empty list)")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(items):
                 raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(items)} prompts")

@@ -71,7 +71,7 @@ BAD_CALLS = {
     "input_ids as a tensor": (dict(input_ids=torch.tensor(PROMPT)), ValueError, "input_ids must be .* got Tensor"),
     "prompt with a lone surrogate": (dict(prompt="ok \ud800"), ValueError, r"lone surrogate U\+D800 at character 3"),
     "empty prompt": (dict(input_ids=[[]]), ValueError, "empty"),
-    "empty batch": (dict(input_ids=[]), ValueError, "empty"),
+    "empty batch": (dict(input_ids=[]), ValueError, "input_ids is an empty list"),
     "prompt longer than the context": (dict(input_ids=[5] * 128), ValueError, "context"),
     "both prompt and input_ids": (dict(prompt="hi", input_ids=PROMPT), ValueError, "prompt"),
     "neither prompt nor input_ids": (dict(), ValueError, "prompt"),
