@@ -8,12 +8,14 @@ both generate exactly `--output-len` tokens a request; temperature 1, text detok
 most `--concurrency` in flight on keep-alive connections (bench/serve.py's bare asyncio client, so the
 client's own cost stays small). Both servers are started here (`python -m rollout.launch_server`, and
 `python -m vllm.entrypoints.openai.api_server` from vLLM's venv, with the same thread binding, tcmalloc
-and KV space as bench/vllm_peer.py gives its offline run), both stay up the whole run (an idle server
-costs nothing: each side's CPU seconds during the other's run are printed to show it), both are warmed,
-then `--repeat` pairs of runs alternate between them, swapping which goes first each pair; each pair sends
-new random prompts (the same to both sides), so no run is served from a prefix cache another run filled. Prints each
-run's output tok/s, p50/p99 latency and time to first token, and each server's CPU seconds, then the
-median of the pairs' tok/s ratios (this server / vLLM) with the load average. Every wait is bounded.
+and KV space as bench/vllm_peer.py gives its offline run) and stay up the whole run; both are warmed, each
+run waits (up to 15 s) until both are idle (vLLM's engine core keeps busy a while after its last response),
+and each side's CPU seconds during the other's run are printed to show what is left. Then `--repeat` pairs
+of runs alternate between them, swapping which goes first each pair; each pair sends new random prompts
+(the same to both sides), so no run is served from a prefix cache another run filled. Prints each run's
+output tok/s, p50/p99 latency and time to first token, and each server's CPU seconds, then the median of
+the pairs' tok/s ratios (this server / vLLM) with the load average. Every wait is bounded, and SIGTERM
+stops both servers' process groups too.
 
 `--preset` writes a random-weight Qwen2 checkpoint (bench/throughput.py's shapes) with a word-level
 tokenizer covering the whole vocabulary (one token per id, "<id>"), so any sampled id detokenizes on both
@@ -118,13 +120,19 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) ->
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+    """The server's whole process group, even when its leader is gone already (vLLM's engine-core process
+    outlives a killed API server): TERM, then KILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return  # the group is empty
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+            pass
+        if sig == signal.SIGTERM:
+            time.sleep(1)  # the group's other members get their turn to exit
 
 
 def summary(name: str, wall: float, results: list, n: int, want_tokens: int, **extra) -> dict:
@@ -158,6 +166,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1200.0, help="bound on each run, seconds")
     args = p.parse_args()
 
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # `timeout`, a CI cancel: still stop both servers (finally)
+        signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
     vllm_python = args.vllm_python or vllm_peer.default_python()
     missing = vllm_peer.vllm_available(vllm_python)
     if missing:
@@ -205,9 +215,20 @@ def main() -> None:
             for side in ("ours", "vllm"):  # warm-up: the prefill and decode paths once, every stream at once
                 asyncio.run(run_client(urls[side], warm, args.concurrency, args.timeout))
 
+            def settle(limit_s: float = 15.0) -> None:
+                # Both servers idle before a run starts: one finishing its previous run's work (vLLM's engine
+                # core keeps busy for a while after its last response) would take CPU from the other's run.
+                deadline = time.monotonic() + limit_s
+                while time.monotonic() < deadline:
+                    cpu0 = [tree_cpu_s(p.pid)[0] or 0.0 for p in procs.values()]
+                    time.sleep(0.5)
+                    if sum(tree_cpu_s(p.pid)[0] or 0.0 for p in procs.values()) - sum(cpu0) < 0.03:
+                        return
+
             def one(side: str, pair: int) -> dict:
                 other = "vllm" if side == "ours" else "ours"
                 reqs = requests(pair, args.num_requests)
+                settle()
                 cpu0 = {s: tree_cpu_s(procs[s].pid)[0] for s in procs}
                 wall, results = asyncio.run(run_client(urls[side], reqs, args.concurrency, args.timeout))
                 cpu1 = {s: tree_cpu_s(procs[s].pid)[0] for s in procs}
@@ -224,7 +245,10 @@ def main() -> None:
                 ratios.append(got["ours"]["tok_per_s"] / got["vllm"]["tok_per_s"])
         finally:
             for proc in procs.values():
-                stop(proc)
+                try:
+                    stop(proc)
+                except Exception as e:  # noqa: BLE001 - the other server must still be stopped
+                    print(f"stopping {proc.args[:3]} failed: {e}", file=sys.stderr)
         print(json.dumps({
             "ours_over_vllm_throughput": round(statistics.median(ratios), 3),
             "pair_ratios": [round(r, 3) for r in ratios], "vllm_version": version,

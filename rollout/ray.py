@@ -457,9 +457,12 @@ class EngineGroup:
         if not abort_all_requests:
             return update(online)
         ok, msg = update(True)
-        if ok:
-            aborted = sum(self._all("abort_request", "", True))
-            msg = f"{msg}; aborted {aborted} request(s) in flight"
+        if ok:  # committed everywhere: an abort that fails (an engine died since) does not undo that
+            try:
+                aborted = sum(self._all("abort_request", "", True))
+                msg = f"{msg}; aborted {aborted} request(s) in flight"
+            except EngineGroupError as e:
+                msg = f"{msg}; aborting the requests in flight failed: {e}"
         return ok, msg
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> int:

@@ -215,9 +215,8 @@ class SamplingParams:
 
     def verify(self, vocab_size: int, eos_ids=()) -> None:
         """Checks that need the vocabulary (and the model's eos ids, which min_new_tokens holds back)."""
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"sampling param stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+        # stop_token_ids outside the vocabulary are taken, as SGLang takes them: they never match (a client may
+        # send one stop list for a model family); min_new_tokens' ban skips them (rollout/batch.py).
         bad = sorted(t for t in self.logit_bias if not 0 <= t < vocab_size)
         if bad:
             raise ValueError(f"sampling param logit_bias has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")

@@ -58,8 +58,6 @@ BAD_CALLS = {
                                             ValueError, "min_new_tokens=9"),
     "stop not strings": (dict(input_ids=PROMPT, sampling_params=_sp(stop=[1, 2])), ValueError, "stop"),
     "stop empty string": (dict(input_ids=PROMPT, sampling_params=_sp(stop=[""])), ValueError, "stop"),
-    "stop_token_ids outside vocab": (dict(input_ids=PROMPT, sampling_params=_sp(stop_token_ids=[VOCAB_SIZE])),
-                                     ValueError, "stop_token_ids"),
     "sampling_params not a dict": (dict(input_ids=PROMPT, sampling_params=[("temperature", 0)]), ValueError,
                                    "sampling_params"),
     "sampling_params list too short": (dict(input_ids=[PROMPT, PROMPT], sampling_params=[GREEDY]), ValueError,
@@ -220,3 +218,18 @@ def test_request_whose_output_outgrows_the_pool_ends_as_length(tiny_llama, make_
     assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == ref_ids
     engine.flush_cache()
     assert engine.get_load()["num_tokens"] == 0
+
+
+def test_stop_token_ids_outside_the_vocabulary_never_match(tiny_llama, make_engine, hf_models):
+    """stop_token_ids past the vocabulary (or negative) are taken, as SGLang takes them, and never match: the
+    output is HF's greedy run, also with min_new_tokens holding the stop ids back; an in-vocabulary id beside
+    them still stops."""
+    engine = make_engine(tiny_llama)
+    want, _ = hf_generate(hf_models(tiny_llama), PROMPT, 8)
+    far = [VOCAB_SIZE, VOCAB_SIZE + 10**6, -3]
+    for extra in ({}, {"min_new_tokens": 4}):
+        out = engine.generate(input_ids=PROMPT, sampling_params=dict(GREEDY, stop_token_ids=far, **extra))
+        assert out["output_ids"] == want and out["meta_info"]["finish_reason"]["type"] == "length"
+    out = engine.generate(input_ids=PROMPT, sampling_params=dict(GREEDY, ignore_eos=False,
+                                                                 stop_token_ids=far + [want[3]]))
+    assert out["output_ids"] == want[: want.index(want[3]) + 1]
