@@ -22,7 +22,17 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.server import limits, lora, metrics, native, native_control, native_weights, openai_api, security
+from rollout.server import (
+    http_metrics,
+    limits,
+    lora,
+    metrics,
+    native,
+    native_control,
+    native_weights,
+    openai_api,
+    security,
+)
 from rollout.server.args import ServerArgs
 from rollout.server.chat_template import resolve_chat_template
 from rollout.server.common import error_response
@@ -180,5 +190,10 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     app.add_middleware(security.RequestGuard, allowed_hosts=hosts, allowed_origins=server_args.allowed_origins or [])
     app.add_middleware(limits.BodySizeLimit, max_bytes=server_args.max_request_bytes,
                        max_weights_bytes=server_args.max_weights_request_bytes)
+    # Outermost: every request is counted, refused ones too (SGLang's HTTP metrics).
+    http = http_metrics.HttpMetrics()
+    app.state.metrics_registry.register(http)
+    app.add_middleware(http_metrics.HttpMetricsMiddleware, metrics=http,
+                       route_paths=http_metrics.route_paths(app))
     security.warn_if_exposed(server_args.host, server_args.api_key)
     return app
