@@ -140,10 +140,16 @@ async def run_http(url: str, reqs: list[dict], concurrency: int, timeout_s: floa
         return time.perf_counter() - t0, results
 
 
-async def run_raw(url: str, reqs: list[dict], concurrency: int, timeout_s: float):
+def generate_result(out: dict) -> tuple[int, str]:
+    """What a /generate stream's last event says: (output tokens, finish reason)."""
+    return len(out["output_ids"]), out["meta_info"]["finish_reason"]["type"]
+
+
+async def run_raw(url: str, reqs: list[dict], concurrency: int, timeout_s: float, path: str = "/generate",
+                  result=generate_result):
     """`concurrency` keep-alive connections, each sending the next request once its stream ended. Reads
     the chunked SSE body and JSON-decodes only the last event (the counterpart of the in-process peer,
-    which receives ready dicts)."""
+    which receives ready dicts): each result is (latency, time to the first chunk, *result(last event))."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     pending = iter(reqs)  # shared: each connection takes the next request
     results = []
@@ -154,8 +160,8 @@ async def run_raw(url: str, reqs: list[dict], concurrency: int, timeout_s: float
             for body in pending:
                 payload = json.dumps({**body, "stream": True}).encode()
                 t0 = time.perf_counter()
-                writer.write(b"POST /generate HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload))
+                writer.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (path.encode(), host.encode(), len(payload), payload))
                 head = await reader.readuntil(b"\r\n\r\n")
                 if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
                     raise RuntimeError(f"unexpected response head: {head[:200]!r}")
@@ -166,9 +172,7 @@ async def run_raw(url: str, reqs: list[dict], concurrency: int, timeout_s: float
                     *events, buf = buf.split(b"\n\n")
                     last = next((e for e in reversed(events) if e != b"data: [DONE]"), last)
                 await reader.readline()  # the empty trailer after the last chunk
-                out = json.loads(last[6:])
-                results.append((time.perf_counter() - t0, ttft, len(out["output_ids"]),
-                                out["meta_info"]["finish_reason"]["type"]))
+                results.append((time.perf_counter() - t0, ttft, *result(json.loads(last[6:]))))
         finally:
             writer.close()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -41,7 +42,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import machine, vllm_peer  # noqa: E402
-from bench.serve import pct, tree_cpu_s  # noqa: E402
+from bench.serve import pct, run_raw, tree_cpu_s  # noqa: E402
 from bench.throughput import PRESETS, make_prompts, vocab_size_of, write_preset  # noqa: E402
 from rollout.launch_server import free_port  # noqa: E402
 
@@ -61,43 +62,13 @@ def write_word_tokenizer(model_dir: Path) -> None:
                             pad_token="<1>").save_pretrained(model_dir)
 
 
-async def run_client(url: str, reqs: list[dict], concurrency: int, timeout_s: float) -> tuple[float, list]:
-    """`concurrency` keep-alive connections, each sending the next request once its stream ended; reads the
-    chunked event stream and JSON-decodes only each stream's first content event and its last (usage) one.
-    -> (wall seconds, [(latency, ttft, completion_tokens)])."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    pending = iter(reqs)
-    results = []
+def completion_tokens(out: dict) -> tuple[int]:
+    """The last event of an OpenAI stream with include_usage is the usage chunk: its completion tokens."""
+    return ((out.get("usage") or {}).get("completion_tokens", 0),)
 
-    async def connection():
-        reader, writer = await asyncio.open_connection(host, int(port))
-        try:
-            for body in pending:
-                payload = json.dumps(body).encode()
-                t0 = time.perf_counter()
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload))
-                head = await reader.readuntil(b"\r\n\r\n")
-                if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
-                    raise RuntimeError(f"unexpected response head: {head[:300]!r}")
-                ttft, last, buf = None, None, b""
-                while size := int((await reader.readline()).strip(), 16):
-                    buf += (await reader.readexactly(size + 2))[:-2]
-                    *events, buf = buf.split(b"\n\n")
-                    for e in events:
-                        if e.startswith(b"data: ") and e != b"data: [DONE]":
-                            if ttft is None and b'"choices":[]' not in e.replace(b" ", b""):
-                                ttft = time.perf_counter() - t0
-                            last = e
-                await reader.readline()  # the empty trailer after the last chunk
-                usage = json.loads(last[6:]).get("usage") or {}
-                results.append((time.perf_counter() - t0, ttft, usage.get("completion_tokens", 0)))
-        finally:
-            writer.close()
 
-    t0 = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(connection() for _ in range(concurrency))), timeout_s)
-    return time.perf_counter() - t0, results
+# bench/serve.py's bare client on /v1/completions: -> (wall seconds, [(latency, ttft, completion tokens)])
+run_client = functools.partial(run_raw, path="/v1/completions", result=completion_tokens)
 
 
 def start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:

@@ -71,3 +71,17 @@ def server(tiny_llama):
 def client(server):
     with server.client() as c:
         yield c
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text -> {(sample name, sorted label pairs): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric_value(samples, name: str, **labels) -> float:
+    """The sum of the samples called `name` whose labels include `labels`."""
+    return sum(v for (n, lab), v in samples.items() if n == name and all(dict(lab).get(k) == w
+                                                                          for k, w in labels.items()))

@@ -6,19 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from tests.server.conftest import metric_samples as _samples
+from tests.server.conftest import metric_value as _value
 from tests.server.conftest import start_server
-
-
-def _samples(text: str) -> dict:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def _value(samples, name: str, **labels) -> float:
-    return sum(v for (n, lab), v in samples.items() if n == name and all(dict(lab).get(k) == w
-                                                                          for k, w in labels.items()))
 
 
 def test_requests_and_statuses_per_endpoint(server):

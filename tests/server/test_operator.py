@@ -7,23 +7,14 @@ import logging
 
 import jinja2
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.server import ServerArgs, create_app
 from rollout.server.chat_template import BUILTIN
+from tests.server.conftest import metric_samples as _samples
+from tests.server.conftest import metric_value as _metric
 from tests.server.conftest import start_server
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]
-
-
-def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def _metric(samples, name: str, **labels) -> float:
-    return sum(v for (n, lab), v in samples.items() if n == name and all(dict(lab).get(k) == w
-                                                                          for k, w in labels.items()))
 
 
 # ---- chat template ------------------------------------------------------------------------------
