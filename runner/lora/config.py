@@ -110,6 +110,14 @@ class AdapterConfig:
         for key, ok in refused.items():
             if key in d and d[key] not in ok:
                 raise ValueError(f"adapter config {key}={d[key]!r} is not supported (supported: {ok[0]!r})")
+        init = d.get("init_lora_weights", True)
+        if init not in (True, False, "gaussian"):
+            # PiSSA, OLoRA, LoftQ, LoRA-GA, CorDA... rewrite the base weights when PEFT loads the adapter (it
+            # re-runs the init), so their B @ A is a delta over weights this engine does not hold.
+            raise ValueError(f"adapter config init_lora_weights={init!r} is not supported: PEFT rewrites the base "
+                             f"weights when it loads such an adapter; save it with save_pretrained("
+                             f"path_initial_model_for_weight_conversion=...) to get a LoRA over the original base "
+                             f"(supported: True, False, 'gaussian')")
         if d.get("layers_to_transform") is not None or d.get("layers_pattern") not in (None, [], ""):
             raise ValueError("adapter config layers_to_transform / layers_pattern are not supported: "
                              "save an adapter over every layer")

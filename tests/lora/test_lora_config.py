@@ -48,6 +48,31 @@ def test_peft_written_alora_config_is_refused_by_name():
     assert AdapterConfig.from_dict({**d, "alora_invocation_tokens": None}).r == 4
 
 
+def test_adapters_whose_init_rewrites_the_base_are_refused_by_name(tiny_llama, make_engine, tmp_path):
+    """PiSSA / OLoRA adapters (peft re-runs their init on load, which rewrites the base weights to a residual)
+    are refused naming init_lora_weights, where serving them over the unchanged base gave other tokens than
+    PeftModel; an adapter peft wrote with init_lora_weights="olora" is refused at load and the engine keeps
+    serving; plain inits (True, False, "gaussian") are taken."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.checkpoints import load_hf_model
+
+    for init in ("pissa", "pissa_niter_4", "olora", "loftq", "corda", "lora_ga"):
+        d = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]).to_dict()
+        with pytest.raises(ValueError, match="init_lora_weights"):
+            AdapterConfig.from_dict({**d, "init_lora_weights": init})
+    for init in (True, False, "gaussian"):
+        assert AdapterConfig.from_dict({"r": 4, "lora_alpha": 8, "init_lora_weights": init}).r == 4
+    peft_model = get_peft_model(load_hf_model(tiny_llama), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                                      init_lora_weights="olora"))
+    peft_model.save_pretrained(tmp_path / "olora")
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj"])
+    res = engine.load_lora_adapter("olora", str(tmp_path / "olora"))
+    assert not res.success and "init_lora_weights" in res.error_message
+    base = engine.generate(input_ids=[5, 6, 7], sampling_params=dict(temperature=0, max_new_tokens=3))
+    assert len(base["output_ids"]) == 3
+
+
 def test_engine_options_are_inferred_and_checked(tiny_llama, adapter_factory):
     """max_lora_rank / lora_target_modules come from lora_paths when not given; without lora_paths they are
     required; LoRA with deterministic inference and max_loaded_loras < max_loras_per_batch are refused."""
