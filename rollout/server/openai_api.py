@@ -119,8 +119,6 @@ def _completion_logprobs(engine, pairs: list, offset: int) -> dict:
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     engine = request.app.state.engine
-    if req.echo and req.stream and req.logprobs is not None:
-        return error_response("echo=true with logprobs is served without stream only", 400, param="echo")
     if req.suffix is not None:
         return error_response("suffix is not supported", 400, param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -144,9 +142,9 @@ async def completions(req: CompletionRequest, request: Request):
         return prompts
     echoed = [p if isinstance(p, str) else (engine.tokenizer.decode(p) or "") for p in given] if req.echo else None
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _served_model(request, req.model)
+    # echo with logprobs: the prompt's tokens scored too (the first has no logprob), as OpenAI's and vLLM's
+    start = 0 if req.echo and req.logprobs is not None else None
     if not req.stream:
-        # echo with logprobs: the prompt's tokens scored too (the first has no logprob), as OpenAI's and vLLM's
-        start = 0 if req.echo and req.logprobs is not None else None
         outs = await generate_all(request, prompts, sampling, req.logprobs, req.rid, names, req.model, start)
         if isinstance(outs, Response):
             return outs
@@ -161,7 +159,7 @@ async def completions(req: CompletionRequest, request: Request):
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "usage": usage_of(outs, req.n, _cache_report(request)), "metadata": metadata_of(outs)})
 
-    started = await start_stream(request, prompts, sampling, req.logprobs, req.model, names, req.rid)
+    started = await start_stream(request, prompts, sampling, req.logprobs, req.model, names, req.rid, start)
     if isinstance(started, Response):
         return started
     merged, first = started
@@ -171,12 +169,17 @@ async def completions(req: CompletionRequest, request: Request):
         unechoed = set(range(len(prompts) * req.n)) if echoed is not None else set()
         async with aclosing(choice_texts(first, merged, req.stop, len(prompts) * req.n, finals)) as items:
             async for i, chunk, final, text, d in items:
-                if i in unechoed:  # echo: the choice's first chunk starts with its prompt
+                prompt_pairs = []
+                if i in unechoed:  # echo: the choice's first chunk starts with its prompt (and its logprobs)
                     unechoed.discard(i)
                     text = echoed[i // req.n] + text
+                    if start is not None:
+                        prompt_pairs = logprob_pairs({**chunk["meta_info"], "output_token_logprobs": [],
+                                                      "output_top_logprobs": []}, prompt=True)
                 lp = None
                 if req.logprobs is not None:
-                    lp = _completion_logprobs(engine, d.new_logprobs(chunk["meta_info"]), d.text_offset)
+                    lp = _completion_logprobs(engine, prompt_pairs + d.new_logprobs(chunk["meta_info"]),
+                                              d.text_offset)
                     if lp["tokens"]:
                         d.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 reason = finish_of(chunk["meta_info"])[0] if final else None

@@ -123,7 +123,7 @@ async def generate_all(request: Request, prompts: list, sampling: dict, num_top:
 
 
 async def stream_choices(request: Request, prompts: list, sampling: dict, num_top: int | None, model=None,
-                         rid: str | None = None):
+                         rid: str | None = None, logprob_start_len: int | None = None):
     """Yield (choice_index, chunk_dict, is_final) from one engine stream per choice, as they come. The choices
     run as `rid` (one choice) or `{rid}_{k}` (SGLang's names for a batch), abortable by those ids."""
     engine = request.app.state.engine
@@ -155,10 +155,10 @@ async def stream_choices(request: Request, prompts: list, sampling: dict, num_to
                 sp = {**sampling, "n": 1}
                 if sp.get("seed") is not None:
                     sp["seed"] = sp["seed"] + j
-                streams.append(await engine.async_generate(**{key: p}, sampling_params=sp, stream=True,
-                                                           return_logprob=num_top is not None,
-                                                           top_logprobs_num=num_top or 0, rid=rids[len(streams)],
-                                                           lora_path=lora_path))
+                streams.append(await engine.async_generate(
+                    **{key: p}, sampling_params=sp, stream=True, return_logprob=num_top is not None,
+                    top_logprobs_num=num_top or 0, rid=rids[len(streams)], lora_path=lora_path,
+                    **({} if logprob_start_len is None else {"logprob_start_len": logprob_start_len})))
                 streams[-1].segments = False  # OpenAI deltas are cut from cumulative chunks here, whatever --stream-output
     except BaseException:
         await abort_unfinished()
@@ -190,11 +190,11 @@ async def stream_choices(request: Request, prompts: list, sampling: dict, num_to
 
 
 async def start_stream(request: Request, prompts: list, sampling: dict, num_top: int | None, model,
-                       names: dict[str, str], rid: str | None = None):
+                       names: dict[str, str], rid: str | None = None, logprob_start_len: int | None = None):
     """-> (the merged choice stream, its first item), or the error Response: every stream is started (and
     validated by the engine) before the status line is sent, so a bad request is still a 400."""
     try:
-        merged = stream_choices(request, prompts, sampling, num_top, model, rid)
+        merged = stream_choices(request, prompts, sampling, num_top, model, rid, logprob_start_len)
         first = await merged.__anext__()
     except Exception as e:
         return openai_error(e, names)

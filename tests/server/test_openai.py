@@ -292,3 +292,28 @@ def test_completion_echo(server, oai):
     assert len(both.tokens) == len(ids) + 3 and both.tokens[len(ids):] == alone.tokens
     # the same tokens; their logprobs within float rounding (scoring the prompt takes another kernel path)
     assert all(abs(a - b) < 1e-4 for a, b in zip(both.token_logprobs[len(ids):], alone.token_logprobs))
+
+
+def test_completion_echo_with_logprobs_streamed_equals_unstreamed(server, oai):
+    """echo + logprobs streamed: the chunks' texts, tokens, logprobs and text offsets, concatenated, are the
+    unstreamed response's (the prompt's tokens first, the first without a logprob), for n=2 too."""
+    prompt = "Hello, world"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2, n=2, extra_body=IGN)
+    whole = oai.completions.create(**kw)
+    got = {i: {"text": "", "tokens": [], "token_logprobs": [], "text_offset": [], "top": []} for i in range(2)}
+    for c in oai.completions.create(**kw, stream=True):
+        for ch in c.choices:
+            g = got[ch.index]
+            g["text"] += ch.text
+            if ch.logprobs is not None:
+                g["tokens"] += ch.logprobs.tokens
+                g["token_logprobs"] += ch.logprobs.token_logprobs
+                g["text_offset"] += ch.logprobs.text_offset
+                g["top"] += ch.logprobs.top_logprobs or [None] * len(ch.logprobs.tokens)
+    for choice in whole.choices:
+        g, lp = got[choice.index], choice.logprobs
+        assert g["text"] == choice.text and choice.text.startswith(prompt)
+        assert g["tokens"] == lp.tokens and g["text_offset"] == lp.text_offset
+        assert g["token_logprobs"][0] is None and lp.token_logprobs[0] is None
+        assert g["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+        assert [t and set(t) for t in g["top"]] == [t and set(t) for t in lp.top_logprobs]
