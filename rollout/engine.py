@@ -85,6 +85,12 @@ def prompt_token_ids(tokenizer: TokenizerWrapper, prompt, input_ids) -> tuple[li
 WAITING_ABORT_MESSAGE = "Abort in waiting queue"  # abort_request's message for requests not running (SGLang's)
 
 
+def sample_seed(base_seed: int, j: int) -> int:
+    """The seed of sample j of a request seeded `base_seed`: the n samples differ from each other but are
+    reproducible, and sample 0 is the n=1 request (a caller that splits n into n=1 requests uses this too)."""
+    return base_seed if j == 0 else hash((base_seed, j)) & ((1 << 63) - 1)
+
+
 class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, ScoreAPI):
     def __init__(self, model_path: str | None = None, **kwargs) -> None:
         self.args = EngineArgs.from_kwargs(model_path, **kwargs)
@@ -378,8 +384,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
                                  f"length of {ctx} tokens (a prompt must leave room for at least one new token)")
             base_seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
             for j in range(sp.n):
-                # n samples of one seeded request differ from each other but are reproducible.
-                seed = base_seed if j == 0 else hash((base_seed, j)) & ((1 << 63) - 1)
+                seed = sample_seed(base_seed, j)
                 req = Req(rids[len(reqs)], list(ids), sp, seed, logprob_flags[i], tops[i], stream, index=len(reqs),
                           return_routed_experts=routed_flags[i], logprob_start_len=starts[i],
                           token_ids_logprob=id_lists[i], return_original_logprob=original,

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from rollout.engine import sample_seed
 from rollout.server import limits
 from rollout.server.common import dumps, engine_error, error_response, run_blocking
 from rollout.server.lora import lora_of_model
@@ -153,8 +154,8 @@ async def stream_choices(request: Request, prompts: list, sampling: dict, num_to
         for p in prompts:
             for j in range(n):
                 sp = {**sampling, "n": 1}
-                if sp.get("seed") is not None:
-                    sp["seed"] = sp["seed"] + j
+                if sp.get("seed") is not None:  # choice j as the Engine seeds sample j of n (unstreamed)
+                    sp["seed"] = sample_seed(sp["seed"], j)
                 streams.append(await engine.async_generate(
                     **{key: p}, sampling_params=sp, stream=True, return_logprob=num_top is not None,
                     top_logprobs_num=num_top or 0, rid=rids[len(streams)], lora_path=lora_path,

@@ -62,6 +62,12 @@ def test_completion_stream_n_seed(server, oai):
     b = oai.completions.create(model="tiny", prompt="Once", max_tokens=6, n=3, seed=11, temperature=1.0,
                                extra_body=IGN)
     assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 3
+    streamed = {k: "" for k in range(3)}  # the same seeded choices streamed: each choice seeded as unstreamed
+    for chunk in oai.completions.create(model="tiny", prompt="Once", max_tokens=6, n=3, seed=11, temperature=1.0,
+                                        extra_body=IGN, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.text
+    assert [streamed[k] for k in range(3)] == [c.text for c in a.choices]
     assert a.usage.completion_tokens == 18 and a.usage.prompt_tokens == _engine(server, "Once", max_new_tokens=1)[
         "meta_info"]["prompt_tokens"]
 
