@@ -744,7 +744,7 @@ class Scheduler:
                 return FinishReason("stop", token)
         # Stop strings before the limits, as stop tokens above: a stop the last allowed token completes is a
         # stop (its text trimmed), not a truncation that keeps the stop text.
-        if (sp.stop or sp.stop_regex) and num_out >= sp.min_new_tokens:
+        if sp.stop or sp.stop_regex:  # before min_new_tokens it only marks a stop prefix a chunk must hold back
             matched = self.stop_checker(req)
             if isinstance(matched, FinishReason):  # a stop_regex that ran out of time (rollout.stop_match)
                 return matched

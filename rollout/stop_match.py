@@ -102,7 +102,8 @@ def find(req: Req, text: str) -> str | FinishReason | None:
             if m is not None:
                 hits.append((m.start(), r))
     req.stop_scan_from = len(text)
-    req.stop_prefix_pending = bool(sp.stop) and ends_with_stop_prefix(text, sp.stop)
+    # A trailing partial character is not text yet (a chunk drops it): the stop prefix may end just before it.
+    req.stop_prefix_pending = bool(sp.stop) and ends_with_stop_prefix(text.rstrip("\ufffd"), sp.stop)
     if not hits:
         return None
     at, matched = min(hits)

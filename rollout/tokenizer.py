@@ -112,6 +112,12 @@ class TokenizerWrapper:
         if text is None:
             return None
         sp = req.sampling_params
+        if len(req.output_ids) < sp.min_new_tokens:
+            # No stop counts yet, but one that token min_new_tokens completes will be cut from the final text: a
+            # stream chunk ending in its start must wait (stop_match.find marks the same from then on).
+            req.stop_prefix_pending = bool(sp.stop) and stop_match.ends_with_stop_prefix(text.rstrip("\ufffd"),
+                                                                                         sp.stop)
+            return None
         if sp.min_new_tokens and req.stop_min_end is None:
             # Only a match that the min_new_tokens-th token or a later one completes counts (vLLM's min_tokens):
             # one the model wrote earlier is text it was made to go on past, never a cut in it.

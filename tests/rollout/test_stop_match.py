@@ -209,3 +209,42 @@ def test_logit_bias_limits(engine):
     assert out["output_ids"] == [target] * 6
     logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
     assert all(lp is not None and math.isfinite(lp) and lp <= 0 for lp in logprobs), logprobs
+
+
+def test_a_stream_holds_back_a_stop_prefix_before_min_new_tokens(engine):
+    """With min_new_tokens = m and a stop string that token m completes (its first character from token m-1),
+    the stream holds back the chunk after token m-1 as it does without min_new_tokens: every chunk is a prefix
+    of the final text, which the stop cuts (a chunk used to carry the stop's first character)."""
+    from tests.rollout.test_control import _straddling_stop
+
+    tok = engine.tokenizer.tokenizer
+    found = 0
+    for prompt in ("Once upon a time", "Hello, world! How are you today?", "The quick brown fox"):
+        base = engine.generate(prompt, dict(GREEDY, max_new_tokens=24))["output_ids"]
+        pick = _straddling_stop(tok, base)
+        if pick is None:
+            continue
+        s, k = pick
+        if s in tok.decode(base[:k + 1])[:-1]:  # the stop must be new at token k (completed by it, not before)
+            continue
+        sp = dict(GREEDY, max_new_tokens=24, stop=[s], min_new_tokens=k + 1)
+        final = engine.generate(prompt, sp)
+        assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": s}
+        chunks = [c["text"] for c in engine.generate(prompt, sp, stream=True)]
+        assert chunks[-1] == final["text"]
+        assert all(final["text"].startswith(c) for c in chunks), (s, chunks, final["text"])
+        found += 1
+    assert found >= 1, "no printable straddling stop in the greedy outputs"
+
+
+def test_a_stop_prefix_before_a_partial_character_is_pending():
+    """The decoded output ends with a stop string's first character and then a partial character (U+FFFD, which
+    a chunk drops): the stop may still complete with that character, so the request is marked pending (a chunk
+    ending in the prefix used to go out, and the final text then cut it)."""
+    req = Req("r", [5], SamplingParams.from_dict({"stop": ["@Ã"], "max_new_tokens": 8}), 0)
+    assert stop_match.find(req, "ab?@\ufffd") is None
+    assert req.stop_prefix_pending
+    assert stop_match.find(req, "ab?@Ãx") == "@Ã"
+    other = Req("r2", [5], SamplingParams.from_dict({"stop": ["zz"], "max_new_tokens": 8}), 0)
+    stop_match.find(other, "ab?@\ufffd")
+    assert not other.stop_prefix_pending
