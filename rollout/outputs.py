@@ -31,7 +31,9 @@ def build_output(req: Req, tok: TokenizerWrapper, weight_version: str, final: bo
         if final:
             text = tok.final_text(req)
         else:  # a chunk never ends in a partial character that the next token completes (SGLang holds it too)
-            text = tok.output_text(req.output_ids, req)
+            ids = req.output_ids
+            n = tok.stable_len(ids)  # all but a byte-piece run a later token may rewrite
+            text = tok.output_text(ids if n == len(ids) else ids[:n], req)
             if text and text[-1] == "\ufffd":
                 text = text.rstrip("\ufffd")
         text_error = None

@@ -13,12 +13,14 @@ decoding does not start with it, the output is decoded alone.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from rollout import stop_match
 from rollout.request import Req
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output (SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
 
 
@@ -37,6 +39,22 @@ def _rust_decoder(tokenizer):
     return getattr(tokenizer, "_tokenizer", None)
 
 
+def _byte_fallback_ids(tokenizer) -> frozenset[int]:
+    """The ids of the "<0xNN>" byte pieces when the tokenizer's decoder has ByteFallback (Llama-2, Mistral). HF
+    decodes a run of them as one UTF-8 sequence, and a run that is not valid UTF-8 (yet: a character's first
+    bytes) as one U+FFFD per byte, the ASCII ones too: the text of a run may change until a token that is not
+    a byte piece closes it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return frozenset()
+    try:
+        if "ByteFallback" not in json.dumps(json.loads(backend.to_str()).get("decoder")):
+            return frozenset()
+    except (ValueError, TypeError, AttributeError):  # not a serializable tokenizers pipeline
+        return frozenset()
+    return frozenset(i for t, i in tokenizer.get_vocab().items() if _BYTE_PIECE.fullmatch(t))
+
+
 class TokenizerWrapper:
     def __init__(self, model_path: str, skip_init: bool = False) -> None:
         self.tokenizer = None
@@ -46,6 +64,16 @@ class TokenizerWrapper:
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(root))
         self._rust = _rust_decoder(self.tokenizer)
+        self._byte_ids = _byte_fallback_ids(self.tokenizer)
+
+    def stable_len(self, ids: list[int]) -> int:
+        """How many of `ids` a stream chunk shows: all but a trailing run of byte pieces, whose text a later
+        byte may still rewrite (see _byte_fallback_ids), so every chunk stays a prefix of the final text."""
+        n = len(ids)
+        if self._byte_ids:
+            while n and ids[n - 1] in self._byte_ids:
+                n -= 1
+        return n
 
     def eos_token_ids(self, config_eos: list[int], model_path: str) -> list[int]:
         ids = set(config_eos)

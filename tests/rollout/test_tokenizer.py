@@ -94,6 +94,51 @@ def test_output_text_keeps_the_first_words_space_after_the_prompt(metaspace_ckpt
             assert all(whole.startswith(head + c["text"]) for c in chunks)
 
 
+@pytest.fixture(scope="module")
+def llama2_like_ckpt(metaspace_ckpt, tmp_path_factory):
+    """metaspace_ckpt with its "<0xNN>" byte pieces as ordinary vocabulary, as in Llama-2's and Mistral's
+    tokenizer.json (not added special tokens, which skip_special_tokens would hide)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("llama2like") / "ckpt"
+    shutil.copytree(metaspace_ckpt, path)
+    tj = json.loads((path / "tokenizer.json").read_text())
+    tj["added_tokens"] = [t for t in tj["added_tokens"] if not t["content"].startswith("<0x")]
+    (path / "tokenizer.json").write_text(json.dumps(tj))
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"] = {k: v for k, v in cfg.get("added_tokens_decoder", {}).items()
+                                   if not v["content"].startswith("<0x")}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_stream_chunks_hold_back_a_run_of_byte_pieces(llama2_like_ckpt):
+    """Byte-fallback tokenizers (Llama-2's newline is the byte piece <0x0A>): HF decodes an unfinished run of byte
+    pieces as U+FFFD each, the ASCII ones too, so "\n" after <0x0A> becomes U+FFFD once <0xE4> follows. Stream
+    chunks hold a trailing run back until a piece that is not a byte closes it: every chunk is a prefix of the
+    final text, which is HF's decode (a chunk had sent "\n", and OpenAI deltas then lost the rest)."""
+    from rollout import Engine
+
+    with Engine(str(llama2_like_ckpt), device="cpu", show_progress=False, max_total_tokens=2048) as engine:
+        hf = engine.tokenizer.tokenizer
+        nl, e4, a = hf.convert_tokens_to_ids(["<0x0A>", "<0xE4>", "a"])
+        assert hf.decode([nl]) == "\n" and not hf.decode([nl, e4, a]).startswith("\n")  # the case itself
+        prompt = hf.encode("Hello")
+        bias = {str(nl): 100.0, str(e4): 100.0, str(a): 100.0}
+        seen = False
+        for seed in range(300):
+            sp = dict(temperature=1.0, seed=seed, max_new_tokens=4, ignore_eos=True, logit_bias=bias)
+            chunks = list(engine.generate(input_ids=prompt, sampling_params=sp, stream=True))
+            ids, final = chunks[-1]["output_ids"], chunks[-1]["text"]
+            assert final == hf.decode(ids, skip_special_tokens=True)
+            assert all(final.startswith(c["text"]) for c in chunks), (ids, [c["text"] for c in chunks])
+            seen |= ids[:3] == [nl, e4, a]
+            if seen:
+                break
+        assert seen, "the byte sequence under test was never sampled"
+
+
 def test_stream_chunks_never_end_in_a_partial_character(tiny_llama, module_engines):
     """A chunk whose tokens end inside a multi-byte UTF-8 character holds that character back (SGLang's and
     vLLM's detokenizers do too), so every chunk's text is a prefix of the final text; the streams here do
