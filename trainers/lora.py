@@ -9,7 +9,7 @@ the bytes sent (the adapter), the figure the loop logs against a full-model sync
 
 from __future__ import annotations
 
-from weight_sync.lora import adapter_payload, sync_lora_adapter
+from weight_sync.lora import adapter_payload, lora_result, sync_lora_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -33,8 +33,9 @@ class LoRAVersions:
             raise RuntimeError(f"LoRA adapter sync failed: {msg}")
         previous, self.current = self.current, name
         if previous is not None:
-            res = self.engine.unload_lora_adapter(previous)
-            if not res.success:
-                raise RuntimeError(f"unloading LoRA version {previous!r} failed: {res.error_message}")
+            # An Engine answers a LoRAUpdateOutput; a RemoteEngine or HttpEngine its dict form.
+            ok, message = lora_result(self.engine.unload_lora_adapter(previous))
+            if not ok:
+                raise RuntimeError(f"unloading LoRA version {previous!r} failed: {message}")
         tensors, _ = adapter_payload(model)
         return sum(t.numel() * t.element_size() for _, t in tensors)

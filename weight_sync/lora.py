@@ -45,14 +45,14 @@ def sync_lora_adapter(model, target, lora_name: str, adapter_name: str | None = 
     targets = list(target) if isinstance(target, list | tuple) else [target]
     for i, t in enumerate(targets):
         res = t.load_lora_adapter_from_tensors(lora_name, payload, config, load_format="flattened_bucket")
-        ok, msg = _result(res)
+        ok, msg = lora_result(res)
         if not ok:
             where = f"engine {i} " if len(targets) > 1 else ""
             return False, f"{where}refused LoRA adapter {lora_name!r}: {msg}"
     return True, f"synced LoRA adapter {lora_name!r}: {len(tensors)} tensors, {nbytes} bytes"
 
 
-def _result(res) -> tuple[bool, str]:
+def lora_result(res) -> tuple[bool, str]:
     """LoRAUpdateOutput (or its dict form, over HTTP/Ray) -> (success, error_message)."""
     if isinstance(res, dict):
         return bool(res.get("success")), res.get("error_message") or ""

@@ -51,3 +51,24 @@ def test_adapter_sync_through_a_remote_engine_and_a_server(ckpt_factory, tmp_pat
             assert not ok and "already loaded" in msg
         finally:
             http.close()
+
+
+def test_the_trainers_lora_versions_publish_through_a_server(ckpt_factory, tmp_path):
+    """trainers.lora.LoRAVersions over an HttpEngine (whose unload answers SGLang's dict, as a RemoteEngine's
+    does): publishing a second version unloads the first, and the current one serves the PeftModel's greedy
+    tokens (GRPO with --engine-process and LoRA crashed at its second step reading .success of that dict)."""
+    from trainers.lora import LoRAVersions
+
+    ckpt = ckpt_factory("llama")
+    model = peft_model(ckpt, make_adapter(ckpt, tmp_path / "a", r=8, seed=3))
+    want = _peft_greedy(model)
+    with start_server(ckpt, engine_kw=LORA_KW) as served:
+        http = HttpEngine(served.url)
+        try:
+            versions = LoRAVersions(http)
+            for step in (1, 2):
+                assert versions.publish(model, f"policy-step-{step}") > 0
+            assert set(served.engine.runner.lora_adapters()) == {"policy-step-2"}
+            assert _served(served.engine, "policy-step-2") == want
+        finally:
+            http.close()
