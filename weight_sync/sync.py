@@ -10,7 +10,9 @@ The target decides the transport:
 
 Each bucket is one atomic update on the engine side; a sync of several buckets is not atomic as a
 whole, so call it while the engine is idle or paused (the trainers do). On the first failed bucket
-it stops and returns (False, reason).
+it stops and returns (False, reason), the reason saying how many buckets were applied before it (the
+engine then holds a mix until a sync completes; `rollout.ray.EngineGroup` commits all or none). Duplicate
+names are refused before anything is sent.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from weight_sync.bucket import iter_buckets
+from weight_sync.bucket import iter_buckets, iter_named_tensors
 from weight_sync.lora import is_peft_model, sync_lora_adapter
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -55,16 +57,37 @@ def sync_weights(source: Source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     if not hasattr(target, "update_weights_from_tensor"):
         raise TypeError(f"cannot sync weights into {type(target).__name__}: it has neither "
                         f"update_weights_from_tensor nor sync_from")
+    _check_names(source, name_map)
     num_buckets, num_tensors = 0, 0
     with torch.no_grad():
         for bucket in iter_buckets(source, bucket_bytes=bucket_bytes, name_map=name_map):
             ok, msg = target.update_weights_from_tensor(bucket.to_dict(), load_format="flattened_bucket",
                                                         flush_cache=True, weight_version=weight_version)
             if not ok:
-                return False, f"bucket {num_buckets} ({len(bucket)} tensors): {msg}"
+                return False, f"bucket {num_buckets} ({len(bucket)} tensors): {msg}" + _partial(num_buckets,
+                                                                                               num_tensors)
             num_buckets += 1
             num_tensors += len(bucket)
     return True, f"synced {num_tensors} tensors in {num_buckets} bucket(s)"
+
+
+def _check_names(source: Source, name_map) -> None:
+    """Duplicate names (after name_map) refused before any bucket is sent, where the source can be read twice
+    (a module or a mapping; an iterator is checked as its buckets are built)."""
+    if isinstance(source, nn.Module | Mapping):
+        seen: set[str] = set()
+        for name, _ in iter_named_tensors(source, name_map):
+            if name in seen:
+                raise ValueError(f"duplicate tensor name {name!r} (after name_map); nothing was sent")
+            seen.add(name)
+
+
+def _partial(num_buckets: int, num_tensors: int) -> str:
+    if not num_buckets:
+        return "; nothing was applied"
+    return (f"; buckets 0..{num_buckets - 1} ({num_tensors} tensors) were applied before it, so the engine holds "
+            f"a mix of the old and the new weights until a sync completes (sync again; a rollout.ray.EngineGroup "
+            f"commits all buckets or none)")
 
 
 def _sync_many(source: Source, targets: list, bucket_bytes: int, name_map, weight_version) -> tuple[bool, str]:
@@ -73,6 +96,7 @@ def _sync_many(source: Source, targets: list, bucket_bytes: int, name_map, weigh
     bad = [type(t).__name__ for t in targets if not hasattr(t, "update_weights_from_tensor")]
     if bad:
         raise TypeError(f"cannot sync weights into {bad[0]}: every target in a list needs update_weights_from_tensor")
+    _check_names(source, name_map)
     num_buckets, num_tensors = 0, 0
     with torch.no_grad():
         for bucket in iter_buckets(source, bucket_bytes=bucket_bytes, name_map=name_map):

@@ -144,6 +144,27 @@ def test_name_map_renames_and_skips(ckpt, trainer):
         assert_same(outputs(engine), want)
 
 
+def test_a_name_collision_is_refused_before_any_bucket_and_a_late_failure_names_what_was_applied(ckpt, trainer):
+    """A name_map that maps two tensors to one name is refused before anything is sent (the engine's checksum
+    and version unchanged; it used to raise after most buckets were written); a NaN in a late bucket fails
+    that bucket by name and the message says how many buckets were applied before it."""
+    model, want = trainer(3)
+    with Engine(str(ckpt), **ENGINE_KW) as engine:
+        before, version = engine.get_weights_checksum()["checksum"], engine.weight_version
+        last = list(dict(model.named_parameters()))[-1]
+        collide = lambda name: last if name == list(dict(model.named_parameters()))[0] else name  # noqa: E731
+        with pytest.raises(ValueError, match="duplicate tensor name.*nothing was sent"):
+            sync_weights(model, engine, bucket_bytes=SMALL_BUCKET, name_map=collide, weight_version="bad")
+        assert engine.get_weights_checksum()["checksum"] == before and engine.weight_version == version
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        state[last] = torch.full_like(state[last], float("nan"))
+        ok, msg = sync_weights(state, engine, bucket_bytes=SMALL_BUCKET)
+        assert not ok and last in msg and "were applied before it" in msg, msg
+        ok, msg = sync_weights(model, engine, bucket_bytes=SMALL_BUCKET)  # a complete sync: the new weights
+        assert ok, msg
+        assert_same(outputs(engine), want)
+
+
 # ---------------------------------------------------------------------------------------------
 # disk
 
