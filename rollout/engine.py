@@ -215,7 +215,8 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
                 "num_waiting_reqs": load["num_waiting"] + queued, "num_tokens": load["num_used_tokens"]}
 
     def _can_step(self) -> bool:
-        # Requests wait (rather than fail) while weights or KV cache are released.
+        # Paused requests wait while weights or KV cache are released (a continue before the resume ends them:
+        # _fail_if_released).
         saver = self.runner.memory_saver
         return (not self._paused and self.scheduler.has_work() and saver.is_resident("weights")
                 and saver.is_resident("kv_cache"))
@@ -599,9 +600,20 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         self._pause_watchdog.disarm()
         with self._cv:
             self._paused = False
+            self._fail_if_released("continue_generation()")
             self._cv.notify_all()
 
     def _continue_after_timeout(self) -> None:
         with self._cv:
             self._paused = False
+            self._fail_if_released("the pause watchdog's continue")
             self._cv.notify_all()
+
+    def _fail_if_released(self, what: str) -> None:
+        """Generation continues while weights or KV cache are released: nothing could run the requests in flight
+        (and a new one is refused with the same words), so they end as abort now instead of waiting unseen."""
+        saver = self.runner.memory_saver
+        if saver.is_resident("weights") and saver.is_resident("kv_cache"):
+            return
+        self._abort_reqs(self._in_flight(), f"memory is released: {what} came before resume_memory_occupation() "
+                                            f"(resume first, then continue generation)")

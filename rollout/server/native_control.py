@@ -167,7 +167,8 @@ async def _memory(request: Request, method: str):
         await run_blocking(request, getattr(request.app.state.engine, method), obj.tags)
     except Exception as e:
         return engine_error(e)
-    return JSONResponse({"success": True, "message": f"{method}({obj.tags}) done"})
+    # None and [] both mean every tag, as in SGLang: say so rather than echo an empty list.
+    return JSONResponse({"success": True, "message": f"{method}({obj.tags or 'every tag'}) done"})
 
 
 # ---- expert distribution (MoE; SGLang's paths) ------------------------------------------------

@@ -324,3 +324,25 @@ def test_generate_while_released_is_refused_unless_paused_then_it_queues(ckpt_pa
         t.join(timeout=60)
         assert not t.is_alive()
         assert [o["output_ids"] for o in got[0]] == want
+
+
+def test_continue_before_resume_ends_the_requests_in_flight_naming_it(ckpt_pair):
+    """Paused mid-request, memory released, then continue_generation without a resume: nothing could run the
+    request (a new one is refused saying memory is released), so it ends as abort with its partial output and
+    a message naming the order to call things in, instead of waiting unseen; after resume the engine serves."""
+    a, _ = ckpt_pair("llama")
+    with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
+        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=SP)["output_ids"]
+        state = _pause_at(engine, 5)
+        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=SP, stream=True)
+        assert state["done"].wait(30) and state["result"] == [5]
+        engine.release_memory_occupation()
+        engine.continue_generation()
+        final = list(stream)[-1]
+        reason = final["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "resume_memory_occupation" in reason["message"], reason
+        assert final["output_ids"] == reference[: len(final["output_ids"])]
+        with pytest.raises(RuntimeError, match="memory is released"):
+            engine.generate(input_ids=[5, 6, 7], sampling_params=SP)
+        engine.resume_memory_occupation()
+        assert engine.generate(input_ids=[5, 6, 7], sampling_params=SP)["output_ids"] == reference
