@@ -233,14 +233,20 @@ def test_release_refused_while_a_request_runs(ckpt_pair):
         assert final["output_ids"] == reference
 
 
+def _paused_mid_request(engine):
+    """-> (the uninterrupted greedy output, a stream of the same request paused after its 5th step)."""
+    reference = engine.generate(input_ids=[5, 6, 7], sampling_params=SP)["output_ids"]
+    state = _pause_at(engine, 5)
+    stream = engine.generate(input_ids=[5, 6, 7], sampling_params=SP, stream=True)
+    assert state["done"].wait(30) and state["result"] == [5]
+    return reference, stream
+
+
 def test_paused_release_resume_continue_recomputes_identically(ckpt_pair):
     """Paused: release all (requests are retracted), resume, continue -> the same tokens as uninterrupted."""
     a, _ = ckpt_pair("llama")
     with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
-        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=SP)["output_ids"]
-        state = _pause_at(engine, 5)
-        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=SP, stream=True)
-        assert state["done"].wait(30) and state["result"] == [5]
+        reference, stream = _paused_mid_request(engine)
         engine.release_memory_occupation()
         assert engine.runner.memory_saver.bytes_held("kv_cache") == 0
         engine.resume_memory_occupation()
@@ -332,10 +338,7 @@ def test_continue_before_resume_ends_the_requests_in_flight_naming_it(ckpt_pair)
     a message naming the order to call things in, instead of waiting unseen; after resume the engine serves."""
     a, _ = ckpt_pair("llama")
     with make_engine(a, enable_memory_saver=True, enable_weights_cpu_backup=True) as engine:
-        reference = engine.generate(input_ids=[5, 6, 7], sampling_params=SP)["output_ids"]
-        state = _pause_at(engine, 5)
-        stream = engine.generate(input_ids=[5, 6, 7], sampling_params=SP, stream=True)
-        assert state["done"].wait(30) and state["result"] == [5]
+        reference, stream = _paused_mid_request(engine)
         engine.release_memory_occupation()
         engine.continue_generation()
         final = list(stream)[-1]
