@@ -42,7 +42,10 @@ class HttpEngine:
         return out
 
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
-                                   weight_version: str | None = None) -> tuple[bool, str]:
+                                   weight_version: str | None = None, online: bool = False,
+                                   abort_all_requests: bool = False) -> tuple[bool, str]:
+        """Engine.update_weights_from_tensor over HTTP; `online` is the route's `force` (requests in flight are
+        retracted and go on under the new weights instead of the update being refused)."""
         if load_format == "delta":
             from weight_sync.delta_codec import DeltaUpdate
 
@@ -59,7 +62,7 @@ class HttpEngine:
         else:
             return False, f"update_weights_from_tensor failed: load_format={load_format!r} is not supported over HTTP"
         body = {"serialized_named_tensors": [payload], "load_format": load_format, "flush_cache": flush_cache,
-                "weight_version": weight_version}
+                "weight_version": weight_version, "force": online, "abort_all_requests": abort_all_requests}
         out = self._call("/update_weights_from_tensor", body)
         if "success" not in out:
             return False, f"update_weights_from_tensor failed: {_error_message(out)}"

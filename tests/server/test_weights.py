@@ -126,14 +126,29 @@ def _update_mid_stream(wserver, wclient, update) -> tuple[dict, httpx.Response]:
     pytest.fail("the request finished before the update landed, 3 times")
 
 
-@pytest.mark.parametrize("route", ["disk-online", "tensor-force"])
+@pytest.mark.parametrize("route", ["disk-online", "tensor-force", "http-engine-online"])
 def test_online_update_mid_request(wserver, wclient, ckpts, expected, route):
     """/update_weights_from_disk {"online": true} and /update_weights_from_tensor {"force": true} (SGLang's RL
-    tests' fields) land while a request runs unpaused: it is retracted and finishes (not aborted) with two
-    weight-version spans, and the server then serves exactly B."""
+    tests' fields), and weight_sync's HttpEngine.update_weights_from_tensor(online=True), land while a request
+    runs unpaused: it is retracted and finishes (not aborted) with two weight-version spans, and the server
+    then serves exactly B."""
     if route == "disk-online":
         def update(c):
             return c.post("/update_weights_from_disk", json={"model_path": str(ckpts[1]), "online": True})
+    elif route == "http-engine-online":
+        from types import SimpleNamespace
+
+        from weight_sync.http import HttpEngine
+
+        tensors = list(read_state_dict(ckpts[1]).items())
+
+        def update(c):
+            handle = HttpEngine(wserver.url)
+            try:
+                ok, msg = handle.update_weights_from_tensor(tensors, online=True)
+            finally:
+                handle.close()
+            return SimpleNamespace(status_code=200 if ok else 400, text=msg, json=lambda: {"success": ok})
     else:
         blob = encode_named_tensors(read_state_dict(ckpts[1]))
 
