@@ -216,7 +216,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
 
     def _can_step(self) -> bool:
         # Paused requests wait while weights or KV cache are released (a continue before the resume ends them:
-        # _fail_if_released).
+        # _continue).
         saver = self.runner.memory_saver
         return (not self._paused and self.scheduler.has_work() and saver.is_resident("weights")
                 and saver.is_resident("kv_cache"))
@@ -598,22 +598,19 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
 
     def continue_generation(self) -> None:
         self._pause_watchdog.disarm()
-        with self._cv:
-            self._paused = False
-            self._fail_if_released("continue_generation()")
-            self._cv.notify_all()
+        self._continue("continue_generation()")
 
     def _continue_after_timeout(self) -> None:
+        self._continue("the pause watchdog's continue")
+
+    def _continue(self, what: str) -> None:
+        """Unpause. If weights or KV cache are released, nothing could run the requests in flight (and a new
+        one is refused with the same words): they end as abort now instead of waiting unseen."""
         with self._cv:
             self._paused = False
-            self._fail_if_released("the pause watchdog's continue")
+            saver = self.runner.memory_saver
+            if not (saver.is_resident("weights") and saver.is_resident("kv_cache")):
+                self._abort_reqs(self._in_flight(), f"memory is released: {what} came before "
+                                                    f"resume_memory_occupation() (resume first, then continue "
+                                                    f"generation)")
             self._cv.notify_all()
-
-    def _fail_if_released(self, what: str) -> None:
-        """Generation continues while weights or KV cache are released: nothing could run the requests in flight
-        (and a new one is refused with the same words), so they end as abort now instead of waiting unseen."""
-        saver = self.runner.memory_saver
-        if saver.is_resident("weights") and saver.is_resident("kv_cache"):
-            return
-        self._abort_reqs(self._in_flight(), f"memory is released: {what} came before resume_memory_occupation() "
-                                            f"(resume first, then continue generation)")

@@ -46,6 +46,11 @@ FORWARDED = frozenset({
 })
 
 
+def _check_abort_all(abort_all_requests) -> None:
+    if not isinstance(abort_all_requests, bool):
+        raise TypeError(f"abort_all_requests must be a bool, got {abort_all_requests!r}")
+
+
 class EngineGroupError(RuntimeError):
     """An operation failed on one or more engines of a group; the message names them."""
 
@@ -429,35 +434,31 @@ class EngineGroup:
         """Engine.update_weights_from_tensor on every engine, committed on all or none. online=True: each
         engine retracts its requests in flight (they go on under the new weights) instead of refusing.
         abort_all_requests=True: see `_abort_after`."""
+        _check_abort_all(abort_all_requests)
         names = _update_names(named_tensors, load_format)
-        return self._abort_after(abort_all_requests, lambda online_: self._atomic_update(
-            "update_weights_from_tensor", names, (named_tensors,),
-            dict(load_format=load_format, flush_cache=flush_cache, weight_version=weight_version,
-                 online=online_)), online)
+        ok, msg = self._atomic_update("update_weights_from_tensor", names, (named_tensors,),
+                                      dict(load_format=load_format, flush_cache=flush_cache,
+                                           weight_version=weight_version, online=online or abort_all_requests))
+        return self._abort_after(abort_all_requests, ok, msg)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  weight_version: str | None = None, flush_cache: bool = True, online: bool = False,
                                  abort_all_requests: bool = False) -> tuple[bool, str, int]:
         """SGLang's shape: (success, message, num_paused_requests); the group pauses nothing itself.
         abort_all_requests=True: see `_abort_after`."""
-        ok, msg = self._abort_after(abort_all_requests, lambda online_: self._atomic_update(
-            "update_weights_from_disk", None, (str(model_path),),
-            dict(load_format=load_format, weight_version=weight_version, flush_cache=flush_cache,
-                 online=online_)), online)
-        return ok, msg, 0
+        _check_abort_all(abort_all_requests)
+        ok, msg = self._atomic_update("update_weights_from_disk", None, (str(model_path),),
+                                      dict(load_format=load_format, weight_version=weight_version,
+                                           flush_cache=flush_cache, online=online or abort_all_requests))
+        return (*self._abort_after(abort_all_requests, ok, msg), 0)
 
-    def _abort_after(self, abort_all_requests: bool, update, online: bool) -> tuple[bool, str]:
+    def _abort_after(self, abort_all_requests: bool, ok: bool, msg: str) -> tuple[bool, str]:
         """SGLang's abort_all_requests over the group: requests in flight do not refuse the update (each
         engine retracts them, as online=True), and once every engine committed, every request in flight on
         every engine is aborted (also one submitted while the update ran). A group that rolls back aborts
         nothing: an engine's own abort_all_requests would already have aborted its requests when another
         engine's refusal rolled it back, and those would be lost with nothing loaded."""
-        if not isinstance(abort_all_requests, bool):
-            raise TypeError(f"abort_all_requests must be a bool, got {abort_all_requests!r}")
-        if not abort_all_requests:
-            return update(online)
-        ok, msg = update(True)
-        if ok:  # committed everywhere: an abort that fails (an engine died since) does not undo that
+        if ok and abort_all_requests:  # committed everywhere: a failed abort (an engine died since) undoes nothing
             try:
                 aborted = sum(self._all("abort_request", "", True))
                 msg = f"{msg}; aborted {aborted} request(s) in flight"

@@ -74,6 +74,13 @@ def ends_with_stop_prefix(text: str, stops: list[str]) -> bool:
     return False
 
 
+def mark_stop_prefix(req: Req, text: str) -> None:
+    """Set req.stop_prefix_pending: the decoded output ends with the start of a stop string, so a stream chunk
+    must wait. A trailing partial character is not text yet (a chunk drops it): the prefix may end before it."""
+    stops = req.sampling_params.stop
+    req.stop_prefix_pending = bool(stops) and ends_with_stop_prefix(text.rstrip("\ufffd"), stops)
+
+
 def find(req: Req, text: str) -> str | FinishReason | None:
     """The earliest stop string or pattern matched in the new part of `text` (the request's decoded
     output), recording where it starts in `req.stop_at`; a FinishReason (abort) if a pattern timed out."""
@@ -102,8 +109,7 @@ def find(req: Req, text: str) -> str | FinishReason | None:
             if m is not None:
                 hits.append((m.start(), r))
     req.stop_scan_from = len(text)
-    # A trailing partial character is not text yet (a chunk drops it): the stop prefix may end just before it.
-    req.stop_prefix_pending = bool(sp.stop) and ends_with_stop_prefix(text.rstrip("\ufffd"), sp.stop)
+    mark_stop_prefix(req, text)
     if not hits:
         return None
     at, matched = min(hits)

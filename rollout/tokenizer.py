@@ -136,15 +136,17 @@ class TokenizerWrapper:
         """The first stop string or stop_regex pattern found in req's new decoded output, if any (checked
         on text, as SGLang; a regex is reported by its pattern), or an abort FinishReason when a pattern
         ran out of time (rollout.stop_match)."""
-        text = self.output_text(req.output_ids, req)
-        if text is None:
-            return None
         sp = req.sampling_params
         if len(req.output_ids) < sp.min_new_tokens:
             # No stop counts yet, but one that token min_new_tokens completes will be cut from the final text: a
             # stream chunk ending in its start must wait (stop_match.find marks the same from then on).
-            req.stop_prefix_pending = bool(sp.stop) and stop_match.ends_with_stop_prefix(text.rstrip("\ufffd"),
-                                                                                         sp.stop)
+            if sp.stop:  # only stop strings are held for (decoded only then)
+                text = self.output_text(req.output_ids, req)
+                if text is not None:
+                    stop_match.mark_stop_prefix(req, text)
+            return None
+        text = self.output_text(req.output_ids, req)
+        if text is None:
             return None
         if sp.min_new_tokens and req.stop_min_end is None:
             # Only a match that the min_new_tokens-th token or a later one completes counts (vLLM's min_tokens):
