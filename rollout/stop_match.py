@@ -74,11 +74,30 @@ def ends_with_stop_prefix(text: str, stops: list[str]) -> bool:
     return False
 
 
+def ends_in_partial_match(text: str, patterns: list[str]) -> bool:
+    """Whether a stop_regex pattern matches a non-empty tail of `text` partially (`regex`'s partial
+    matching: the text ends inside a possible match), the match starting in the last PREFIX_CHARS
+    characters (the same bound as a stop string's prefix). A pattern that runs out of time counts as
+    pending: holding a chunk back delays it, sending one the final output cuts could not be undone."""
+    start = max(0, len(text) - PREFIX_CHARS)
+    for r in patterns:
+        try:
+            for m in compiled(r).finditer(text, start, partial=True, overlapped=True, timeout=REGEX_TIMEOUT_S):
+                if m.partial and m.start() < len(text):
+                    return True
+        except TimeoutError:
+            return True
+    return False
+
+
 def mark_stop_prefix(req: Req, text: str) -> None:
-    """Set req.stop_prefix_pending: the decoded output ends with the start of a stop string, so a stream chunk
-    must wait. A trailing partial character is not text yet (a chunk drops it): the prefix may end before it."""
-    stops = req.sampling_params.stop
-    req.stop_prefix_pending = bool(stops) and ends_with_stop_prefix(text.rstrip("\ufffd"), stops)
+    """Set req.stop_prefix_pending: the decoded output ends with the start of a stop string or of a stop_regex
+    match, so a stream chunk must wait. A trailing partial character is not text yet (a chunk drops it): the
+    prefix may end before it."""
+    sp = req.sampling_params
+    text = text.rstrip("\ufffd")
+    req.stop_prefix_pending = bool((sp.stop and ends_with_stop_prefix(text, sp.stop))
+                                   or (sp.stop_regex and ends_in_partial_match(text, sp.stop_regex)))
 
 
 def find(req: Req, text: str) -> str | FinishReason | None:

@@ -140,7 +140,7 @@ class TokenizerWrapper:
         if len(req.output_ids) < sp.min_new_tokens:
             # No stop counts yet, but one that token min_new_tokens completes will be cut from the final text: a
             # stream chunk ending in its start must wait (stop_match.find marks the same from then on).
-            if sp.stop:  # only stop strings are held for (decoded only then)
+            if sp.stop or sp.stop_regex:  # decoded only when there is a stop to hold for
                 text = self.output_text(req.output_ids, req)
                 if text is not None:
                     stop_match.mark_stop_prefix(req, text)

@@ -105,6 +105,69 @@ def test_a_stream_never_sends_text_the_stop_cuts(engine):
     assert head not in chunks  # the chunk ending with the stop's first character was held back
 
 
+def test_a_stream_never_sends_text_a_stop_regex_cuts(engine):
+    """A stop_regex match spanning a token boundary: the chunk whose text ends with the match's first character
+    is held (the pattern matches that tail partially), so every chunk's text is a prefix of the final text,
+    which the naive `re` search of the free text cuts; the same request unstreamed gives that text too."""
+    import re
+
+    tok = engine.tokenizer.tokenizer
+    ids = engine.generate(PROMPT, dict(GREEDY, max_new_tokens=30))["output_ids"]
+    full = tok.decode(ids)
+    for n in range(4, 28):
+        head = tok.decode(ids[:n])
+        span = full[len(head) - 1: len(head) + 2]
+        pattern = re.escape(span[:1]) + "." + re.escape(span[2:])
+        first = re.search(pattern, full) if len(span) == 3 else None
+        if first is not None and first.start() == len(head) - 1 and tok.decode(ids[: n - 1]) != head:
+            break
+    else:
+        raise AssertionError("the tiny checkpoint's greedy text has no 3-character match across a boundary")
+    sp = dict(GREEDY, max_new_tokens=30, stop_regex=[pattern])
+    want = engine.generate(PROMPT, sp)["text"]
+    assert want == full[: first.start()]
+    chunks = [c["text"] for c in engine.generate(PROMPT, sp, stream=True)]
+    assert chunks[-1] == want
+    assert all(want.startswith(c) for c in chunks), (pattern, chunks[-4:])
+    assert head not in chunks
+
+
+def test_partial_regex_tail_matches_a_naive_check():
+    """ends_in_partial_match equals the naive check on texts with no full match (those finish the request):
+    some tail of the text followed by a completion of 1-4 letters is matched past the text's end."""
+    import itertools
+    import random
+    import re
+
+    rng = random.Random(1)
+    patterns = ["ab", "a.b", "b+a", "aab|ba", "(ab)+b", "a[ab]?bb"]
+    completions = ["".join(c) for k in range(1, 5) for c in itertools.product("ab", repeat=k)]
+    checked = 0
+    for _ in range(1500):
+        text = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 8)))
+        pats = rng.sample(patterns, rng.randrange(1, 3))
+        if any(re.search(p, text) for p in pats):
+            continue
+        naive = any((m := re.match(p, text[i:] + c)) is not None and m.end() > len(text) - i
+                    for p in pats for i in range(len(text)) for c in completions)
+        assert stop_match.ends_in_partial_match(text, pats) == naive, (text, pats)
+        checked += 1
+    assert checked > 300
+
+
+def test_a_stop_regex_prefix_is_pending():
+    """find marks a request pending while its output ends inside a possible stop_regex match (and not when it
+    cannot), as it does for stop strings."""
+    def req(pattern):
+        return Req("r", [5], SamplingParams.from_dict({"stop_regex": [pattern], "max_new_tokens": 8}), 0)
+
+    r = req(r"\d+ apples")
+    assert stop_match.find(r, "I have 12 ap") is None and r.stop_prefix_pending
+    assert stop_match.find(r, "I have 12 apples") == r"\d+ apples" and r.stop_at == 7
+    r = req(r"\d+ apples")
+    assert stop_match.find(r, "I have some") is None and not r.stop_prefix_pending
+
+
 @pytest.mark.parametrize("kind", ["stop", "stop_regex"])
 def test_min_new_tokens_counts_only_stops_its_own_tokens_complete(engine, kind):
     """With min_new_tokens=m, a stop string the model wrote before token m is text it had to go on past:
