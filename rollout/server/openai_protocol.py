@@ -95,12 +95,12 @@ class SamplingFields(Body):
         return value
 
     def sampling_params(self, max_new_tokens: int | None) -> dict:
+        """The engine's sampling params; max_new_tokens None: up to the context length (chat's default, as
+        OpenAI's and vLLM's; not the engine's own default of 128)."""
         sp: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                   min_p=self.min_p, n=self.n, stop=self.stop, seed=self.seed,
                                   min_new_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                                   skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim)
-        if max_new_tokens is not None:
-            sp["max_new_tokens"] = max_new_tokens
         if self.stop_token_ids:
             sp["stop_token_ids"] = self.stop_token_ids
         if self.stop_regex:
@@ -113,10 +113,12 @@ class SamplingFields(Body):
                 sp[key] = getattr(self, key)
         if self.logit_bias:
             sp["logit_bias"] = self.logit_bias
-        return {k: v for k, v in sp.items() if v is not None}
+        return {**{k: v for k, v in sp.items() if v is not None}, "max_new_tokens": max_new_tokens}
 
 
 class CompletionRequest(SamplingFields):
+    # OpenAI: max_tokens "integer or null, defaults to 16": null is the default, not "no limit".
+    null_means_default: ClassVar[frozenset[str]] = SamplingFields.null_means_default | {"max_tokens"}
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

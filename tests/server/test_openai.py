@@ -204,6 +204,23 @@ def test_null_openai_fields_take_their_defaults(server, oai):
             assert got.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_max_tokens_defaults_are_openais(server, oai):
+    """A chat request with neither max_tokens nor max_completion_tokens runs to the context length (OpenAI's and
+    vLLM's default, not the engine's 128); a completion's max_tokens sent as null is OpenAI's default, 16."""
+    context = server.engine.runner.context_len
+    assert context > 128 + 16
+    with start_server(server.path, engine=server.engine, chat_template="plain") as s:
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=120, max_retries=0) as c:
+            r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                          extra_body=IGN)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == context, (r.usage, context)
+    for max_tokens in (None, 16):
+        got = oai.completions.create(model="tiny", prompt="Hello", max_tokens=max_tokens, temperature=0,
+                                     extra_body=IGN)
+        assert got.usage.completion_tokens == 16 and got.choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_rid_of_an_openai_request_aborts_it(server, stream):
     """A completion sent with SGLang's `rid` runs as that id (one choice), streamed or not, so /abort_request
