@@ -113,6 +113,26 @@ class TokenizerWrapper:
             spaces_between_special_tokens=sp.spaces_between_special_tokens if sp else True,
         )
 
+    def token_pieces(self, ids: list[int], context: list[int], final: bool) -> list[str]:
+        """Each of `ids`' share of their text as read after `context` (the tokens before them): the characters
+        that token completes, so the pieces join into the decoded text and a character spread over several
+        tokens (UTF-8 bytes) comes whole with the token that completes it, '' with the others (vLLM's
+        incremental pieces; OpenAI's completion logprobs `tokens` / `text_offset`). With `final`, a partial
+        character at the very end stays (U+FFFD), as the final text keeps it. Each piece decodes a window of
+        CONTEXT_TOKENS + 1 tokens, so the cost is linear in len(ids)."""
+        if self.tokenizer is None:
+            return [""] * len(ids)
+        seq = [*context[-CONTEXT_TOKENS:], *ids]
+        pieces = []
+        for i in range(len(seq) - len(ids), len(seq)):
+            j = max(0, i - CONTEXT_TOKENS)
+            before = self.decode(seq[j:i]).rstrip("\ufffd")
+            now = self.decode(seq[j:i + 1])
+            if not (final and i == len(seq) - 1):
+                now = now.rstrip("\ufffd")
+            pieces.append(now[len(before):] if now.startswith(before) else self.decode([seq[i]]))
+        return pieces
+
     def output_text(self, ids: list[int], req: Req) -> str | None:
         """The text of `ids`, output tokens of `req`, as they read after its prompt (see the module doc)."""
         if self.tokenizer is None:

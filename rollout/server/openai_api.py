@@ -51,6 +51,7 @@ from rollout.server.openai_engine import (
     usage_of,
 )
 from rollout.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ScoreRequest
+from rollout.tokenizer import CONTEXT_TOKENS
 
 router = APIRouter()
 
@@ -94,26 +95,31 @@ def _model_card(request: Request) -> dict:
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------
-def _completion_logprobs(engine, pairs: list, offset: int) -> dict:
-    """OpenAI's completion logprobs of `pairs`; `text_offset` counts each token's text from `offset` (0 for
-    the first token; a stream passes on where its previous chunk's tokens ended, so its offsets are the
-    non-streamed ones whatever text a chunk held back for a possible stop match)."""
+def _completion_logprobs(engine, pairs: list, offset: int, context: list[int], final: bool) -> tuple[dict, int]:
+    """(OpenAI's completion logprobs of `pairs`, the offset where the text after them starts) (tokens that follow the ids `context`); `text_offset` counts each
+    token's text from `offset` (0 for the first token; a stream passes on where its previous chunk's tokens
+    ended, so its offsets are the non-streamed ones whatever text a chunk held back for a possible stop
+    match). A token's text is its piece of the decoded text (TokenizerWrapper.token_pieces), so the tokens
+    join into the text and each offset points at its token's characters there, a character spread over
+    several tokens included; a special token the text skips shows its own text and takes no characters."""
+    tok = engine.tokenizer
+    pieces = tok.token_pieces([tid for (_, tid, _), _ in pairs], context, final)
+    special = set(getattr(tok.tokenizer, "all_special_ids", None) or ())
     tokens, lps, tops, offsets = [], [], [], []
-    for (lp, tid, text), top in pairs:
-        s = token_text(engine, tid, text)
-        tokens.append(s)
+    for ((lp, tid, text), top), piece in zip(pairs, pieces):
+        tokens.append(token_text(engine, tid, text) if not piece and tid in special else piece)
         lps.append(lp)
         offsets.append(offset)
-        offset += len(s)
-        if top is None:
+        offset += len(piece)
+        if lp is None:  # an echoed prompt's first token: nothing scores it
             tops.append(None)
             continue
         d: dict[str, float] = {}
-        for v, t, tt in top:  # distinct ids can share a text (e.g. partial UTF-8): keep the likeliest
+        for v, t, tt in top or ():  # distinct ids can share a text (e.g. partial UTF-8): keep the likeliest
             d.setdefault(token_text(engine, t, tt), v)
+        d[tokens[-1]] = lp  # OpenAI's "logprobs + 1": the sampled token is always in, under its text in `tokens`
         tops.append(d)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if any(t is not None for t in tops)
-            else None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
 @router.post("/v1/completions")
@@ -151,8 +157,9 @@ async def completions(req: CompletionRequest, request: Request):
         choices = []
         for i, o in enumerate(outs):
             reason, matched = finish_of(o["meta_info"])
-            lp = None if req.logprobs is None else \
-                _completion_logprobs(engine, logprob_pairs(o["meta_info"], prompt=req.echo), 0)
+            lp = None if req.logprobs is None else _completion_logprobs(
+                engine, logprob_pairs(o["meta_info"], prompt=req.echo), 0,
+                [] if req.echo else _ids(prompts[i // req.n]), final=True)[0]
             text = o["text"] if echoed is None else echoed[i // req.n] + (o["text"] or "")
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched})
@@ -178,10 +185,11 @@ async def completions(req: CompletionRequest, request: Request):
                                                       "output_top_logprobs": []}, prompt=True)
                 lp = None
                 if req.logprobs is not None:
-                    lp = _completion_logprobs(engine, prompt_pairs + d.new_logprobs(chunk["meta_info"]),
-                                              d.text_offset)
-                    if lp["tokens"]:
-                        d.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    if d.context is None:  # the choice's first chunk: its tokens follow the prompt, unless echoed
+                        d.context = [] if echoed is not None else _ids(prompts[i // req.n])
+                    pairs = prompt_pairs + d.new_logprobs(chunk["meta_info"])
+                    lp, d.text_offset = _completion_logprobs(engine, pairs, d.text_offset, d.context, final)
+                    d.context = (d.context + [tid for (_, tid, _), _ in pairs])[-CONTEXT_TOKENS:]
                 reason = finish_of(chunk["meta_info"])[0] if final else None
                 if text or final or lp:
                     yield {"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -193,6 +201,11 @@ async def completions(req: CompletionRequest, request: Request):
                    "usage": usage_of(outs, req.n, _cache_report(request))}
 
     return sse_response(closing(events(), merged))
+
+
+def _ids(prompt) -> list[int]:
+    """A prepared prompt's token ids ([] for a text prompt left as text: no tokenizer)."""
+    return prompt if isinstance(prompt, list) else []
 
 
 def _cache_report(request: Request) -> bool:

@@ -224,6 +224,7 @@ class TextDelta:
         self.sent = ""
         self.num_tokens = 0
         self.text_offset = 0  # /v1/completions logprobs: where the next token's text starts
+        self.context: list[int] | None = None  # and the last tokens before the next chunk's (None: none yet)
 
     def step(self, text: str | None, final: bool) -> str:
         text = text or ""

@@ -107,6 +107,54 @@ def test_completion_logprob_offsets_are_the_same_streamed(server, oai):
     assert tokens == plain.tokens and streamed == plain.text_offset
 
 
+def test_completion_logprob_tokens_join_into_the_text_across_multibyte_characters(server, oai):
+    """A prompt whose characters span several byte tokens, echoed with logprobs, and outputs forced onto the
+    bytes of 'é' (logit_bias): each token's text is its piece of the decoded text ('' for a byte that completes
+    no character, the character at the byte that does), so the tokens join into the response text and every
+    text_offset points at its token's text there (the bytes forced in any order leave replacement characters,
+    which the tokens carry too); streamed, the same tokens and offsets."""
+    tok = server.engine.tokenizer.tokenizer
+    prompt = "a\u00e9\u20acb"
+    ids = tok.encode(prompt)
+    assert len(ids) > len(prompt), "the test tokenizer should split these characters into byte tokens"
+    e_bytes = tok.encode("\u00e9", add_special_tokens=False)
+    assert len(e_bytes) == 2
+    for kw in (dict(prompt=prompt, max_tokens=2, echo=True),
+               dict(prompt="Hi", max_tokens=4, logit_bias={str(t): 100 for t in e_bytes})):
+        kw = dict(model="tiny", temperature=0, logprobs=1, extra_body=IGN, **kw)
+        whole = oai.completions.create(**kw).choices[0]
+        lp = whole.logprobs
+        assert "".join(lp.tokens) == whole.text, (lp.tokens, whole.text)
+        assert all(whole.text[o:].startswith(t) for t, o in zip(lp.tokens, lp.text_offset))
+        if kw.get("echo"):  # the prompt's characters are whole: a byte that completes none has no text
+            assert "\ufffd" not in whole.text and "" in lp.tokens and "\u20ac" in lp.tokens
+        tokens, offsets = [], []
+        for chunk in oai.completions.create(**kw, stream=True):
+            for ch in chunk.choices:
+                if ch.logprobs is not None:
+                    tokens += ch.logprobs.tokens
+                    offsets += ch.logprobs.text_offset
+        assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_completion_top_logprobs_always_hold_the_sampled_token(server, oai, k):
+    """OpenAI's "up to logprobs + 1" entries: each position's top_logprobs has the k likeliest tokens and the
+    sampled one with its own logprob, also where sampling at temperature 1 took a token outside the top k
+    (logprobs=0: just the sampled token), streamed or not."""
+    kw = dict(model="tiny", prompt="Hello", max_tokens=24, temperature=1.0, seed=5, logprobs=k, extra_body=IGN)
+    lp = oai.completions.create(**kw).choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 24
+    outside = 0
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(logprob, abs=1e-6) and k <= len(top) <= k + 1
+        outside += len(top) == k + 1
+    assert k == 0 or outside > 0, "seeded sampling never left the top token: the case is not exercised"
+    streamed = [t for c in oai.completions.create(**kw, stream=True) for ch in c.choices if ch.logprobs
+                for t in ch.logprobs.top_logprobs]
+    assert [set(t) for t in streamed] == [set(t) for t in lp.top_logprobs]
+
+
 def test_chat_equals_engine_on_plain_template(server):
     """/v1/chat/completions with --chat-template plain: the documented plain prompt, Engine's answer."""
     with start_server(server.path, engine=server.engine, chat_template="plain") as s, \
