@@ -66,6 +66,8 @@ def build_output(req: Req, tok: TokenizerWrapper, weight_version: str, final: bo
         meta["routed_experts"] = "" if routed is None else base64.b64encode(routed.numpy().tobytes()).decode("ascii")
     if req.return_logprob:
         meta.update(logprob_meta(req, tok, final))
+    if tok.tokenizer is None:  # token ids in, token ids out: SGLang's outputs then have no "text" key at all
+        return {"output_ids": list(req.output_ids), "meta_info": meta, "index": req.index}
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta, "index": req.index}
 
 

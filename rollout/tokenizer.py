@@ -1,7 +1,7 @@
 """The checkpoint's HF tokenizer (or none): prompt encoding, output decoding, stop-string checks.
 
 A checkpoint without tokenizer files, or `skip_tokenizer_init=True`, gives a TokenizerWrapper whose
-`tokenizer` is None: requests must then come as input_ids and outputs carry `text` None.
+`tokenizer` is None: requests must then come as input_ids and outputs have no `text` key (as SGLang's).
 
 Output text is decoded after the prompt's last CONTEXT_TOKENS tokens and cut after their text, as SGLang's
 detokenizer and vLLM's do: a decoder that drops the leading space of the first token it sees (SentencePiece's

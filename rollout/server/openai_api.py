@@ -160,7 +160,7 @@ async def completions(req: CompletionRequest, request: Request):
             lp = None if req.logprobs is None else _completion_logprobs(
                 engine, logprob_pairs(o["meta_info"], prompt=req.echo), 0,
                 [] if req.echo else _ids(prompts[i // req.n]), final=True)[0]
-            text = o["text"] if echoed is None else echoed[i // req.n] + (o["text"] or "")
+            text = o.get("text") if echoed is None else echoed[i // req.n] + (o.get("text") or "")
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched})
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -326,7 +326,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         for i, o in enumerate(outs):
             reason, matched = finish_of(o["meta_info"])
             lp = None if num_top is None else _chat_logprobs(engine, logprob_pairs(o["meta_info"]))
-            choices.append({"index": i, "message": {"role": "assistant", "content": o["text"]}, "logprobs": lp,
+            choices.append({"index": i, "message": {"role": "assistant", "content": o.get("text")}, "logprobs": lp,
                             "finish_reason": reason, "matched_stop": matched})
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "usage": usage_of(outs, req.n, _cache_report(request)), "metadata": metadata_of(outs)})

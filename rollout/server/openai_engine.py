@@ -252,7 +252,7 @@ async def choice_texts(first, merged, stop, num_choices: int, finals: dict[int, 
     while item is not None:
         i, chunk, final = item
         d = deltas[i]
-        text = d.step(chunk["text"], final)
+        text = d.step(chunk.get("text"), final)
         if final:
             finals[i] = chunk
         yield i, chunk, final, text, d

@@ -82,7 +82,8 @@ def test_output_dict_shape(tiny_llama, module_engines):
 
 @pytest.mark.parametrize("how", ["no_tokenizer_files", "skip_tokenizer_init"])
 def test_engine_without_tokenizer(how, ckpt_factory, make_engine, hf_models):
-    """Without a tokenizer, input_ids work (same tokens as HF), text is None, and a string prompt is a clear error."""
+    """Without a tokenizer, input_ids work (same tokens as HF), outputs have no "text" key (SGLang's token-ids
+    outputs), and a string prompt is a clear error."""
     if how == "no_tokenizer_files":
         engine = make_engine(ckpt_factory("llama", with_tokenizer=False))
     else:
@@ -91,7 +92,7 @@ def test_engine_without_tokenizer(how, ckpt_factory, make_engine, hf_models):
     ref_ids, _ = hf_generate(hf_models(ckpt_factory("llama")), prompt, 8)
     out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 8}, return_logprob=True)
     assert out["output_ids"] == ref_ids
-    assert out["text"] is None
+    assert "text" not in out and set(out) == {"output_ids", "meta_info", "index"}
     assert all(s is None for _, _, s in out["meta_info"]["output_token_logprobs"])
     with pytest.raises(ValueError, match="input_ids"):
         engine.generate(prompt="hello", sampling_params=GREEDY)

@@ -214,3 +214,17 @@ def test_sglang_launch_flags_are_taken(tiny_llama):
     from rollout.engine_args import EngineArgs
 
     assert EngineArgs.from_kwargs(**kw).scheduler_config().chunked_prefill_size == 4096
+
+
+def test_skip_tokenizer_init_outputs_have_no_text_key(tiny_llama):
+    """With skip_tokenizer_init, /generate's outputs (whole, each stream chunk) carry output_ids and meta_info and
+    no "text" key, as SGLang's token-id outputs; the ids are the Engine's for the same request."""
+    with start_server(tiny_llama, engine_kw={"skip_tokenizer_init": True}) as s, s.client() as c:
+        body = dict(input_ids=PROMPT, sampling_params=dict(temperature=0, max_new_tokens=4, ignore_eos=True))
+        whole = c.post("/generate", json=body).json()
+        assert "text" not in whole and whole["output_ids"] == s.engine.generate(**body)["output_ids"]
+        r = c.post("/generate", json={**body, "stream": True})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert chunks and all("text" not in ch and "output_ids" in ch for ch in chunks)
+        assert chunks[-1]["output_ids"] == whole["output_ids"]
