@@ -474,7 +474,8 @@ class EngineGroup:
         return sum(self._all("abort_request", rid, abort_all))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str = "gloo", **kwargs) -> tuple[bool, str]:
+                                  group_name: str = "weight_update_group", backend: str = "gloo",
+                                  **kwargs) -> tuple[bool, str]:
         """Engine i joins as rank `rank_offset + i` (SGLang's convention, tp_size 1 per engine);
         `world_size` counts the trainer's ranks plus every engine. The joins run concurrently because
         the rendezvous needs every rank."""
@@ -485,13 +486,14 @@ class EngineGroup:
         bad = [f"engine {i}: {msg}" for i, (ok, msg) in enumerate(results) if not ok]
         return (not bad), ("; ".join(bad) if bad else f"{len(self.handles)} engines joined {group_name!r}")
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, flush_cache: bool = True,
-                                        weight_version: str | None = None, **kwargs) -> tuple[bool, str]:
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str = "weight_update_group",
+                                        flush_cache: bool = True, weight_version: str | None = None,
+                                        **kwargs) -> tuple[bool, str]:
         return self._atomic_update("update_weights_from_distributed", list(names),
                                    (names, dtypes, shapes, group_name),
                                    dict(flush_cache=flush_cache, weight_version=weight_version, **kwargs))
 
-    def destroy_weights_update_group(self, group_name: str):
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
         return self._all("destroy_weights_update_group", group_name)
 
     # ---- LoRA adapters: loaded on every engine or on none --------------------------------------

@@ -192,7 +192,8 @@ class WeightsAPI:
         return result
 
     def init_weights_update_group(self, master_address: str, master_port: int | str, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str | None = None, timeout_s: float = 120.0
+                                  group_name: str = "weight_update_group", backend: str | None = None,
+                                  timeout_s: float = 120.0
                                   ) -> tuple[bool, str]:
         """Join the trainer's weight-broadcast group (the trainer is rank 0; this engine is rank_offset).
         backend None: nccl on CUDA, gloo on the CPU. Runs without the engine lock: serving goes on."""
@@ -210,9 +211,9 @@ class WeightsAPI:
         return True, f"joined weight update group {group_name!r} as rank {rank_offset} of {world_size}"
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, flush_cache: bool = True,
-                                        weight_version: str | None = None,
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
                                         load_format: str | None = None,
+                                        weight_version: str | None = None,
                                         abort_all_requests: bool = False) -> tuple[bool, str]:
         """Receive one bucket broadcast by rank 0 of `group_name`, then load it atomically.
         load_format: the wire format (weight_sync.distributed), None = one broadcast per tensor.
@@ -243,7 +244,7 @@ class WeightsAPI:
             return False, f"{what} failed while receiving: {type(e).__name__}: {e}"
         return result[0]
 
-    def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
         """Leave `group_name` and free the name (SGLang's name); waits for a receive in progress on it."""
         try:
             self.runner.destroy_weights_update_group(group_name)

@@ -42,26 +42,29 @@ def spawn_trainer(helper: str, port: int, name: str, ckpt, fmt: str) -> subproce
 @pytest.mark.parametrize("helper", ["sglang", "ours"])
 def test_trainer_helper_updates_the_engine_like_a_fresh_load(ckpt_pair, reference_outputs, helper, fmt):
     """Either trainer helper joins the engine's group (master_port a string), its per-tensor or bucketed
-    broadcasts load, and the engine then equals a fresh engine on those weights."""
+    broadcasts load, and the engine then equals a fresh engine on those weights. With SGLang's helper sending
+    per tensor, every call leaves group_name out: SGLang's default name, "weight_update_group"."""
     a, b = ckpt_pair("llama")
     sd_b = sorted(read_state_dict(b).items())
-    port, name = free_port(), f"policy-{helper}-{fmt}"
+    default = helper == "sglang" and fmt == "per_tensor"
+    port, name = free_port(), "weight_update_group" if default else f"policy-{helper}-{fmt}"
+    group = {} if default else {"group_name": name}
     with make_engine(a) as engine, make_engine(b) as fresh:
         proc = spawn_trainer(helper, port, name, b, fmt)
         try:
-            ok, msg = engine.init_weights_update_group("127.0.0.1", str(port), 1, 2, name, backend="gloo",
-                                                       timeout_s=60)
+            ok, msg = engine.init_weights_update_group("127.0.0.1", str(port), 1, 2, backend="gloo", timeout_s=60,
+                                                       **group)
             assert ok, msg
             assert proc.stdout.readline().strip() == "joined"
             extra = {} if fmt == "per_tensor" else {"load_format": "flattened_bucket"}
             for i, chunk in enumerate(chunks(sd_b, BUCKETS)):
                 ok, msg = engine.update_weights_from_distributed(
                     [n for n, _ in chunk], [str(t.dtype).removeprefix("torch.") for _, t in chunk],
-                    [list(t.shape) for _, t in chunk], name, weight_version=f"v{i}", **extra)
+                    [list(t.shape) for _, t in chunk], weight_version=f"v{i}", **group, **extra)
                 assert ok, msg
             out, err = proc.communicate(timeout=60)
             assert proc.returncode == 0 and out.strip() == "done", err
-            ok, msg = engine.destroy_weights_update_group(name)
+            ok, msg = engine.destroy_weights_update_group(**group)
             assert ok, msg
         finally:
             proc.kill()
