@@ -49,9 +49,28 @@ UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "extra_key": ((None,), "per-request prefix-cache namespaces are not supported"),
     "return_bytes": ((None, False), "returning output bytes is not supported"),
     "return_entropy": ((None, False), "returning entropies is not supported"),
+    # The rest of SGLang's GenerateReqInput (its multimodal, disaggregation and debugging extras)
+    **{name: ((None, False), _MULTIMODAL) for name in (
+        "modalities", "use_audio_in_video", "video_config", "images_config", "need_wait_for_mm_inputs",
+        "num_items_assigned", "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+        "video_max_dynamic_patch", "positional_embed_overrides")},
+    "bootstrap_pair_key": ((None,), _DISAGG),
+    "decode_tp_size": ((None,), _DISAGG),
+    "lora_id": ((None,), "lora_id is SGLang's internal adapter id: name the adapter with lora_path"),
+    "max_thinking_tokens": ((None,), "thinking budgets are not supported"),
+    "return_sampling_mask": ((None, False), "returning sampling masks is not supported"),
+    "return_flat_raw_top_logprobs": ((None, False), "flat raw top logprobs are not supported: use top_logprobs_num"),
+    "return_flat_raw_top_logprobs_b64": ((None, False), "flat raw top logprobs are not supported: use "
+                                                        "top_logprobs_num"),
+    "return_indexer_topk": ((None, False), "returning indexer top-k (sparse attention) is not supported"),
+    "return_prompt_token_ids": ((None, False), "returning prompt token ids is not supported (meta_info's "
+                                               "prompt_tokens counts them; input_token_logprobs lists them)"),
+    "multi_item_delimiter_indices": ((None,), "multi-item scoring is served by /v1/score"),
 }
-# Accepted with any value and ignored: they only label the request for tracing or logging.
-IGNORED = ("external_trace_header", "log_metrics")
+# Accepted with any value and ignored: they only label or route the request (tracing, logging, a router's
+# affinity keys) or are SGLang's own plumbing between its processes.
+IGNORED = ("external_trace_header", "log_metrics", "routing_key", "conversation_id", "custom_labels",
+           "http_worker_ipc", "received_time")
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

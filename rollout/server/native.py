@@ -91,6 +91,35 @@ class GenerateReqInput(Body):
     kv_router_hint: Any = None
     extra_key: Any = None
     external_trace_header: Any = None
+    mm_hashes: Any = None
+    mm_content_hashes: Any = None
+    modalities: Any = None
+    use_audio_in_video: Any = None
+    video_config: Any = None
+    images_config: Any = None
+    need_wait_for_mm_inputs: Any = None
+    num_items_assigned: Any = None
+    encoder_urls: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    image_max_dynamic_patch: Any = None
+    video_max_dynamic_patch: Any = None
+    positional_embed_overrides: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    lora_id: Any = None
+    max_thinking_tokens: Any = None
+    return_sampling_mask: Any = None
+    return_flat_raw_top_logprobs: Any = None
+    return_flat_raw_top_logprobs_b64: Any = None
+    return_indexer_topk: Any = None
+    return_prompt_token_ids: Any = None
+    multi_item_delimiter_indices: Any = None
+    routing_key: Any = None
+    conversation_id: Any = None
+    custom_labels: Any = None
+    http_worker_ipc: Any = None
+    received_time: Any = None
     # Beside sampling_params, as some SGLang clients post it (SGLang's RL tests): applied to every
     # prompt's sampling params that lack it; a different value there is refused.
     max_new_tokens: int | None = None

@@ -120,9 +120,31 @@ def test_streamed_generate_sends_the_first_token_at_once(server):
     assert lines[0]["output_ids"] == want[:1] and lines[-1]["output_ids"] == want
 
 
+# Every field of SGLang's GenerateReqInput (python/sglang/srt/managers/io_struct.py) but the prompt, sampling and
+# stream ones, at its default there, written down from its source.
+SGLANG_REQ_INPUT_DEFAULTS = {
+    "use_audio_in_video": False, "video_config": None, "return_sampling_mask": None, "return_text_in_logprobs": False,
+    "return_flat_raw_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False, "log_metrics": True,
+    "routed_experts_start_len": 0, "return_indexer_topk": False, "modalities": None, "session_params": None,
+    "lora_id": None, "positional_embed_overrides": None, "bootstrap_host": None, "bootstrap_port": None,
+    "bootstrap_room": None, "bootstrap_pair_key": None, "decode_tp_size": None, "routed_dp_rank": None,
+    "data_parallel_rank": None, "disagg_prefill_dp_rank": None, "kv_router_hint": None, "routing_key": None,
+    "conversation_id": None, "http_worker_ipc": None, "background": False, "require_reasoning": False,
+    "max_thinking_tokens": None, "priority": None, "extra_key": None, "no_logs": False, "custom_labels": None,
+    "return_bytes": False, "return_entropy": False, "return_prompt_token_ids": False, "external_trace_header": None,
+    "received_time": None, "need_wait_for_mm_inputs": None, "num_items_assigned": None, "encoder_urls": None,
+    "max_dynamic_patch": None, "min_dynamic_patch": None, "image_max_dynamic_patch": None,
+    "video_max_dynamic_patch": None, "images_config": None, "multi_item_delimiter_indices": None, "cache_salt": None,
+    "session_id": None, "mm_hashes": None, "mm_content_hashes": None, "input_embeds": None, "image_data": None,
+    "video_data": None, "audio_data": None, "return_hidden_states": False, "return_routed_experts": False,
+    "custom_logit_processor": None, "lora_path": None, "token_ids_logprob": None, "top_logprobs_num": None,
+    "logprob_start_len": None, "return_logprob": None,
+}
+
+
 def test_sglang_generate_fields_at_neutral_values_are_served_others_refused(client):
     """/generate takes SGLang's other GenerateReqInput fields: at their neutral values (null, false,
-    rank 0) the output equals the plain request's; a value asking for an unimplemented feature is a
+    rank 0; all of them at once, at SGLang's defaults) the output equals the plain request's; a value asking for an unimplemented feature is a
     400 naming the field, and the server keeps serving."""
     plain = dict(input_ids=PROMPT, sampling_params=dict(temperature=0, max_new_tokens=4, ignore_eos=True))
     want = client.post("/generate", json=plain)
@@ -133,8 +155,12 @@ def test_sglang_generate_fields_at_neutral_values_are_served_others_refused(clie
     got = client.post("/generate", json=neutral)
     assert got.status_code == 200, got.text
     assert got.json()["output_ids"] == want.json()["output_ids"]
+    every = client.post("/generate", json={**plain, **SGLANG_REQ_INPUT_DEFAULTS})
+    assert every.status_code == 200, every.text
+    assert every.json()["output_ids"] == want.json()["output_ids"]
     for field, value in [("image_data", "cat.png"), ("routed_dp_rank", 2), ("return_hidden_states", True),
-                         ("extra_key", "tenant-a")]:
+                         ("extra_key", "tenant-a"), ("modalities", ["image"]), ("lora_id", "a1"),
+                         ("max_thinking_tokens", 8), ("return_prompt_token_ids", True)]:
         r = client.post("/generate", json=dict(plain, **{field: value}))
         assert r.status_code == 400 and field in r.text, (field, r.status_code, r.text)
     assert client.post("/generate", json=plain).json()["output_ids"] == want.json()["output_ids"]
