@@ -430,7 +430,8 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             return_original_logprob = env in ("1", "true", "yes") or self.args.logprobs_mode == "raw_logprobs"
         if not isinstance(return_original_logprob, bool):
             raise ValueError(f"return_original_logprob must be a bool or None, got {return_original_logprob!r}")
-        return starts, [None if ids is None else list(ids) for ids in id_lists], return_original_logprob
+        # An empty list asks for no ids: no *_token_ids_logprobs keys at all, as SGLang normalizes it to None.
+        return starts, [list(ids) if ids else None for ids in id_lists], return_original_logprob
 
     @staticmethod
     def _expand_rids(rid, num_prompts: int, total: int, is_single: bool) -> list[str]:

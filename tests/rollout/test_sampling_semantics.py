@@ -133,6 +133,21 @@ def test_bad_new_params_are_refused_naming_them(env):
         engine.generate(input_ids=[5, 6], return_logprob=True, token_ids_logprob=[99999])
 
 
+def test_empty_token_ids_logprob_asks_for_nothing(env):
+    """token_ids_logprob=[] (for every prompt, or one prompt's entry) is SGLang's None: no *_token_ids_logprobs
+    keys, and the same output and logprobs as leaving it out (which had given empty lists under those keys)."""
+    engine, _ = env
+    kw = dict(input_ids=[5, 6, 7], sampling_params=dict(GREEDY, max_new_tokens=3), return_logprob=True)
+    plain = engine.generate(**kw)
+    for ids in ([], [[]]):
+        got = engine.generate(**kw, token_ids_logprob=ids)
+        assert not {"input_token_ids_logprobs", "output_token_ids_logprobs"} & set(got["meta_info"]), got["meta_info"]
+        assert got["output_ids"] == plain["output_ids"]
+        # within float rounding: the prompt's prefix is a cache hit now, which takes another kernel path
+        assert [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]] == pytest.approx(
+            [lp for lp, _, _ in plain["meta_info"]["output_token_logprobs"]], abs=1e-5)
+
+
 def test_extreme_temperature_and_penalty_within_bounds_keep_logprobs_finite(env):
     """At the bounds the refusals above draw (the largest temperature, the smallest repetition penalty accepted),
     with a banned token (a bias under -1e6 is a ban: -inf), every logprob is finite and the banned token never
