@@ -58,9 +58,12 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 def prompt_token_ids(tokenizer: TokenizerWrapper, prompt, input_ids) -> tuple[list[list[int]], bool]:
     """generate's prompt arguments, validated -> (token ids per prompt, whether it was a single prompt).
-    Text is encoded with `tokenizer`; input_ids are checked, not copied."""
-    if (prompt is None) == (input_ids is None):
-        raise ValueError("pass exactly one of prompt or input_ids")
+    Text is encoded with `tokenizer`; input_ids are checked, not copied. Given both, input_ids are the prompt
+    and the text is not read, as in SGLang (its tokenizer manager takes input_ids first)."""
+    if prompt is None and input_ids is None:
+        raise ValueError("pass prompt or input_ids")
+    if input_ids is not None:
+        prompt = None
     if prompt is not None:
         single = isinstance(prompt, str)
         prompts = [prompt] if single else prompt

@@ -241,9 +241,9 @@ class EngineGroup:
         outputs come back in input order (one dict for a single prompt with n=1, else a list)."""
         if kwargs.get("stream"):
             raise ValueError("EngineGroup.generate does not stream; call an engine's generate for that")
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("pass exactly one of prompt or input_ids")
-        if prompt is not None:
+        if prompt is None and input_ids is None:
+            raise ValueError("pass prompt or input_ids")
+        if input_ids is None:  # given both, input_ids are the prompt, as Engine.generate takes them
             single = isinstance(prompt, str)
             items = [prompt] if single else list(prompt)
             key = "prompt"

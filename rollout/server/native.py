@@ -237,8 +237,10 @@ async def generate(obj: GenerateReqInput, request: Request):
     engine = request.app.state.engine
     if obj.text is None and obj.input_ids is None and obj.input_embeds is not None:
         return error_response("input_embeds are not supported: pass text or input_ids", 400, param="input_embeds")
-    if (obj.text is None) == (obj.input_ids is None):
-        return error_response("pass exactly one of text or input_ids", 400, param="text")
+    if obj.text is None and obj.input_ids is None:
+        return error_response("pass text or input_ids", 400, param="text")
+    if obj.input_ids is not None:
+        obj.text = None  # given both, input_ids are the prompt (SGLang's tokenizer manager takes them first)
     try:
         obj.sampling_params = obj.merged_sampling_params()
     except ValueError as e:

@@ -137,3 +137,16 @@ def test_a_name_sglang_does_not_have_is_a_type_error(engine):
     """A keyword neither engine knows is a TypeError naming it, as Python's own would be."""
     with pytest.raises(TypeError, match="imgae_data"):
         engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, imgae_data=None)
+
+
+def test_prompt_and_input_ids_together_take_the_ids(engine):
+    """Given both prompt and input_ids, the ids are the prompt and the text is not read (SGLang's tokenizer
+    manager takes input_ids first): the output equals the ids-only call's, single or batched; neither is an
+    error naming both."""
+    want = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    got = engine.generate(prompt=["something else", "entirely"], input_ids=PROMPTS, sampling_params=GREEDY)
+    assert _ids(got) == _ids(want)
+    one = engine.generate(prompt="x y z", input_ids=PROMPTS[0], sampling_params=GREEDY)
+    assert one["output_ids"] == want[0]["output_ids"] and one["meta_info"]["prompt_tokens"] == len(PROMPTS[0])
+    with pytest.raises(ValueError, match="prompt or input_ids"):
+        engine.generate(sampling_params=GREEDY)

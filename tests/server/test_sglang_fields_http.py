@@ -254,3 +254,12 @@ def test_skip_tokenizer_init_outputs_have_no_text_key(tiny_llama):
                   if line.startswith("data: ") and line != "data: [DONE]"]
         assert chunks and all("text" not in ch and "output_ids" in ch for ch in chunks)
         assert chunks[-1]["output_ids"] == whole["output_ids"]
+
+
+def test_text_and_input_ids_together_take_the_ids(client):
+    """/generate with both text and input_ids generates from the ids (SGLang's order), as the ids alone do."""
+    body = dict(input_ids=PROMPT, sampling_params=dict(temperature=0, max_new_tokens=4, ignore_eos=True))
+    want = client.post("/generate", json=body).json()
+    got = client.post("/generate", json={**body, "text": "unrelated words"})
+    assert got.status_code == 200, got.text
+    assert got.json()["output_ids"] == want["output_ids"] and got.json()["meta_info"]["prompt_tokens"] == len(PROMPT)
