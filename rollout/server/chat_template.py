@@ -11,6 +11,7 @@ This module resolves and describes the template; rendering is openai_api.render_
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,3 +71,26 @@ def resolve_chat_template(value: str | None, tokenizer) -> ChatTemplate:
         except Exception as e:
             raise ValueError(f"--chat-template {value!r}: the template does not render: {e}") from e
     return chosen
+
+
+@functools.lru_cache(maxsize=16)
+def takes_content_parts(template: str) -> bool:
+    """Whether `template` loops over a message's content (`{% for part in message['content'] %}`: it renders a
+    list of content parts itself, as Llama-4's and most multimodal templates do) -- SGLang's "openai" content
+    format; otherwise ("string") a message's text parts are joined into one string before rendering. A
+    template Jinja cannot parse here (HF's own tags) counts as taking strings."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return False
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter):  # message['content'] | selectattr(...)
+            it = it.node
+        if (isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content") or \
+                (isinstance(it, nodes.Getattr) and it.attr == "content"):
+            return True
+    return False

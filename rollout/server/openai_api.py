@@ -32,7 +32,12 @@ from fastapi.responses import Response
 
 from rollout.score_api import SCORE_SAMPLING, encoder, num_items, score_outputs, score_prompts, scores_of
 from rollout.server import limits
-from rollout.server.chat_template import ChatTemplate, NoChatTemplate, resolve_chat_template
+from rollout.server.chat_template import (
+    ChatTemplate,
+    NoChatTemplate,
+    resolve_chat_template,
+    takes_content_parts,
+)
 from rollout.server.common import JSONResponse, engine_error, error_response, run_blocking
 from rollout.server.lora import adapter_cards, lora_of_model
 from rollout.server.native import check_n
@@ -222,8 +227,9 @@ def running_usage(options, meta: dict) -> dict:
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------
-def _content_text(content, where: str) -> str:
-    """A message's content (`where`: "messages[i].content") as one string; a part is {"type": "text", "text": str}."""
+def _text_parts(content, where: str) -> list[str] | str:
+    """A message's content (`where`: "messages[i].content"): a string as it is, a list of parts as their texts
+    (a part is {"type": "text", "text": str}; any other type is refused by name)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -237,7 +243,23 @@ def _content_text(content, where: str) -> str:
         if not isinstance(text, str):
             raise ValueError(f"{where}[{j}].text must be a string, got {type(text).__name__}")
         parts.append(text)
-    return "".join(parts)
+    return parts
+
+
+def _content_text(content, where: str) -> str:
+    """A message's content as one string: text parts joined by a space, as SGLang joins them for a template
+    that takes strings."""
+    parts = _text_parts(content, where)
+    return parts if isinstance(parts, str) else " ".join(parts)
+
+
+def _template_content(content, where: str, takes_parts: bool):
+    """A message's content as the template takes it: a list of text parts stays a list for a template that
+    loops over content parts (SGLang's "openai" format), else one string."""
+    parts = _text_parts(content, where)
+    if isinstance(parts, str) or not takes_parts:
+        return parts if isinstance(parts, str) else " ".join(parts)
+    return [{"type": "text", "text": t} for t in parts]
 
 
 # apply_chat_template's own arguments: set here, never by a request's chat_template_kwargs
@@ -260,7 +282,9 @@ def render_chat(engine, messages: list[dict], chat_template: ChatTemplate | str 
     if not isinstance(chat_template, ChatTemplate):
         chat_template = resolve_chat_template(chat_template, tok)
     template = chat_template.require()
-    msgs = [{**m, "content": _content_text(m.get("content"), f"messages[{i}].content")} for i, m in enumerate(messages)]
+    parts = takes_content_parts(template) if isinstance(template, str) else False
+    msgs = [{**m, "content": _template_content(m.get("content"), f"messages[{i}].content", parts)}
+            for i, m in enumerate(messages)]
     text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
                                    add_generation_prompt=not continue_final_message,
                                    continue_final_message=continue_final_message, **(template_kwargs or {}))

@@ -236,6 +236,20 @@ def test_chat_template_is_the_tokenizers(server):
     assert got == {"input_ids": tok.encode("<user>Hi there<assistant>", add_special_tokens=False)}
 
 
+def test_content_parts_reach_the_template_as_sglang_gives_them(server):
+    """A message's text parts: joined by a space for a template that renders content as a string (SGLang's
+    "string" format), kept as a list for one that loops over content parts ("openai"); the oracle is the
+    hand-written prompt of each template, tokenized."""
+    tok = server.engine.tokenizer.tokenizer
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    got = render_chat(server.engine, msgs, "plain")
+    assert got == {"input_ids": tok.encode("user: Hello world\nassistant:", add_special_tokens=False)}
+    loops = ("{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}"
+             "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    got = render_chat(server.engine, msgs, loops)
+    assert got == {"input_ids": tok.encode("<user>[Hello][world]<assistant>", add_special_tokens=False)}
+
+
 def test_null_openai_fields_take_their_defaults(server, oai):
     """Fields OpenAI types "or null" (temperature, top_p, n, stream, penalties, echo, chat logprobs) sent as null,
     as the openai client sends a None, give exactly what leaving them out gives (same seed, same text)."""
