@@ -384,7 +384,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             if bad:
                 raise ValueError(f"input_ids of prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
             if len(ids) >= ctx:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens, which is longer than the model's context "
+                raise ValueError(f"prompt {i} has {len(ids)} tokens, which is longer than the model's maximum context "
                                  f"length of {ctx} tokens (a prompt must leave room for at least one new token)")
             base_seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
             for j in range(sp.n):

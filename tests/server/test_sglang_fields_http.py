@@ -227,7 +227,7 @@ def test_sglang_serving_tests_expectations(tiny_llama):
         again = c.post("/v1/chat/completions", json=chat).json()["usage"]
         assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
         long = c.post("/generate", json={"input_ids": [5] * 5000, "sampling_params": {"max_new_tokens": 1}})
-        assert long.status_code == 400 and "longer than the model's context length" in long.json()["message"]
+        assert long.status_code == 400 and "longer than the model's maximum context length" in long.json()["message"]
 
 
 def test_sglang_launch_flags_are_taken(tiny_llama):
