@@ -604,8 +604,10 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         self._pause_watchdog.disarm()
         self._continue("continue_generation()")
 
-    def _continue_after_timeout(self) -> None:
-        self._continue("the pause watchdog's continue")
+    def _continue_after_timeout(self, timer) -> None:
+        with self._cv:  # pause_generation arms under this lock: a newer pause has replaced `timer`, or waits
+            if self._pause_watchdog.claim(timer):
+                self._continue("the pause watchdog's continue")
 
     def _continue(self, what: str) -> None:
         """Unpause. If weights or KV cache are released, nothing could run the requests in flight (and a new

@@ -33,7 +33,8 @@ def timeout_from_env() -> float | None:
 
 
 class PauseWatchdog:
-    def __init__(self, timeout_s: float | None, resume: Callable[[], None]) -> None:
+    def __init__(self, timeout_s: float | None, resume: Callable[[threading.Thread], None]) -> None:
+        """resume(timer): continue the pause that `timer` armed, if claim(timer) says it is still current."""
         self.timeout_s = timeout_s
         self._resume = resume
         self._lock = threading.Lock()
@@ -57,10 +58,19 @@ class PauseWatchdog:
         if timer is not None:
             timer.cancel()
 
+    def claim(self, timer) -> bool:
+        """Whether `timer` (the one firing) still guards the current pause; if so, it is spent. The resume
+        callback calls this under the lock its pauses arm under, so no newer pause can slip in between this
+        check and the continue (a newer pause's timer has replaced `timer`, or the pause waits for that lock)."""
+        with self._lock:
+            if self._timer is None or self._timer is not timer:
+                return False
+            self._timer = None
+        logger.warning("engine paused for %.1f s (%s): continuing generation", self.timeout_s, ENV)
+        return True
+
     def _fire(self) -> None:
         with self._lock:
             if self._timer is None or self._timer is not threading.current_thread():
                 return  # disarmed, or replaced by a newer pause's timer
-            self._timer = None
-        logger.warning("engine paused for %.1f s (%s): continuing generation", self.timeout_s, ENV)
-        self._resume()
+        self._resume(threading.current_thread())

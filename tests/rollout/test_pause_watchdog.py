@@ -58,3 +58,39 @@ def test_bad_timeout_is_refused_naming_the_variable(tiny_llama, monkeypatch):
         monkeypatch.setenv("SGLANG_ENGINE_PAUSE_TIMEOUT", bad)
         with pytest.raises(ValueError, match="SGLANG_ENGINE_PAUSE_TIMEOUT"):
             Engine(str(tiny_llama), **KW)
+
+
+def test_a_timer_firing_as_a_new_pause_begins_does_not_end_it():
+    """A timer whose callback is past its own check when a new pause arms (the engine's lock free in between)
+    claims nothing: the new pause holds until its own timer fires. The callback follows Engine's protocol:
+    claim under the lock that pauses arm under."""
+    from rollout.pause_watchdog import PauseWatchdog
+
+    lock, state = threading.RLock(), {"paused": False}
+    entered, go = threading.Event(), threading.Event()
+    calls = []
+
+    def resume(timer):
+        calls.append(timer)
+        if len(calls) == 1:  # the first timer: stop between its check and the claim
+            entered.set()
+            go.wait(5)
+        with lock:
+            if watchdog.claim(timer):
+                state["paused"] = False
+
+    watchdog = PauseWatchdog(0.5, resume)
+    with lock:
+        state["paused"] = True
+        watchdog.arm()
+    assert entered.wait(5)
+    with lock:  # a new pause arms while the first timer's callback is on its way
+        state["paused"] = True
+        watchdog.arm()
+    go.set()
+    time.sleep(0.1)
+    assert state["paused"]  # the first timer did not end the second pause (whose own fires 0.5 s after it began)
+    deadline = time.monotonic() + 5
+    while state["paused"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not state["paused"] and len(calls) == 2  # the second pause's own timer ended it
