@@ -55,6 +55,27 @@ def _byte_fallback_ids(tokenizer) -> frozenset[int]:
     return frozenset(i for t, i in tokenizer.get_vocab().items() if _BYTE_PIECE.fullmatch(t))
 
 
+def _decoder_has(tokenizer, kind: str) -> bool:
+    """Whether the tokenizer's decoder (tokenizers' pipeline) has a step of type `kind`: "ByteLevel" (GPT-2,
+    Llama-3, Qwen: each vocabulary entry spells its bytes in GPT-2's printable alphabet, which
+    _unicode_to_byte inverts) or "Metaspace" (SentencePiece's: "▁" is a space the first token loses)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        return f'"{kind}"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
+    except (ValueError, TypeError, AttributeError):
+        return False
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable Latin-1 bytes stand for themselves, every other
+    byte b for chr(256 + its rank among those others)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
 class TokenizerWrapper:
     def __init__(self, model_path: str, skip_init: bool = False) -> None:
         self.tokenizer = None
@@ -65,6 +86,8 @@ class TokenizerWrapper:
             self.tokenizer = AutoTokenizer.from_pretrained(str(root))
         self._rust = _rust_decoder(self.tokenizer)
         self._byte_ids = _byte_fallback_ids(self.tokenizer)
+        self._byte_alphabet = _unicode_to_byte() if _decoder_has(self.tokenizer, "ByteLevel") else None
+        self._metaspace = _decoder_has(self.tokenizer, "Metaspace")
 
     def stable_len(self, ids: list[int]) -> int:
         """How many of `ids` a stream chunk shows: all but a trailing run of byte pieces, whose text a later
@@ -151,6 +174,26 @@ class TokenizerWrapper:
 
     def token_text(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (OpenAI's chat logprobs `bytes`), also for a token holding part of a character,
+        whose text alone is U+FFFD: a byte-fallback piece "<0xNN>" is that byte, a byte-level BPE entry the bytes
+        its letters spell, a SentencePiece entry its text with "▁" as the space it stands for (which the
+        token's text alone drops); anything else, its text's UTF-8."""
+        text = self.token_text(token_id)
+        if text is None:
+            return []
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str) or not piece or token_id in self.tokenizer.all_special_ids:
+            return list(text.encode())
+        if _BYTE_PIECE.fullmatch(piece):
+            return [int(piece[3:5], 16)]
+        alphabet = self._byte_alphabet
+        if alphabet is not None and all(c in alphabet for c in piece):
+            return [alphabet[c] for c in piece]
+        if self._metaspace:
+            return list(piece.replace("▁", " ").encode())
+        return list(text.encode())
 
     def find_stop(self, req: Req):
         """The first stop string or stop_regex pattern found in req's new decoded output, if any (checked

@@ -292,12 +292,15 @@ def render_chat(engine, messages: list[dict], chat_template: ChatTemplate | str 
 
 
 def _chat_logprobs(engine, pairs: list) -> dict:
+    """OpenAI's chat logprobs: each token's text and its own bytes (a token holding part of a character has the
+    text U+FFFD and its real bytes, so a client can join the bytes back into the characters)."""
+    tok = engine.tokenizer
     content = []
     for (lp, tid, text), top in pairs:
-        s = token_text(engine, tid, text)
-        tops = [] if top is None else [
-            {"token": (ts := token_text(engine, t, tt)), "logprob": v, "bytes": list(ts.encode())} for v, t, tt in top]
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": tops})
+        tops = [] if top is None else [{"token": token_text(engine, t, tt), "logprob": v, "bytes": tok.token_bytes(t)}
+                                       for v, t, tt in top]
+        content.append({"token": token_text(engine, tid, text), "logprob": lp, "bytes": tok.token_bytes(tid),
+                        "top_logprobs": tops})
     return {"content": content}
 
 

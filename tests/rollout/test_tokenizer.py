@@ -170,3 +170,21 @@ def test_min_new_tokens_floor_ignores_a_partial_character_at_its_end(tok_dir):
     assert wrapper.find_stop(req) is None  # the "a" was written before token 4: no stop
     req.output_ids = [x, a, c3, a9, a]
     assert wrapper.find_stop(req) == "a" and req.stop_at == 3  # a later one is
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_token_bytes_join_into_the_texts_utf8(kind, tok_dir, llama2_like_ckpt):
+    """Each token's bytes (OpenAI's chat logprobs `bytes`) joined over a text whose characters span several
+    tokens give exactly the text's UTF-8 (byte-level BPE and "<0xNN>" byte-fallback tokenizers; the latter's
+    word-initial "▁" is the space the text has there), though those tokens' own texts are U+FFFD; with
+    byte-level BPE a whole-character token's bytes are its text's UTF-8."""
+    path = tok_dir if kind == "byte_level" else llama2_like_ckpt
+    w = TokenizerWrapper(str(path), False)
+    for text in ("a\u00e9\u20acb", "\u4e2d\u6587 ok", "plain ascii"):
+        ids = w.tokenizer.encode(text, add_special_tokens=False)
+        joined = bytes(b for t in ids for b in w.token_bytes(t))
+        assert joined.decode("utf-8").lstrip() == text, (text, ids)
+        for t in ids if kind == "byte_level" else ():
+            if "\ufffd" not in w.token_text(t):
+                assert w.token_bytes(t) == list(w.token_text(t).encode())
+    assert any("\ufffd" in w.token_text(t) for t in w.tokenizer.encode("\u20ac", add_special_tokens=False))
