@@ -101,12 +101,13 @@ def _model_card(request: Request) -> dict:
 
 # ---- /v1/completions ---------------------------------------------------------------------------
 def _completion_logprobs(engine, pairs: list, offset: int, context: list[int], final: bool) -> tuple[dict, int]:
-    """(OpenAI's completion logprobs of `pairs`, the offset where the text after them starts) (tokens that follow the ids `context`); `text_offset` counts each
-    token's text from `offset` (0 for the first token; a stream passes on where its previous chunk's tokens
-    ended, so its offsets are the non-streamed ones whatever text a chunk held back for a possible stop
-    match). A token's text is its piece of the decoded text (TokenizerWrapper.token_pieces), so the tokens
-    join into the text and each offset points at its token's characters there, a character spread over
-    several tokens included; a special token the text skips shows its own text and takes no characters."""
+    """(OpenAI's completion logprobs of `pairs`, tokens that follow the ids `context`; the offset where the text
+    after them starts). `text_offset` counts each token's text from `offset` (0 for the first token; a stream
+    passes on where its previous chunk's tokens ended, so its offsets are the non-streamed ones whatever text a
+    chunk held back for a possible stop match). A token's text is its piece of the decoded text
+    (TokenizerWrapper.token_pieces), so the tokens join into the text and each offset points at its token's
+    characters there, a character spread over several tokens included; a special token the text skips shows
+    its own text and takes no characters. `final`: the last token ends the output (its partial character stays)."""
     tok = engine.tokenizer
     pieces = tok.token_pieces([tid for (_, tid, _), _ in pairs], context, final)
     special = set(getattr(tok.tokenizer, "all_special_ids", None) or ())
@@ -256,10 +257,9 @@ def _content_text(content, where: str) -> str:
 def _template_content(content, where: str, takes_parts: bool):
     """A message's content as the template takes it: a list of text parts stays a list for a template that
     loops over content parts (SGLang's "openai" format), else one string."""
-    parts = _text_parts(content, where)
-    if isinstance(parts, str) or not takes_parts:
-        return parts if isinstance(parts, str) else " ".join(parts)
-    return [{"type": "text", "text": t} for t in parts]
+    if not takes_parts or not isinstance(content, list):
+        return _content_text(content, where)
+    return [{"type": "text", "text": t} for t in _text_parts(content, where)]
 
 
 # apply_chat_template's own arguments: set here, never by a request's chat_template_kwargs
