@@ -98,13 +98,18 @@ def test_completion_logprob_offsets_are_the_same_streamed(server, oai):
         offsets.append(at)
         at += len(token)
     assert plain.text_offset == offsets
-    tokens, streamed = [], []
+    assert _streamed_tokens_and_offsets(oai, kw) == (plain.tokens, plain.text_offset)
+
+
+def _streamed_tokens_and_offsets(oai, kw: dict) -> tuple[list[str], list[int]]:
+    """The logprobs tokens and text offsets of a streamed completion, concatenated over its chunks."""
+    tokens, offsets = [], []
     for chunk in oai.completions.create(**kw, stream=True):
         for ch in chunk.choices:
             if ch.logprobs is not None:
                 tokens += ch.logprobs.tokens
-                streamed += ch.logprobs.text_offset
-    assert tokens == plain.tokens and streamed == plain.text_offset
+                offsets += ch.logprobs.text_offset
+    return tokens, offsets
 
 
 def test_completion_logprob_tokens_join_into_the_text_across_multibyte_characters(server, oai):
@@ -128,13 +133,7 @@ def test_completion_logprob_tokens_join_into_the_text_across_multibyte_character
         assert all(whole.text[o:].startswith(t) for t, o in zip(lp.tokens, lp.text_offset))
         if kw.get("echo"):  # the prompt's characters are whole: a byte that completes none has no text
             assert "\ufffd" not in whole.text and "" in lp.tokens and "\u20ac" in lp.tokens
-        tokens, offsets = [], []
-        for chunk in oai.completions.create(**kw, stream=True):
-            for ch in chunk.choices:
-                if ch.logprobs is not None:
-                    tokens += ch.logprobs.tokens
-                    offsets += ch.logprobs.text_offset
-        assert tokens == lp.tokens and offsets == lp.text_offset
+        assert _streamed_tokens_and_offsets(oai, kw) == (lp.tokens, lp.text_offset)
 
 
 @pytest.mark.parametrize("k", [0, 1])
