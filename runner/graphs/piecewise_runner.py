@@ -180,6 +180,7 @@ class PiecewiseExtendRunner:
         self.num_captures = 0
         self.num_replays = 0
         self.capture_seconds = 0.0
+        self.epoch = None  # the memory saver's address epoch the pieces were captured at
 
     # ---- what runs eagerly -----------------------------------------------------------------------
     def supports_model(self) -> bool:
@@ -232,14 +233,17 @@ class PiecewiseExtendRunner:
             self.captured[n] = bucket
         api.synchronize()
         self.num_captures += 1
+        self.epoch = self.runner.memory_saver.address_epoch
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured piecewise prefill graphs for %d token buckets (max %d) in %.1f s", len(self.buckets),
                     self.max_tokens, self.capture_seconds)
 
     # ---- replay --------------------------------------------------------------------------------------
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
-        if not self.captured:
-            self.capture()  # first use, or after a release of the cuda_graph tag dropped them
+        if not self.captured or self.epoch != self.runner.memory_saver.address_epoch:
+            # First use, after a release of the cuda_graph tag dropped them, or after a resume that moved the
+            # weights or the KV cache (the portable saver): the pieces hold the old addresses.
+            self.capture()
         n_tokens = int(fb.input_ids.shape[0])
         padded = padded_size(n_tokens, self.buckets)
         bucket = self.captured[padded]

@@ -224,3 +224,24 @@ def test_shutdown_frees_the_piecewise_buffers(tiny_llama):
     runner.shutdown()
     assert all(b.untyped_storage().nbytes() == 0 for b in bufs) and pw.captured == {}
     assert runner.piecewise_runner is None
+
+
+def test_a_resume_that_moves_memory_recaptures_the_pieces(tiny_llama):
+    """Released and resumed weights and KV cache with the portable saver (new addresses; the cuda_graph tag kept):
+    the next prefill captures every bucket again before replaying, and its logits equal an eager runner's (the
+    pieces had kept replaying with the old addresses)."""
+    runner, api, pw = _piecewise(tiny_llama, [8, 16], enable_memory_saver=True, enable_weights_cpu_backup=True)
+    runner.piecewise_runner = pw
+    ref = make_runner(tiny_llama, disable_cuda_graph=True)
+    drivers = {"pw": RunnerDriver(runner, seed=4), "ref": RunnerDriver(ref, seed=4)}
+    first = {k: d.extend([d.new_request()], [[5, 6, 7]]).next_token_logits for k, d in drivers.items()}
+    torch.testing.assert_close(first["pw"], first["ref"], atol=1e-4, rtol=1e-4)
+    assert pw.num_captures == 1
+    weight = next(runner.model.parameters())
+    before = (weight.data_ptr(), runner.token_to_kv_pool.k_buffer.data_ptr())
+    runner.release_memory_occupation(["weights", "kv_cache"])
+    runner.resume_memory_occupation(["weights", "kv_cache"])
+    assert (weight.data_ptr(), runner.token_to_kv_pool.k_buffer.data_ptr()) != before
+    again = {k: d.extend([d.new_request()], [[9, 10]]).next_token_logits for k, d in drivers.items()}
+    assert pw.num_captures == 2 and pw.num_replays == 2
+    torch.testing.assert_close(again["pw"], again["ref"], atol=1e-4, rtol=1e-4)
