@@ -16,6 +16,10 @@ import torch
 from runner.memory.host_backup import HostBackup, bytes_view, consolidate, release_host_memory
 
 ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
+# Graph capture errors only on unsafe CUDA calls of the capturing thread: a recapture after a resume that moved
+# memory runs on the overlap schedule's worker while the scheduler thread may allocate and copy for the next
+# step (torch's default, "global", would fail the capture on those).
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 def check_tag(tag: str) -> None:
@@ -77,7 +81,7 @@ class DisabledMemorySaver:
     @contextmanager
     def graph_capture(self, graph, pool=None, stream=None):
         """`torch.cuda.graph(graph, pool, stream)`; backends that can page graph memory override it."""
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
             yield
 
     def pause(self, tag: str) -> None:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from runner.memory.host_backup import consolidate
-from runner.memory.portable_saver import ALL_TAGS, DisabledMemorySaver, check_tag
+from runner.memory.portable_saver import ALL_TAGS, CAPTURE_ERROR_MODE, DisabledMemorySaver, check_tag
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +115,14 @@ class TorchMemorySaver(DisabledMemorySaver):
         if not self.regions["cuda_graph"].resident:
             raise RuntimeError("cannot capture a CUDA graph while the cuda_graph memory tag is released; "
                                "call resume_memory_occupation(['cuda_graph']) first")
+        # thread_local (portable_saver.CAPTURE_ERROR_MODE says why)
         if not self.graphs_pauseable:
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
                 yield
             return
         self._in_library.add("cuda_graph")
-        with self.tms.cuda_graph(cuda_graph=graph, pool=pool, stream=stream, tag=self._tag("cuda_graph")):
+        with self.tms.cuda_graph(cuda_graph=graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE,
+                                 tag=self._tag("cuda_graph")):
             yield
 
     def pause(self, tag: str) -> None:

@@ -200,3 +200,31 @@ def test_cpu_compiled_step_keeps_running_while_cuda_graph_is_released(tiny_llama
     runner.release_memory_occupation(["cuda_graph"])
     _decode_logits(runner, BATCHES[:1])
     assert rec.calls == 2
+
+
+@pytest.mark.parametrize("which", ["portable", "tms_preload", "tms_torch_hooks"])
+def test_graph_capture_errors_only_on_the_capturing_threads_calls(which, monkeypatch):
+    """Every saver captures with capture_error_mode="thread_local" (torch.cuda.graph, or torch_memory_saver's
+    cuda_graph for pauseable graphs): a recapture on the overlap worker after a resume must not fail on the
+    scheduler thread's allocations and copies for the next step, which the default "global" mode refuses."""
+    import contextlib
+
+    from runner.memory.memory_saver import TorchMemorySaver
+    from runner.memory.portable_saver import PortableMemorySaver
+
+    seen = []
+
+    @contextlib.contextmanager
+    def record(*args, **kwargs):
+        seen.append(kwargs.get("capture_error_mode"))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", record)
+    if which == "portable":
+        saver = PortableMemorySaver(torch.device("cpu"))
+    else:
+        hook = "preload" if which == "tms_preload" else "torch"
+        saver = TorchMemorySaver(torch.device("cpu"), saver=SimpleNamespace(cuda_graph=record), hook_mode=hook)
+    with saver.graph_capture(object()):
+        pass
+    assert seen == ["thread_local"]
