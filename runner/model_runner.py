@@ -225,7 +225,13 @@ class ModelRunner:
             from runner.graphs.cuda_graph_runner import (
                 CudaGraphRunner,  # the GPU path only; never imported on CPU
             )
+            from runner.layers.moe import decode_graph_blocker
 
+            blocker = decode_graph_blocker(self.model, self.dtype, torch.cuda.get_device_capability(self.device),
+                                           self.config.enable_deterministic_inference)
+            if blocker is not None:
+                logger.warning("CUDA graphs off: decode runs eagerly because %s", blocker)
+                return
             self.graph_runner = CudaGraphRunner(self, capture_sizes=self.config.cuda_graph_bs)
         elif self.device.type == "cpu" and self.config.cuda_graph_bs:
             # Opt-in on the CPU: compiling costs seconds to minutes per size, measured gains were small

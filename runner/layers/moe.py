@@ -71,6 +71,23 @@ def _grouped_mm_works(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _GROUPED_MM_OK[key]
 
 
+def decode_graph_blocker(model: nn.Module, dtype: torch.dtype, capability: tuple[int, int],
+                         deterministic: bool) -> str | None:
+    """Why a CUDA graph cannot capture `model`'s decode step on a device of compute `capability`, or None.
+    Only MoE layers stand in the way: capture refuses a device-to-host read, and the experts read their
+    group sizes to the host unless F.grouped_mm takes its capturable kernels, which (torch's GroupedBlas.cpp)
+    need bf16 on compute capability 9.x or 10.x; elsewhere it falls back to a loop that reads the offsets,
+    and the deterministic mode runs one fixed-tile matmul per expert on purpose."""
+    if not any(isinstance(m, FusedExperts) for m in model.modules()):
+        return None
+    if deterministic:
+        return "the deterministic mode runs each expert's rows through its own matmul (group sizes read to the host)"
+    if dtype != torch.bfloat16 or capability[0] not in (9, 10):
+        return (f"F.grouped_mm captures only in bfloat16 on compute capability 9.x/10.x (here {dtype} on "
+                f"{capability[0]}.{capability[1]}); elsewhere the experts read their group sizes to the host")
+    return None
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Row group g of `x` times `weight[g]^T`, for rows sorted by group.
 

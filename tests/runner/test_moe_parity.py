@@ -281,3 +281,21 @@ def test_moe_config_errors_name_the_setting(moe_ckpt, tmp_path):
         with pytest.raises(ValueError, match=words):
             make_runner(bad)
     assert TOP_K < NUM_EXPERTS
+
+
+def test_cuda_decode_graphs_are_left_off_where_the_experts_read_back_to_the_host():
+    """A CUDA graph may capture an MoE decode step only where F.grouped_mm takes its capturable kernels
+    (bf16 on compute capability 9.x/10.x) and the deterministic mode is off; otherwise the reason names the
+    cause. Dense models are never held back."""
+    import torch
+    from torch import nn
+
+    from runner.layers.moe import FusedExperts, decode_graph_blocker
+
+    moe, dense = nn.Sequential(nn.Linear(4, 4), FusedExperts(2, 4, 8)), nn.Sequential(nn.Linear(4, 4))
+    assert decode_graph_blocker(dense, torch.float16, (8, 0), True) is None
+    assert decode_graph_blocker(moe, torch.bfloat16, (9, 0), False) is None
+    assert decode_graph_blocker(moe, torch.bfloat16, (10, 0), False) is None
+    assert "float16 on 8.0" in decode_graph_blocker(moe, torch.float16, (8, 0), False)
+    assert "bfloat16 on 12.0" in decode_graph_blocker(moe, torch.bfloat16, (12, 0), False)
+    assert "deterministic" in decode_graph_blocker(moe, torch.bfloat16, (9, 0), True)
