@@ -57,10 +57,26 @@ def release(runner, tags: list[str] | None = None) -> None:
             runner.lora_manager.on_weights_released(saver.has_cpu_backup("weights"))
         if tag == "cuda_graph" and getattr(runner, "piecewise_runner", None) is not None:
             runner.piecewise_runner.reset()  # ordinary torch memory: dropped now, captured again after resume
+        if tag == "cuda_graph":
+            _drop_unpageable_decode_graphs(runner)
         if tag == "weights" and not saver.has_cpu_backup("weights"):
             runner.weights_valid = False
             runner.invalid_weights = set(runner.name_map.hf_names())
             runner.invalid_reason = ""  # the release explains it now
+
+
+def _drop_unpageable_decode_graphs(runner) -> None:
+    """Decode graphs whose memory the saver cannot page (the portable saver; torch_memory_saver without its
+    LD_PRELOAD hooks) are dropped with their pool, so releasing the cuda_graph tag really returns that memory;
+    the first replay after the resume captures them again (CudaGraphRunner.replay)."""
+    graphs = runner.graph_runner
+    if graphs is None or not getattr(graphs, "released_with_cuda_graph_tag", False):
+        return  # none, or the CPU's compiled step, which holds no graph memory
+    if getattr(runner.memory_saver, "graphs_pauseable", False):
+        return  # captured into torch_memory_saver's cuda_graph region: paused with the tag
+    graphs.reset()
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def resume(runner, tags: list[str] | None = None) -> None:

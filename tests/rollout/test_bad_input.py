@@ -71,7 +71,6 @@ BAD_CALLS = {
     "empty prompt": (dict(input_ids=[[]]), ValueError, "empty"),
     "empty batch": (dict(input_ids=[]), ValueError, "input_ids is an empty list"),
     "prompt longer than the context": (dict(input_ids=[5] * 128), ValueError, "context"),
-    "both prompt and input_ids": (dict(prompt="hi", input_ids=PROMPT), ValueError, "prompt"),
     "neither prompt nor input_ids": (dict(), ValueError, "prompt"),
     "prompt not a string": (dict(prompt=[1, 2, 3]), ValueError, "prompt"),
     "unknown generate argument": (dict(input_ids=PROMPT, sampling_param=GREEDY), TypeError, "sampling_param"),

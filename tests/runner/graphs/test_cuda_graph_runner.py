@@ -228,3 +228,22 @@ def test_graph_capture_errors_only_on_the_capturing_threads_calls(which, monkeyp
     with saver.graph_capture(object()):
         pass
     assert seen == ["thread_local"]
+
+
+def test_releasing_the_cuda_graph_tag_drops_graphs_the_saver_cannot_page(tiny_llama):
+    """With a saver that cannot page graph memory (the portable one), releasing cuda_graph drops the decode
+    graphs and their pool, so the memory really goes back; after the resume the first decode captures them
+    again and its logits equal an eager runner's."""
+    runner, api = _graph_runner(tiny_llama, enable_memory_saver=True, enable_weights_cpu_backup=True)
+    ref = make_runner(tiny_llama, disable_cuda_graph=True)
+    want = _decode_logits(ref, BATCHES[:1])
+    _decode_logits(runner, BATCHES[:1])
+    gr = runner.graph_runner
+    assert gr.graphs and gr.num_captures == 1 and not getattr(runner.memory_saver, "graphs_pauseable", False)
+    runner.release_memory_occupation(["cuda_graph"])
+    assert not gr.graphs and gr.pool is None
+    runner.resume_memory_occupation(["cuda_graph"])
+    got = _decode_logits(runner, BATCHES[:1])
+    assert gr.num_captures == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
