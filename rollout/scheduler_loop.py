@@ -49,13 +49,14 @@ def _one_iteration(engine) -> bool:
         profiler = engine._profiler  # torch.profiler records this thread's ops only (rollout.profiler)
         profiler.service()
         try:
-            while not engine._shutdown and not gate.pending and engine._can_step():
+            while not engine._shutdown and not gate.must_stop(stepped) and engine._can_step():
                 profiler.service()
                 # Looked up each time, not bound once: tests wrap scheduler.step to act between steps.
                 with profiler.step_scope():
                     _deliver_all(engine, engine.scheduler.step())
                 profiler.after_step()
                 stepped = True
+                gate.step_done()
                 engine._take_submissions()
                 engine._publish_load()
         finally:

@@ -270,3 +270,31 @@ def test_closed_stream_and_cancelled_coroutine_abort_their_requests(tiny_llama):
         assert engine.get_server_info()["num_in_flight"] == 0
         out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0})
         assert out["meta_info"]["completion_tokens"] == 4
+
+
+def test_control_calls_in_a_tight_loop_do_not_stop_generation(engine):
+    """A thread calling a cheap control method (get_weights_by_name) back to back, with no pause between
+    calls, while a request generates: the request still finishes, with the tokens it gives alone (each
+    control call that leaves while the scheduler waits owes it a step; it used to make no progress at all)."""
+    sp = dict(temperature=0, max_new_tokens=40, ignore_eos=True)
+    want = engine.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"]
+    stop, calls = threading.Event(), [0]
+
+    def poll():
+        while not stop.is_set():
+            engine.get_weights_by_name("model.norm.weight", truncate_size=2)
+            calls[0] += 1
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        got: dict = {}
+        worker = threading.Thread(target=lambda: got.update(engine.generate(input_ids=[5, 6, 7], sampling_params=sp)),
+                                  daemon=True)
+        worker.start()
+        worker.join(60)
+        assert got.get("output_ids") == want, "the request made no progress beside the control calls"
+        assert calls[0] > 0
+    finally:
+        stop.set()
+        poller.join(10)
