@@ -20,6 +20,7 @@ import dataclasses
 import json
 import multiprocessing
 import socket
+import threading
 import time
 
 import torch
@@ -65,7 +66,7 @@ class TPModelRunner:
             self.procs.append(proc)
             self.conns.append(parent_end)
         try:
-            self.tp = TPGroup(0, self.tp_size, port, backend, timeout_s)
+            self.tp = self._join_group(port, backend, timeout_s)
             self.local = TPRankRunner(config, self.tp)
             for rank, reply in self._replies("start"):
                 if reply["max_total_num_tokens"] < self.local.max_total_num_tokens:
@@ -76,6 +77,30 @@ class TPModelRunner:
         except BaseException:
             self._kill_workers()
             raise
+
+    def _join_group(self, port: int, backend: str, timeout_s: float) -> TPGroup:
+        """Rank 0's TPGroup, built on a thread while this one watches the workers: a worker that dies before it
+        joins (a failed import, an OOM kill) is named within a fraction of a second, not after the store's
+        timeout with "1/2 clients joined". The abandoned join then ends by itself at that timeout."""
+        built: dict = {}
+
+        def build() -> None:
+            try:
+                built["tp"] = TPGroup(0, self.tp_size, port, backend, timeout_s)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                built["error"] = e
+
+        joiner = threading.Thread(target=build, name="rollout-tp-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(0.1)
+            for rank, proc in enumerate(self.procs, start=1):
+                if not proc.is_alive() and joiner.is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {rank} died (exit code {proc.exitcode}) before it "
+                                       f"joined the group (see its log above)")
+        if "error" in built:
+            raise built["error"]
+        return built["tp"]
 
     # ---- everything else is rank 0's --------------------------------------------------------
     def __getattr__(self, name: str):

@@ -193,6 +193,30 @@ def test_tp2_killed_rank_fails_with_a_clear_error_within_seconds(ckpts):
         assert elapsed < 10.0
 
 
+def test_tp2_rank_dying_before_it_joins_is_named_within_seconds(ckpts, monkeypatch):
+    """A worker killed right after it is spawned (as a failed import or an OOM kill would end it): building the
+    engine raises 'tensor-parallel rank 1 died' within seconds (it used to wait for the store's 60 s timeout
+    and say "1/2 clients joined"), and no worker process is left."""
+    import multiprocessing.context
+    import os
+    import signal
+
+    spawned = []
+    real_start = multiprocessing.context.SpawnProcess.start
+
+    def start_and_kill(self):
+        real_start(self)
+        spawned.append(self)
+        os.kill(self.pid, signal.SIGKILL)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_and_kill)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 died \(exit code -9\) before it joined"):
+        _engine(ckpts[0], tp_size=2)
+    assert time.monotonic() - t0 < 20
+    assert spawned and not any(p.is_alive() for p in spawned)
+
+
 def test_tp_size_refusals(ckpts, ckpt_factory):
     """tp_size that does not split the heads, or a MoE model, is refused at construction naming the limit."""
     with pytest.raises(ValueError, match="num_attention_heads=4"):
