@@ -246,8 +246,11 @@ class TPModelRunner:
         if errors:
             raise WeightUpdateError(errors[0])
         delta.check_sums(entries, [e["base"] for e in entries], _sum_partials(parts, "result"))
-        return self._update({"cmd": "update_delta"}, [wire],
-                            lambda: self.local.update_weights_from_tensor(update, "delta"))
+        self._update({"cmd": "update_delta"}, [wire], lambda: self.local.update_weights_from_tensor(update, "delta"))
+        # The tensors the delta changes, whichever ranks hold the changed elements (rank 0's own count misses
+        # a change that lies only in another rank's slice); a tied alias counts once, as unsharded.
+        aliases = self.local.name_map.aliases
+        return sum(1 for e in entries if e["count"] and e["name"] not in aliases)
 
     def update_weights_from_disk(self, model_path) -> int:
         self.local._require_weights_resident()

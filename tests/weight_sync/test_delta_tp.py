@@ -61,3 +61,29 @@ def test_tp2_deltas_equal_a_full_update(ckpt, lr):
             trainer.step()
             assert ds.sync(trainer.model)[0] and ds.last["mode"] == "delta"
             assert_holds_cast(tp, trainer)
+
+
+def test_tp2_delta_reports_every_tensor_it_changes(ckpt):
+    """A delta whose changes lie in rank 0's rows, in replicated tensors, and in rank 1's slice alone (a
+    down_proj input column, a q_proj output row): the tp=2 engine says it loaded as many tensors as a tp=1
+    engine given the same delta (it reported rank 0's count, missing the rank-1-only tensors)."""
+    import re
+
+    from tests.checkpoints import load_hf_model
+
+    counts = []
+    for tp_size in (2, 1):
+        model = load_hf_model(ckpt).to(torch.bfloat16)
+        with Engine(str(ckpt), tp_size=tp_size, **ENGINE_KW) as engine:
+            ds = DeltaSync(engine)
+            assert ds.sync(model)[0]
+            with torch.no_grad():
+                p = dict(model.named_parameters())
+                p["model.embed_tokens.weight"][0, 0] += 0.25
+                p["model.norm.weight"][3] += 0.125
+                p["model.layers.1.mlp.down_proj.weight"][:, -1] += 0.25
+                p["model.layers.1.self_attn.q_proj.weight"][-1, :] += 0.25
+            ok, msg = ds.sync(model)
+            assert ok and ds.last["mode"] == "delta", msg
+            counts.append(int(re.search(r"(\d+) tensors?", msg).group(1)))
+    assert counts[0] == counts[1] == 4, counts
