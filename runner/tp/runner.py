@@ -341,7 +341,15 @@ class TPModelRunner:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The full HF tensor, assembled from every rank's slice, truncated as ModelRunner does."""
-        shard, spec = self.local.weight_shard(name)
+        try:
+            shard, spec = self.local.weight_shard(name)
+        except WeightUpdateError:
+            if name in self.local.name_map.params:  # a fused runner parameter (qkv_proj, gate_up_proj)
+                raise WeightUpdateError(
+                    f"{name!r} is a fused parameter, and under tensor parallelism each rank holds its own slices of "
+                    f"its parts in that layout: read the HF tensors it fuses (q_proj/k_proj/v_proj, "
+                    f"gate_proj/up_proj) instead, which come back whole") from None
+            raise
         if spec is None:
             return self.local.get_weights_by_name(name, truncate_size)
         self.local.get_weights_by_name(name, 1)  # its checks (invalid weights) first

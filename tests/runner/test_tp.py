@@ -80,6 +80,15 @@ def test_tp2_get_weights_by_name_is_the_full_tensor(tp_engine, ckpts):
         assert torch.equal(got, want.float()), name
 
 
+def test_tp2_fused_parameter_name_is_refused_naming_the_hf_tensors(tp_engine):
+    """A fused runner parameter (qkv_proj), which get_weights_by_name reads whole at tp_size=1, is refused under
+    tensor parallelism naming the HF tensors to read instead (it was "unknown weight name"), and a weight read
+    after it still works."""
+    with pytest.raises(Exception, match="fused parameter.*q_proj/k_proj/v_proj"):
+        tp_engine.get_weights_by_name("model.layers.0.self_attn.qkv_proj.weight")
+    assert len(tp_engine.get_weights_by_name("model.norm.weight", truncate_size=4)) == 4
+
+
 def test_tp2_checksum_covers_every_rank(tp_engine, ckpts):
     """A change only rank 1 holds (the last rows of a column-parallel weight) moves get_weights_checksum;
     putting the original back restores it exactly."""
