@@ -487,11 +487,12 @@ class EngineGroup:
         return (not bad), ("; ".join(bad) if bad else f"{len(self.handles)} engines joined {group_name!r}")
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str = "weight_update_group",
-                                        flush_cache: bool = True, weight_version: str | None = None,
-                                        **kwargs) -> tuple[bool, str]:
+                                        flush_cache: bool = True, load_format: str | None = None,
+                                        weight_version: str | None = None, **kwargs) -> tuple[bool, str]:
         return self._atomic_update("update_weights_from_distributed", list(names),
                                    (names, dtypes, shapes, group_name),
-                                   dict(flush_cache=flush_cache, weight_version=weight_version, **kwargs))
+                                   dict(flush_cache=flush_cache, load_format=load_format, weight_version=weight_version,
+                                        **kwargs))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
         return self._all("destroy_weights_update_group", group_name)

@@ -33,6 +33,7 @@ class StepGate:
         self._lock = threading.RLock()
         self._meta = threading.Condition(threading.Lock())
         self._pending = 0  # control calls registered and not yet holding the lock
+        self._owed_waiters = 0  # control calls waiting for the scheduler's owed step before they register
         self._owner: int | None = None  # the thread holding the lock, and how many times (nested calls)
         self._depth = 0
         self._scheduler_waiting = False  # the scheduler thread waits for its turn
@@ -50,7 +51,11 @@ class StepGate:
         if not nested:
             with self._meta:
                 while self._owed:  # the scheduler thread's turn first
-                    self._meta.wait()
+                    self._owed_waiters += 1
+                    try:
+                        self._meta.wait()
+                    finally:
+                        self._owed_waiters -= 1
                 self._pending += 1
         try:
             self._lock.acquire()
@@ -97,8 +102,9 @@ class StepGate:
 
     @property
     def pending(self) -> bool:
-        """A control call is waiting for the lock: the scheduler thread should stop at this step."""
-        return self._pending > 0
+        """A control call is waiting for the lock, or for the owed step before it: the scheduler thread should
+        stop at this step (and the overlap schedule launch nothing ahead, which would be rolled back)."""
+        return self._pending > 0 or self._owed_waiters > 0
 
     # ---- the scheduler thread -----------------------------------------------------------------------
     @contextmanager

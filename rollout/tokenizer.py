@@ -136,24 +136,32 @@ class TokenizerWrapper:
             spaces_between_special_tokens=sp.spaces_between_special_tokens if sp else True,
         )
 
-    def token_pieces(self, ids: list[int], context: list[int], final: bool) -> list[str]:
+    def token_pieces(self, ids: list[int], context: list[int], final: bool,
+                     skip_special_tokens: bool = True) -> list[str]:
         """Each of `ids`' share of their text as read after `context` (the tokens before them): the characters
         that token completes, so the pieces join into the decoded text and a character spread over several
         tokens (UTF-8 bytes) comes whole with the token that completes it, '' with the others (vLLM's
         incremental pieces; OpenAI's completion logprobs `tokens` / `text_offset`). With `final`, a partial
         character at the very end stays (U+FFFD), as the final text keeps it. Each piece decodes a window of
-        CONTEXT_TOKENS + 1 tokens, so the cost is linear in len(ids)."""
+        CONTEXT_TOKENS + 1 tokens, so the cost is linear in len(ids). `skip_special_tokens` as the request's
+        text was decoded: a special token it skips has the piece "" there, one it keeps its own text."""
         if self.tokenizer is None:
             return [""] * len(ids)
         seq = [*context[-CONTEXT_TOKENS:], *ids]
+
+        def decode(window: list[int]) -> str:
+            if self._rust is not None:
+                return self._rust.decode(window, skip_special_tokens=skip_special_tokens)
+            return self.tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
+
         pieces = []
         for i in range(len(seq) - len(ids), len(seq)):
             j = max(0, i - CONTEXT_TOKENS)
-            before = self.decode(seq[j:i]).rstrip("\ufffd")
-            now = self.decode(seq[j:i + 1])
+            before = decode(seq[j:i]).rstrip("\ufffd")
+            now = decode(seq[j:i + 1])
             if not (final and i == len(seq) - 1):
                 now = now.rstrip("\ufffd")
-            pieces.append(now[len(before):] if now.startswith(before) else self.decode([seq[i]]))
+            pieces.append(now[len(before):] if now.startswith(before) else decode([seq[i]]))
         return pieces
 
     def output_text(self, ids: list[int], req: Req) -> str | None:

@@ -100,17 +100,19 @@ def _model_card(request: Request) -> dict:
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------
-def _completion_logprobs(engine, pairs: list, offset: int, context: list[int], final: bool) -> tuple[dict, int]:
+def _completion_logprobs(engine, pairs: list, offset: int, context: list[int], final: bool,
+                         skip_special_tokens: bool = True) -> tuple[dict, int]:
     """(OpenAI's completion logprobs of `pairs`, tokens that follow the ids `context`; the offset where the text
     after them starts). `text_offset` counts each token's text from `offset` (0 for the first token; a stream
     passes on where its previous chunk's tokens ended, so its offsets are the non-streamed ones whatever text a
     chunk held back for a possible stop match). A token's text is its piece of the decoded text
     (TokenizerWrapper.token_pieces), so the tokens join into the text and each offset points at its token's
     characters there, a character spread over several tokens included; a special token the text skips shows
-    its own text and takes no characters. `final`: the last token ends the output (its partial character stays)."""
+    its own text and takes no characters (skip_special_tokens, the request's: as its text was decoded). `final`:
+    the last token ends the output (its partial character stays)."""
     tok = engine.tokenizer
-    pieces = tok.token_pieces([tid for (_, tid, _), _ in pairs], context, final)
-    special = set(getattr(tok.tokenizer, "all_special_ids", None) or ())
+    pieces = tok.token_pieces([tid for (_, tid, _), _ in pairs], context, final, skip_special_tokens)
+    special = set(getattr(tok.tokenizer, "all_special_ids", None) or ()) if skip_special_tokens else set()
     tokens, lps, tops, offsets = [], [], [], []
     for ((lp, tid, text), top), piece in zip(pairs, pieces):
         tokens.append(token_text(engine, tid, text) if not piece and tid in special else piece)
@@ -120,10 +122,12 @@ def _completion_logprobs(engine, pairs: list, offset: int, context: list[int], f
         if lp is None:  # an echoed prompt's first token: nothing scores it
             tops.append(None)
             continue
+        # OpenAI's "logprobs + 1": the sampled token is always in, under its text in `tokens` (also when it is one
+        # of the top ones); distinct ids can share a text (e.g. partial UTF-8): the likeliest keeps it.
         d: dict[str, float] = {}
-        for v, t, tt in top or ():  # distinct ids can share a text (e.g. partial UTF-8): keep the likeliest
-            d.setdefault(token_text(engine, t, tt), v)
-        d[tokens[-1]] = lp  # OpenAI's "logprobs + 1": the sampled token is always in, under its text in `tokens`
+        for v, t, tt in top or ():
+            d.setdefault(tokens[-1] if t == tid else token_text(engine, t, tt), v)
+        d.setdefault(tokens[-1], lp)
         tops.append(d)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
@@ -165,7 +169,7 @@ async def completions(req: CompletionRequest, request: Request):
             reason, matched = finish_of(o["meta_info"])
             lp = None if req.logprobs is None else _completion_logprobs(
                 engine, logprob_pairs(o["meta_info"], prompt=req.echo), 0,
-                [] if req.echo else _ids(prompts[i // req.n]), final=True)[0]
+                [] if req.echo else _ids(prompts[i // req.n]), True, req.skip_special_tokens)[0]
             text = o.get("text") if echoed is None else echoed[i // req.n] + (o.get("text") or "")
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
                             "matched_stop": matched})
@@ -194,7 +198,8 @@ async def completions(req: CompletionRequest, request: Request):
                     if d.context is None:  # the choice's first chunk: its tokens follow the prompt, unless echoed
                         d.context = [] if echoed is not None else _ids(prompts[i // req.n])
                     pairs = prompt_pairs + d.new_logprobs(chunk["meta_info"])
-                    lp, d.text_offset = _completion_logprobs(engine, pairs, d.text_offset, d.context, final)
+                    lp, d.text_offset = _completion_logprobs(engine, pairs, d.text_offset, d.context, final,
+                                                             req.skip_special_tokens)
                     d.context = (d.context + [tid for (_, tid, _), _ in pairs])[-CONTEXT_TOKENS:]
                 reason = finish_of(chunk["meta_info"])[0] if final else None
                 if text or final or lp:

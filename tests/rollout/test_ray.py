@@ -370,3 +370,19 @@ def test_abort_all_requests_aborts_only_once_every_engine_committed(group, ckpt,
     assert_same(greedy(group), want)
     ok, msg, _ = group.update_weights_from_disk(str(ckpt), abort_all_requests=True)  # nothing in flight
     assert ok and "aborted 0 request" in msg, msg
+
+
+def test_engine_group_update_methods_take_the_engines_positional_order():
+    """EngineGroup's weight-group methods list their parameters in Engine's order (SGLang's: group_name,
+    flush_cache, load_format, weight_version), with the same defaults (but the group's explicit gloo backend),
+    so a positional call means the same on either."""
+    import inspect
+
+    from rollout.ray import EngineGroup
+
+    for method in ("init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group"):
+        ours = [p for p in inspect.signature(getattr(EngineGroup, method)).parameters.values()
+                if p.kind is p.POSITIONAL_OR_KEYWORD]
+        engine = list(inspect.signature(getattr(Engine, method)).parameters.values())[: len(ours)]
+        assert [(p.name, p.default if p.name != "backend" else None) for p in ours] == \
+            [(p.name, p.default) for p in engine], method

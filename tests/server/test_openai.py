@@ -136,6 +136,27 @@ def test_completion_logprob_tokens_join_into_the_text_across_multibyte_character
         assert _streamed_tokens_and_offsets(oai, kw) == (lp.tokens, lp.text_offset)
 
 
+def test_completion_logprob_pieces_follow_skip_special_tokens_and_greedy_tops_are_single(server, oai):
+    """With skip_special_tokens=false and eos forced, the text keeps each "</s>" and the tokens and offsets do
+    too (the tokens join into the text); with eos skipped it takes no characters. Greedy with logprobs=1, each
+    position's top_logprobs is the one sampled token, under its text in `tokens`, also for a byte token
+    completing no character (it was listed twice, under its piece and under U+FFFD)."""
+    tok = server.engine.tokenizer.tokenizer
+    eos = tok.eos_token_id
+    for skip in (False, True):
+        c = oai.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logprobs=1,
+                                   logit_bias={str(eos): 100},
+                                   extra_body={**IGN, "skip_special_tokens": skip}).choices[0]
+        lp = c.logprobs
+        assert c.text == ("" if skip else tok.eos_token * 3)
+        assert "".join(t for t in lp.tokens if not skip) == c.text
+        assert lp.text_offset == ([0, 0, 0] if skip else [0, len(tok.eos_token), 2 * len(tok.eos_token)])
+    e_bytes = tok.encode("\u00e9", add_special_tokens=False)
+    lp = oai.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0, logprobs=1,
+                                logit_bias={str(t): 100 for t in e_bytes}, extra_body=IGN).choices[0].logprobs
+    assert all(list(top) == [token] for token, top in zip(lp.tokens, lp.top_logprobs)), lp.top_logprobs
+
+
 @pytest.mark.parametrize("k", [0, 1])
 def test_completion_top_logprobs_always_hold_the_sampled_token(server, oai, k):
     """OpenAI's "up to logprobs + 1" entries: each position's top_logprobs has the k likeliest tokens and the
