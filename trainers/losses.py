@@ -70,11 +70,15 @@ def group_advantages(
             f"rewards must be 1-D with length a multiple of group_size={group_size}, "
             f"got shape {tuple(rewards.shape)}"
         )
-    grouped = rewards.float().view(-1, group_size)  # [num_prompts, group_size]
+    # float64, and a group of equal rewards set to exactly 0: in float32 the mean of equal non-dyadic rewards
+    # (0.1, 0.7, 1/3) rounds off by ~1e-8, the std is that rounding too, and dividing one by the other gave
+    # every sample of the group the same spurious advantage of up to ~1 (a full-size optimizer step on no signal).
+    grouped = rewards.double().view(-1, group_size)  # [num_prompts, group_size]
     advantages = grouped - grouped.mean(dim=-1, keepdim=True)
+    advantages = advantages.masked_fill(grouped.amax(dim=-1, keepdim=True) == grouped.amin(dim=-1, keepdim=True), 0.0)
     if normalize_std:
         advantages = advantages / (grouped.std(dim=-1, unbiased=False, keepdim=True) + eps)
-    return advantages.view(-1)
+    return advantages.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1)
 
 
 @torch.no_grad()

@@ -71,6 +71,23 @@ def test_group_advantages_hand_values():
     assert close(adv.view(2, 4).mean(-1), [0.0, 0.0])
 
 
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_groups_of_equal_non_dyadic_rewards_get_exactly_zero(normalize_std):
+    """All-equal groups of rewards float32 cannot hold exactly (0.1, 0.7, 1/3, 123.456, 1e6 + 0.1) get advantage
+    exactly 0, beside a mixed group whose values stay the hand-computed ones (float32 rounding of the mean
+    divided by the std of that rounding gave up to ~1 to every sample of such a group)."""
+    for value, size in [(0.1, 8), (0.7, 8), (1 / 3, 16), (123.456, 5), (1e6 + 0.1, 8)]:
+        rewards = torch.tensor([value] * size + [1.0, 0.0] * (size // 2) + [1.0] * (size % 2))
+        adv = group_advantages(rewards, group_size=size, normalize_std=normalize_std)
+        assert adv.dtype == torch.float32
+        assert torch.equal(adv[:size], torch.zeros(size)), (value, adv[:size])
+        mixed = rewards[size:].double()
+        want = mixed - mixed.mean()
+        if normalize_std:
+            want = want / (mixed.std(unbiased=False) + 1e-6)
+        assert close(adv[size:], want.float().tolist())
+
+
 def test_group_advantages_without_std_is_centered_reward():
     """normalize_std=False (Dr. GRPO) gives r - group mean."""
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 0.0])
