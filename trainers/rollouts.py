@@ -49,8 +49,9 @@ def collect_experience(engine, tokenizer, task: Task, prompts: list[dict], group
         routed = [decode_routed_experts(o["meta_info"]["routed_experts"], *routed_experts_shape) for o in outs]
         exp.routed_experts = pack_routed_experts(routed, exp.input_ids.shape[1])
     stats = {
-        "reward_mean": float(exp.rewards.mean()),
-        "reward_std": float(exp.rewards.std()) if len(rewards) > 1 else 0.0,
+        # float64: equal non-dyadic rewards would show a float32 rounding std (~1e-8) instead of ~0
+        "reward_mean": float(exp.rewards.double().mean()),
+        "reward_std": float(exp.rewards.double().std()) if len(rewards) > 1 else 0.0,
         "completion_len_mean": float(exp.completion_mask.sum(1).float().mean()),
         "weight_version": outs[0]["meta_info"]["weight_version"],
         "cache_hit_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
