@@ -39,33 +39,27 @@ def _rust_decoder(tokenizer):
     return getattr(tokenizer, "_tokenizer", None)
 
 
-def _byte_fallback_ids(tokenizer) -> frozenset[int]:
-    """The ids of the "<0xNN>" byte pieces when the tokenizer's decoder has ByteFallback (Llama-2, Mistral). HF
-    decodes a run of them as one UTF-8 sequence, and a run that is not valid UTF-8 (yet: a character's first
-    bytes) as one U+FFFD per byte, the ASCII ones too: the text of a run may change until a token that is not
-    a byte piece closes it."""
+def _decoder_json(tokenizer) -> str:
+    """The tokenizer's decoder (tokenizers' pipeline) as JSON text, "" where there is none to read: which steps
+    it has says how a token's text relates to its bytes (_byte_fallback_ids, TokenizerWrapper.token_bytes).
+    Read once per tokenizer: serializing the pipeline writes out the whole vocabulary."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return frozenset()
+        return ""
     try:
-        if "ByteFallback" not in json.dumps(json.loads(backend.to_str()).get("decoder")):
-            return frozenset()
+        return json.dumps(json.loads(backend.to_str()).get("decoder"))
     except (ValueError, TypeError, AttributeError):  # not a serializable tokenizers pipeline
+        return ""
+
+
+def _byte_fallback_ids(tokenizer, decoder: str) -> frozenset[int]:
+    """The ids of the "<0xNN>" byte pieces when the tokenizer's decoder (`decoder`, _decoder_json's) has
+    ByteFallback (Llama-2, Mistral). HF decodes a run of them as one UTF-8 sequence, and a run that is not valid
+    UTF-8 (yet: a character's first bytes) as one U+FFFD per byte, the ASCII ones too: the text of a run may
+    change until a token that is not a byte piece closes it."""
+    if '"ByteFallback"' not in decoder:
         return frozenset()
     return frozenset(i for t, i in tokenizer.get_vocab().items() if _BYTE_PIECE.fullmatch(t))
-
-
-def _decoder_has(tokenizer, kind: str) -> bool:
-    """Whether the tokenizer's decoder (tokenizers' pipeline) has a step of type `kind`: "ByteLevel" (GPT-2,
-    Llama-3, Qwen: each vocabulary entry spells its bytes in GPT-2's printable alphabet, which
-    _unicode_to_byte inverts) or "Metaspace" (SentencePiece's: "▁" is a space the first token loses)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return False
-    try:
-        return f'"{kind}"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
-    except (ValueError, TypeError, AttributeError):
-        return False
 
 
 def _unicode_to_byte() -> dict[str, int]:
@@ -85,9 +79,13 @@ class TokenizerWrapper:
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(root))
         self._rust = _rust_decoder(self.tokenizer)
-        self._byte_ids = _byte_fallback_ids(self.tokenizer)
-        self._byte_alphabet = _unicode_to_byte() if _decoder_has(self.tokenizer, "ByteLevel") else None
-        self._metaspace = _decoder_has(self.tokenizer, "Metaspace")
+        decoder = _decoder_json(self.tokenizer)
+        self._byte_ids = _byte_fallback_ids(self.tokenizer, decoder)
+        # Byte-level BPE (GPT-2, Llama-3, Qwen): each vocabulary entry spells its bytes in GPT-2's printable
+        # alphabet. SentencePiece's Metaspace: "▁" is a space the first token of a decode loses.
+        self._byte_alphabet = _unicode_to_byte() if '"ByteLevel"' in decoder else None
+        self._metaspace = '"Metaspace"' in decoder
+        self.special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", None) or ())
 
     def stable_len(self, ids: list[int]) -> int:
         """How many of `ids` a stream chunk shows: all but a trailing run of byte pieces, whose text a later
@@ -125,16 +123,17 @@ class TokenizerWrapper:
         if self.tokenizer is None:
             return None
         sp = req.sampling_params if req is not None else None
-        skip = sp.skip_special_tokens if sp else True
+        return self._decode(ids, sp.skip_special_tokens if sp else True,
+                            sp.spaces_between_special_tokens if sp else True)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:
         if self._rust is not None and type(ids) is list:
             # What transformers' decode reaches for a fast tokenizer without clean-up (spaces_between_special_
             # tokens is a slow-tokenizer option it ignores): the Rust decoder, without ~4 us of argument
             # conversion per call. Every stream chunk is decoded, so that is most of a chunk's detokenizing.
-            return self._rust.decode(ids, skip_special_tokens=skip)
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=skip,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens if sp else True,
-        )
+            return self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                     spaces_between_special_tokens=spaces_between_special_tokens)
 
     def token_pieces(self, ids: list[int], context: list[int], final: bool,
                      skip_special_tokens: bool = True) -> list[str]:
@@ -150,9 +149,7 @@ class TokenizerWrapper:
         seq = [*context[-CONTEXT_TOKENS:], *ids]
 
         def decode(window: list[int]) -> str:
-            if self._rust is not None:
-                return self._rust.decode(window, skip_special_tokens=skip_special_tokens)
-            return self.tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
+            return self._decode(window, skip_special_tokens)
 
         pieces = []
         for i in range(len(seq) - len(ids), len(seq)):
@@ -192,7 +189,7 @@ class TokenizerWrapper:
         if text is None:
             return []
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if not isinstance(piece, str) or not piece or token_id in self.tokenizer.all_special_ids:
+        if not isinstance(piece, str) or not piece or token_id in self.special_ids:
             return list(text.encode())
         if _BYTE_PIECE.fullmatch(piece):
             return [int(piece[3:5], 16)]

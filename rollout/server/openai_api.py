@@ -112,7 +112,7 @@ def _completion_logprobs(engine, pairs: list, offset: int, context: list[int], f
     the last token ends the output (its partial character stays)."""
     tok = engine.tokenizer
     pieces = tok.token_pieces([tid for (_, tid, _), _ in pairs], context, final, skip_special_tokens)
-    special = set(getattr(tok.tokenizer, "all_special_ids", None) or ()) if skip_special_tokens else set()
+    special = tok.special_ids if skip_special_tokens else frozenset()
     tokens, lps, tops, offsets = [], [], [], []
     for ((lp, tid, text), top), piece in zip(pairs, pieces):
         tokens.append(token_text(engine, tid, text) if not piece and tid in special else piece)
