@@ -203,14 +203,34 @@ class FlattenedTensorBucket:
         return cls(flattened_tensor=flat, metadata=entries)
 
 
-def as_one_bucket(named_tensors, load_format: str | None) -> FlattenedTensorBucket:
+def as_one_bucket(named_tensors, load_format: str | None, last_wins: bool = True) -> FlattenedTensorBucket:
     """An Engine update argument as one bucket: with load_format "flattened_bucket" a bucket, its dict (ours
-    or SGLang's) or a list of them (merged into one); otherwise (name, tensor) pairs or a mapping."""
+    or SGLang's) or a list of them (merged into one); otherwise (name, tensor) pairs or a mapping. A name
+    given twice (in two buckets, or twice in the pairs) takes its last value, as Engine's weight update does;
+    `last_wins=False` (a LoRA adapter's tensors) refuses it instead."""
     if load_format == "flattened_bucket":
         parts = named_tensors if isinstance(named_tensors, list) else [named_tensors]
         buckets = [b if isinstance(b, FlattenedTensorBucket) else FlattenedTensorBucket.from_dict(b) for b in parts]
-        return buckets[0] if len(buckets) == 1 else FlattenedTensorBucket([p for b in buckets for p in b.named_tensors()])
-    return FlattenedTensorBucket(list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors))
+        if len(buckets) == 1:
+            return buckets[0]
+        pairs = [p for b in buckets for p in b.named_tensors()]
+    else:
+        pairs = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+    return FlattenedTensorBucket(_last_value_of_each(pairs) if last_wins else pairs)
+
+
+def _last_value_of_each(pairs: list) -> list:
+    """(name, tensor) pairs with each name once, at its first place, holding its last value."""
+    last: dict = {}
+    for item in pairs:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            return pairs  # not pairs: FlattenedTensorBucket names the problem
+        name, tensor = item
+        try:
+            last[name] = tensor
+        except TypeError:  # an unhashable name: left for FlattenedTensorBucket to refuse
+            return pairs
+    return list(last.items()) if len(last) < len(pairs) else pairs
 
 
 def _flatten(named_tensors: NamedTensors) -> tuple[Tensor, list[TensorMeta]]:

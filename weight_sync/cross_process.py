@@ -210,12 +210,18 @@ class RemoteEngine:
         return self.call("generate", *args, **kwargs)
 
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None, flush_cache: bool = True,
-                                   weight_version: str | None = None) -> tuple[bool, str]:
+                                   weight_version: str | None = None, online: bool = False,
+                                   abort_all_requests: bool = False) -> tuple[bool, str]:
         """Engine's signature: (name, tensor) pairs or a dict, or with load_format="flattened_bucket" a
-        bucket (ours, its dict, SGLang's) or a list of them; shipped as one bucket, one atomic update.
-        load_format="delta": a weight_sync.delta_codec delta (or its blob), shipped as its blob."""
+        bucket (ours, its dict, SGLang's) or a list of them; shipped as one bucket, one atomic update (a name
+        given twice takes its last value, as in Engine). load_format="delta": a weight_sync.delta_codec delta
+        (or its blob), shipped as its blob. `online`, `abort_all_requests`: Engine's, applied in the child."""
         if load_format not in (None, "auto", "flattened_bucket", "delta"):
             return False, f"update_weights_from_tensor failed: load_format={load_format!r} is not supported"
+        for flag, value in (("online", online), ("abort_all_requests", abort_all_requests)):
+            if not isinstance(value, bool):
+                return False, f"update_weights_from_tensor failed: {flag} must be a bool, got {value!r}"
+        extra = dict(online=online, abort_all_requests=abort_all_requests)
         wire = "shm_bucket"
         try:
             if load_format == "delta":
@@ -231,7 +237,7 @@ class RemoteEngine:
         ipc = self.weight_transport == "cuda_ipc" or (self.weight_transport == "auto"
                                                       and bucket.device.type == "cuda")
         if ipc:
-            return self._update_by_ipc(bucket, flush_cache, weight_version)
+            return self._update_by_ipc(bucket, flush_cache, weight_version, extra)
         if bucket.device.type != "cpu":
             return False, (f"update_weights_from_tensor failed: weight_transport='shm' carries host tensors; these "
                            f"are on {bucket.device} (use weight_transport='cuda_ipc' or 'auto')")
@@ -239,7 +245,8 @@ class RemoteEngine:
         try:
             descriptor, self._shm = bucket_to_shm(bucket, self._shm, self.segment_prefix, self._segment_counter)
             self._send("update_weights_from_tensor", (), dict(named_tensors=descriptor, load_format=wire,
-                                                              flush_cache=flush_cache, weight_version=weight_version))
+                                                              flush_cache=flush_cache, weight_version=weight_version,
+                                                              **extra))
             ok, msg = self._recv()
         finally:
             self._release()
@@ -253,7 +260,7 @@ class RemoteEngine:
         try:
             if load_format not in (None, "flattened_bucket"):
                 raise ValueError(f"load_format={load_format!r} is not supported (None or 'flattened_bucket')")
-            bucket = as_one_bucket(tensors, load_format)
+            bucket = as_one_bucket(tensors, load_format, last_wins=False)
             if bucket.device.type != "cpu":
                 raise ValueError(f"the adapter's tensors are on {bucket.device}; send host tensors")
         except (ValueError, TypeError) as e:
@@ -269,7 +276,7 @@ class RemoteEngine:
             self._release()
 
     def _update_by_ipc(self, bucket: FlattenedTensorBucket, flush_cache: bool,
-                       weight_version: str | None) -> tuple[bool, str]:
+                       weight_version: str | None, extra: dict) -> tuple[bool, str]:
         from weight_sync import cuda_ipc
 
         try:
@@ -279,7 +286,8 @@ class RemoteEngine:
         self._acquire()
         try:
             self._send("update_weights_from_tensor", (), dict(named_tensors=descriptors, load_format="cuda_ipc",
-                                                              flush_cache=flush_cache, weight_version=weight_version))
+                                                              flush_cache=flush_cache, weight_version=weight_version,
+                                                              **extra))
             ok, msg = self._recv()  # the child has loaded and synchronized: `bucket` may go now
         finally:
             self._release()

@@ -187,13 +187,30 @@ def _nbytes(cast: dict) -> int:
 
 
 def _split(encoded: list[EncodedTensor], bucket_bytes: int, ties: dict | None = None) -> list[DeltaUpdate]:
-    """Pack encoded tensors into updates of at most ~bucket_bytes of payload each (at least one). Tensors with
-    the same `ties` key (one tensor in the source under two names: a tied embedding and LM head) go in one
-    update: the engine holds them as one, so a part changing one would leave the other's base stale."""
-    units: dict = {}  # tie key (or the name itself) -> its tensors, in first-seen order
+    """Pack encoded tensors into updates of at most ~bucket_bytes of payload each (at least one). Tensors that
+    may be one tensor in the engine (a tied embedding and LM head) go in one update, or a part changing one
+    would leave the other's base stale: those with the same `ties` key (one storage in the source) and those
+    whose new values are equal (same shape, dtype and checksum: a tied pair gathered into two copies, as a
+    full state dict from FSDP2 is). Grouping two tensors that only happen to be equal costs nothing."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    first: dict = {}  # a grouping key -> the first name seen with it
     for e in encoded:
-        key = (ties or {}).get(e.entry["name"], e.entry["name"])
-        units.setdefault(key, []).append(e)
+        name = e.entry["name"]
+        parent[name] = name
+        content = ("content", e.entry["dtype"], tuple(e.entry["shape"]), e.entry["result"])
+        for key in ((ties or {}).get(name), content):
+            if key is not None:
+                parent[root(name)] = root(first.setdefault(key, name))
+    units: dict[str, list[EncodedTensor]] = {}  # root name -> its tensors, in first-seen order
+    for e in encoded:
+        units.setdefault(root(e.entry["name"]), []).append(e)
     groups, cur, size = [], [], 0
     for unit in units.values():
         n = sum(e.pos_bytes.numel() + e.val_bytes.numel() for e in unit)

@@ -76,7 +76,7 @@ class HttpEngine:
         from weight_sync.wire import encode_bucket, encode_named_tensors
 
         if load_format == "flattened_bucket":
-            payload = encode_bucket(as_one_bucket(tensors, load_format))
+            payload = encode_bucket(as_one_bucket(tensors, load_format, last_wins=False))
         elif load_format is None:
             payload = encode_named_tensors(tensors)
         else:

@@ -84,6 +84,10 @@ def update_from_tensor(runner, named_tensors, load_format: str | None = None) ->
         unpack_named_tensors(named_tensors, load_format, list(runner.custom_loaders))
     if not named:  # an update of nothing would still move the weight version (a tied alias alone is something)
         raise WeightUpdateError("no tensors to load: named_tensors is empty")
+    if load_format != "direct" and all(isinstance(n, str) and runner.name_map.is_ignored(n) for n, _ in named):
+        shown = ", ".join(repr(n) for n, _ in named[:3]) + (f" (+{len(named) - 3} more)" if len(named) > 3 else "")
+        raise WeightUpdateError(f"no tensors to load: every name in this update is one the engine does not load "
+                                f"(computed at start-up, not a weight): {shown}")
     plan = plan_direct_load(runner.name_map, named) if load_format == "direct" else \
         plan_weight_load(runner.name_map, named)
 

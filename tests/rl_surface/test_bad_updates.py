@@ -73,6 +73,9 @@ TENSOR_CASES = {
                                                      sd[UP].shape)),
         [UP, "invalid sparse tensor"]),
     "empty": lambda sd: ([], ["no tensors to load"]),  # would move the version for nothing
+    # Names the engine skips (old checkpoints carry rotary buffers): as empty, not a no-op that moves the version
+    "only ignored names": lambda sd: ([("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8))],
+                                      ["no tensors to load", "rotary_emb.inv_freq"]),
     "nested": lambda sd: (_valid_first(sd, NORM, torch.nested.nested_tensor([sd[NORM]])), [NORM, "nested"]),
     "None": lambda sd: (None, ["named_tensors must be", "got NoneType"]),
 }

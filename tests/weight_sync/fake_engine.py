@@ -9,7 +9,8 @@ import time
 
 class EchoEngine:
     """`get_weights_by_name(name)` -> [pid, name] after `delay_s`; `get_server_info()` -> a generator
-    (a result JSON cannot carry); `generate(...)` -> the prompt reversed."""
+    (a result JSON cannot carry); `generate(...)` -> the prompt reversed; `update_weights_from_tensor` -> what
+    it was given."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
@@ -23,6 +24,13 @@ class EchoEngine:
 
     def generate(self, prompt: str = "", **kwargs):
         return {"text": prompt[::-1]}
+
+    def update_weights_from_tensor(self, named_tensors, **kwargs):
+        """-> (True, what arrived): the keyword arguments and each (name, values) of the bucket, as JSON."""
+        import json
+
+        tensors = [[n, t.flatten().tolist()] for n, t in named_tensors.named_tensors()]
+        return True, json.dumps({"kwargs": kwargs, "tensors": tensors}, sort_keys=True)
 
     def shutdown(self) -> None:
         pass

@@ -62,6 +62,30 @@ def test_a_tied_state_dict_split_in_parts_stays_a_delta(ckpt_factory):
             assert_equals_full_update(engine, ref, trainer)
 
 
+def test_a_tied_pair_in_separate_storages_stays_one_part(ckpt_factory):
+    """A tied model's embedding and LM head given as equal tensors in two storages (a state dict gathered
+    from FSDP2: each full_tensor() is its own copy), split in several parts: the pair still travels in one
+    part, so every sync is a delta the engine takes (the second part had been refused as a stale base)."""
+    ckpt = ckpt_factory("qwen2", tie_word_embeddings=True)
+    with Engine(str(ckpt), **ENGINE_KW) as engine, Engine(str(ckpt), **ENGINE_KW) as ref:
+        trainer = Trainer(ckpt, 1e-3)
+        ds = DeltaSync(engine, bucket_bytes=1 << 14)
+
+        def copies():
+            sd = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+            assert sd["lm_head.weight"].data_ptr() != sd["model.embed_tokens.weight"].data_ptr()
+            return sd
+
+        assert ds.sync(copies())[0]
+        for _ in range(2):
+            trainer.step()
+            version = engine.weight_version
+            ok, msg = ds.sync(copies())
+            assert ok and ds.last["mode"] == "delta" and ds.last["num_updates"] > 1, (msg, ds.last)
+            assert engine.weight_version != version
+            assert_equals_full_update(engine, ref, trainer)
+
+
 def test_stale_base_is_refused_then_fallback_sends_full(engines, tiny_llama):
     """A delta against weights the engine no longer holds is refused untouched; fallback=True syncs in full."""
     engine, ref = engines

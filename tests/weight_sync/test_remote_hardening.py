@@ -82,6 +82,28 @@ def test_stream_is_refused_and_the_child_keeps_serving(echo):
     assert echo.get_weights_by_name("y") == [pid, "y"]
 
 
+def test_update_takes_engines_keywords_and_last_value_of_a_name(echo):
+    """update_weights_from_tensor takes Engine's online / abort_all_requests and hands them to the child's
+    engine; a name given twice (two buckets, or twice in the pairs) arrives once, with its last value, as
+    Engine's own update takes it (it was refused as a duplicate); a non-bool flag is refused by name."""
+    import json
+
+    from weight_sync import iter_buckets
+
+    one, two = torch.full((2,), 1.0), torch.full((2,), 2.0)
+    b1, b2 = (next(iter_buckets([("w", t), ("u", t)])).to_dict() for t in (one, two))
+    ok, msg = echo.update_weights_from_tensor([b1, b2], load_format="flattened_bucket", online=True,
+                                              abort_all_requests=True)
+    got = json.loads(msg)
+    assert ok and got["kwargs"]["online"] is True and got["kwargs"]["abort_all_requests"] is True, got
+    assert got["tensors"] == [["w", [2.0, 2.0]], ["u", [2.0, 2.0]]]
+    ok, msg = echo.update_weights_from_tensor([("w", one), ("u", one), ("w", two)])
+    got = json.loads(msg)
+    assert ok and got["kwargs"]["online"] is False and got["tensors"] == [["w", [2.0, 2.0]], ["u", [1.0, 1.0]]]
+    ok, msg = echo.update_weights_from_tensor([("w", one)], online="yes")
+    assert not ok and "online must be a bool" in msg, msg
+
+
 # ---------------------------------------------------------------------------------------------
 # threads
 
