@@ -109,6 +109,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         self._num_updates = 0
         self._weights_generation = 0  # +1 on every weight change (the labels may repeat; this never does)
         self._set_weight_version(getattr(self.args, "weight_version", "default"))  # until the first update
+        # Unseeded requests' seeds: from random_seed, or (None, the default) from the OS, as SGLang draws one.
         self._rng = random.Random(self.args.random_seed)
         self._cv = StepGate()  # the step lock; `with self._cv:` is a control call (see rollout.step_gate)
         # SGLANG_ENGINE_PAUSE_TIMEOUT: a pause left alone that long ends by itself (rollout/pause_watchdog.py).

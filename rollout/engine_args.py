@@ -104,7 +104,8 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "enable_memory_saver": ("bool", "release/resume_memory_occupation work"),
     "enable_weights_cpu_backup": ("bool", "released weights kept on the host and restored on resume"),
     "tp_size": (">= 1", "tensor parallelism: one process per rank (runner/tp), gloo on CPU, NCCL on CUDA"),
-    "random_seed": ("int (None = 0)", "dummy weights and unseeded sampling"),
+    "random_seed": ("int or None", "unseeded sampling (None: a seed drawn from the OS at start-up, as SGLang), "
+                                   "dummy weights (None: 0)"),
     "skip_tokenizer_init": ("bool", "token ids in, token ids out"),
     "log_level": ("'debug', 'info', 'warning', 'error', 'critical'", "level of the `rollout` loggers"),
     "stream_interval": ("an int >= 1", "a streaming request's chunks every N tokens: the first token at once, "
@@ -159,7 +160,7 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
 # command line would have them twice.
 SERVER_ONLY_OPTIONS = ("host", "port", "api_key", "served_model_name", "chat_template")
 # SGLang's None means "choose for me" for these; here that is the option's default.
-NONE_MEANS_DEFAULT = ("dtype", "load_format", "max_running_requests", "random_seed", "kv_cache_dtype",
+NONE_MEANS_DEFAULT = ("dtype", "load_format", "max_running_requests", "kv_cache_dtype",
                       "mem_fraction_static", "chunked_prefill_size")
 
 

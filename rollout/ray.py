@@ -164,6 +164,8 @@ def launch_engines(num_engines: int, model_path: str, *, num_cpus_per_engine: fl
 
     `placement_group`: a Ray placement group with at least `num_engines` bundles; engine i goes to
     bundle i (share bundles with trainer workers to co-locate, fractional GPUs included).
+    `random_seed=s` (the group's): engine i gets s + i, so unseeded requests differ between engines and a rerun
+    draws the same; left out, each engine draws its own from the OS.
     """
     if not isinstance(num_engines, int) or num_engines < 1:
         raise ValueError(f"num_engines={num_engines!r} must be an int >= 1")
@@ -183,7 +185,10 @@ def launch_engines(num_engines: int, model_path: str, *, num_cpus_per_engine: fl
                                  f"{num_engines} engines")
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=i)
-        handles.append(actor_cls.options(**options).remote(str(model_path), dict(engine_kwargs)))
+        kwargs = dict(engine_kwargs)
+        if kwargs.get("random_seed") is not None:  # one seed for the group: each engine its own stream of it,
+            kwargs["random_seed"] = kwargs["random_seed"] + i  # or their k-th unseeded requests draw alike
+        handles.append(actor_cls.options(**options).remote(str(model_path), kwargs))
     group = EngineGroup(handles, call_timeout_s=call_timeout_s)
     group._all("ping")  # surfaces a constructor error (bad path, bad option) with the engine's name
     return group

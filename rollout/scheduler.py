@@ -200,7 +200,7 @@ class Scheduler:
         self.max_loras_per_batch = getattr(runner_cfg, "max_loras_per_batch", 1) if getattr(
             runner_cfg, "enable_lora", False) else 0
         self.waiting: deque[Req] = deque()
-        # schedule_policy="random": reproducible from the engine's random_seed
+        # schedule_policy="random": reproducible from the engine's random_seed when one is given
         self._policy_rng = random.Random(getattr(getattr(runner, "config", None), "random_seed", 0))
         self.running: list[Req] = []
         self.chunked_req: Req | None = None

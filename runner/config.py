@@ -237,7 +237,10 @@ class RunnerConfig:
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
     tp_size: int = 1
-    random_seed: int = 0
+    # None (SGLang's default): dummy weights and torch's global seed use 0, and the engine draws the seed of
+    # its unseeded requests from the OS, so engines started alike (servers behind a router, an EngineGroup)
+    # do not give their k-th unseeded requests the same draws.
+    random_seed: int | None = None
     cpu_prepack: bool = True  # CPU fp32: oneDNN-prepacked linear weights (runner/layers/prepack.py)
     # The engine's CPU kernels (runner/cpu_kernels.py: paged attention, fused RMSNorm, rotary), built at
     # first use: None uses them when they build on an AVX-512 CPU, True requires them, False: torch's ops.

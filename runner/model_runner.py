@@ -99,7 +99,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         cfg = self.config
-        torch.manual_seed(cfg.random_seed)
+        torch.manual_seed(0 if cfg.random_seed is None else cfg.random_seed)
         with self.memory_saver.region("weights", enable_cpu_backup=cfg.enable_weights_cpu_backup):
             with torch.device(self.device):
                 model = get_model_class(self.model_config)(self.model_config)
@@ -163,7 +163,8 @@ class ModelRunner:
 
     def _init_dummy_weights(self) -> None:
         # Drawn where the parameter lives, in its dtype: no fp32 host copy of a 7B model first.
-        gen = torch.Generator(device=self.device).manual_seed(self.config.random_seed)
+        seed = 0 if self.config.random_seed is None else self.config.random_seed  # the same weights every start
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         with torch.no_grad():
             for name, p in self.name_map.params.items():
                 if "norm" in name:

@@ -212,6 +212,20 @@ def test_rollback_keeps_the_engines_labelling_alike(group, ckpt, trainer):
     assert_same(greedy(group), want)
 
 
+def test_a_group_seed_gives_each_engine_its_own_stream(cluster, ckpt):
+    """launch_engines(random_seed=s): engine i runs with s + i, so the same unseeded request differs between
+    the engines (they had drawn alike: duplicate rollouts for a GRPO group spread over them)."""
+    g = launch_engines(2, str(ckpt), num_cpus_per_engine=0.5, call_timeout_s=120, random_seed=7, **ENGINE_KW)
+    try:
+        assert [info["random_seed"] for info in g.get_server_info()] == [7, 8]
+        body = dict(input_ids=[PROMPTS[1]] * 2, sampling_params={"temperature": 1.0, "max_new_tokens": 12,
+                                                                 "ignore_eos": True})
+        outs = [ray.get(h.call.remote("generate", (), body), timeout=120) for h in g.handles]
+        assert [o["output_ids"] for o in outs[0]] != [o["output_ids"] for o in outs[1]]
+    finally:
+        g.shutdown()
+
+
 def test_killed_engine_is_named_and_nothing_hangs(cluster, ckpt):
     """An actor killed mid-run: the next call fails within seconds with an error naming that engine."""
     g = launch_engines(2, str(ckpt), num_cpus_per_engine=0.5, call_timeout_s=60, **ENGINE_KW)

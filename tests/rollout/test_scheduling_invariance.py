@@ -95,3 +95,20 @@ def test_solo_is_deterministic_across_engines(tiny_llama, make_engine, solo_resu
     prompts, params = _workload()
     outs = [engine.generate(input_ids=prompts[i], sampling_params=params[i], return_logprob=True) for i in (1, 2)]
     _assert_same(outs, [solo_results[1], solo_results[2]])
+
+
+def _unseeded(engine) -> list[list[int]]:
+    prompt = random_prompts([20], seed=13)[0]
+    outs = engine.generate(input_ids=[prompt] * 4, sampling_params={"temperature": 1.0, "max_new_tokens": 12,
+                                                                    "ignore_eos": True})
+    return [o["output_ids"] for o in outs]
+
+
+def test_unseeded_requests_differ_between_engines_unless_random_seed_is_given(tiny_llama, make_engine):
+    """Two engines built alike (servers behind a router, an EngineGroup) give their unseeded requests their own
+    draws when random_seed is left out (SGLang draws one at start-up), and the same draws for the same
+    random_seed: a fixed default had made every engine's k-th unseeded request sample the same tokens."""
+    a, b = _unseeded(make_engine(tiny_llama)), _unseeded(make_engine(tiny_llama))
+    assert a != b
+    assert len({tuple(x) for x in a + b}) == 8  # 8 samples of one prompt at temperature 1: all distinct here
+    assert _unseeded(make_engine(tiny_llama, random_seed=5)) == _unseeded(make_engine(tiny_llama, random_seed=5))
