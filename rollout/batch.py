@@ -55,8 +55,11 @@ def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device,
         bias = torch.zeros(len(reqs), vocab_size, dtype=torch.float32)
         bias[rows, cols] = torch.tensor(vals, dtype=torch.float32)
         info.logit_bias = bias.to(device)
-    if any(r.return_logprob and r.return_original_logprob for r in reqs):
-        info.original_rows = torch.tensor([r.return_original_logprob for r in reqs], dtype=torch.bool, device=device)
+    if any(r.return_logprob and r.return_original_logprob and not r.return_raw_logprob for r in reqs):
+        info.original_rows = torch.tensor([r.return_original_logprob and not r.return_raw_logprob for r in reqs],
+                                          dtype=torch.bool, device=device)
+    if any(r.return_logprob and r.return_raw_logprob for r in reqs):
+        info.raw_rows = torch.tensor([r.return_raw_logprob for r in reqs], dtype=torch.bool, device=device)
     if any(r.return_logprob and r.return_processed_logprob for r in reqs):
         info.processed_rows = torch.tensor([r.return_processed_logprob for r in reqs], dtype=torch.bool,
                                            device=device)
@@ -87,7 +90,7 @@ class SamplingInfoCache:
         # Everything sampling_info() reads of a request but its tokens. Req compares by identity; the
         # sampling params by identity first, then by value (an equal replacement gives an equal info).
         return (r, r.sampling_params, r.seed, r.top_logprobs_num, r.return_logprob, r.return_original_logprob,
-                r.return_processed_logprob, r.token_ids_logprob)
+                r.return_raw_logprob, r.return_processed_logprob, r.token_ids_logprob)
 
     def __call__(self, reqs: list[Req], step_offset: int = 0) -> SamplingBatchInfo:
         keys = [self._key(r) for r in reqs]
@@ -157,7 +160,7 @@ def prompt_logprob_rows(items: list[tuple[Req, int, int]], device) -> PromptLogp
         wanted = req.input_logprob_positions
         if req.needs_input_logprobs:
             sp = req.sampling_params
-            temp = 1.0 if sp.is_greedy or req.return_original_logprob else sp.temperature
+            temp = 1.0 if sp.is_greedy or req.return_original_logprob or req.return_raw_logprob else sp.temperature
             for p in range(max(start, wanted.start - 1), min(start + n, wanted.stop - 1)):
                 rows.append(offset + p - start)
                 targets.append(req.fill_ids[p + 1])

@@ -394,7 +394,8 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
                           return_routed_experts=routed_flags[i], logprob_start_len=starts[i],
                           token_ids_logprob=id_lists[i], return_original_logprob=original,
                           lora_name=lora_names[i],
-                          return_processed_logprob=self.args.logprobs_mode == "processed_logprobs")
+                          return_processed_logprob=self.args.logprobs_mode == "processed_logprobs",
+                          return_raw_logprob=self.args.logprobs_mode == "raw_logprobs")
                 req.created_time = now
                 reqs.append(req)
         return reqs, single and sps[0].n == 1
@@ -431,7 +432,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             raise ValueError(f"token_ids_logprob has ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if return_original_logprob is None:
             env = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower()
-            return_original_logprob = env in ("1", "true", "yes") or self.args.logprobs_mode == "raw_logprobs"
+            return_original_logprob = env in ("1", "true", "yes")
         if not isinstance(return_original_logprob, bool):
             raise ValueError(f"return_original_logprob must be a bool or None, got {return_original_logprob!r}")
         # An empty list asks for no ids: no *_token_ids_logprobs keys at all, as SGLang normalizes it to None.
@@ -510,7 +511,8 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         before top-k/top-p/min-p (greedy at temperature 1); the engine's logprobs_mode="processed_logprobs"
         reports the truncated, renormalised distribution sampled from instead (prompt positions are never
         truncated). return_original_logprob=True (default: the SGLANG_RETURN_ORIGINAL_LOGPROB environment
-        variable, or logprobs_mode="raw_logprobs") gives the log-softmax of the raw logits.
+        variable) gives SGLang's original logprobs: the penalised, biased logits without the temperature; the
+        engine's logprobs_mode="raw_logprobs" the log-softmax of the raw logits, before every processor.
         lora_path: the name of a loaded LoRA adapter for every prompt, or one name (or None, the base model)
         per prompt (rollout/lora_api.py).
         Other sglang.Engine.generate arguments (image_data, custom_logit_processor, return_hidden_states,

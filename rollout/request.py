@@ -54,7 +54,9 @@ class Req:
     index: int = 0  # position in the caller's batch (after n-expansion)
     logprob_start_len: int = -1  # first prompt position of input_token_logprobs (-1: the last, as SGLang)
     token_ids_logprob: list[int] | None = None  # ids whose logprobs every position reports
-    return_original_logprob: bool = False  # logprobs of the raw logits (vLLM's "raw_logprobs")
+    # SGLang's RETURN_ORIGINAL_LOGPROB: logprobs of the processed logits (penalties, bias, bans) before temperature
+    return_original_logprob: bool = False
+    return_raw_logprob: bool = False  # logprobs of the raw logits, before every processor (vLLM's "raw_logprobs")
     # logprobs of the truncated, renormalised distribution sampled from (vLLM's "processed_logprobs")
     # instead of SGLang's log_softmax(logits / temperature) over the whole vocabulary
     return_processed_logprob: bool = False

@@ -195,10 +195,11 @@ class SamplingParams:
             digits = k.strip().removeprefix("-") if isinstance(k, str) else ""
             # ASCII digits only: str.isdigit() also accepts '²' or '٣', which int() then refuses or reads
             tid = int(k) if digits and digits.isascii() and digits.isdigit() else k
-            if not isinstance(tid, int) or isinstance(tid, bool):
+            if not isinstance(tid, numbers.Integral) or isinstance(tid, bool):  # numpy integers are Integral
                 raise ValueError(f"sampling param logit_bias key {str(k)[:50]!r} must be a token id (an int or a "
                                  f"string of ASCII digits)")
-            if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v):
+            tid = int(tid)
+            if not _is_number(v) or math.isnan(v):  # numpy floats too; not a bool
                 raise ValueError(f"sampling param logit_bias[{tid}] must be a number, got {v!r}")
             if v > MAX_LOGIT_BIAS:
                 # Logits are float32: a bigger bias (1e308 is inf there) turns the row into inf - inf = nan

@@ -14,8 +14,10 @@ Which logprob is reported (per row; SGLang's default and its two switches, named
   a finite logprob; greedy rows at temperature 1 (SGLang turns temperature 0 into 1 with top_k=1);
 - `processed_rows` (vLLM's "processed_logprobs"): the log-softmax of exactly the distribution sampled
   from, after top-k/top-p/min-p truncation (removed tokens -inf, kept ones renormalised);
-- `original_rows` (vLLM's "raw_logprobs", SGLang's RETURN_ORIGINAL_LOGPROB): the log-softmax of the
-  model's raw logits, before every processor and temperature.
+- `original_rows` (SGLang's RETURN_ORIGINAL_LOGPROB): the log-softmax of the processed logits (after the
+  penalties, bias and bans, as SGLang applies them before its sampler) without the temperature;
+- `raw_rows` (vLLM's "raw_logprobs"): the log-softmax of the model's raw logits, before every processor
+  and temperature.
 Without truncation the first two are the same tensor (bitwise).
 Top logprobs and `token_ids` logprobs come from the same distribution as the token's logprob.
 
@@ -98,7 +100,9 @@ class SamplingBatchInfo:
     frequency_penalties: torch.Tensor | None = None  # [bs] fp32
     presence_penalties: torch.Tensor | None = None  # [bs] fp32
     logit_bias: torch.Tensor | None = None  # [bs, vocab] fp32
-    original_rows: torch.Tensor | None = None  # [bs] bool: report log_softmax(raw logits) for these rows
+    # [bs] bool: report log_softmax(processed logits), before temperature (SGLang's RETURN_ORIGINAL_LOGPROB)
+    original_rows: torch.Tensor | None = None
+    raw_rows: torch.Tensor | None = None  # [bs] bool: report log_softmax(raw logits) (vLLM's raw_logprobs)
     processed_rows: torch.Tensor | None = None  # [bs] bool: report the truncated, renormalised distribution
     need_logprobs: bool = True  # False: no row reads its logprobs, so the default ones may be skipped
     token_ids: torch.Tensor | None = None  # [bs, k] int64: ids whose logprobs each row reports (padded)
@@ -325,7 +329,8 @@ def plain_rows(bs: int, info: SamplingBatchInfo) -> bool:
             and (info.seed_mix is None or (info.seed_mix.dtype == torch.int64 and info.seed_mix.shape == (bs,)))
             and info.seen_mask is None and info.output_counts is None and info.logit_bias is None
             and info.banned_mask is None and not needs_truncation(info) and info.top_logprobs_num == 0
-            and info.token_ids is None and info.original_rows is None and not info.return_raw_logprob)
+            and info.token_ids is None and info.original_rows is None and info.raw_rows is None
+            and not info.return_raw_logprob)
 
 
 class Sampler:
@@ -361,7 +366,7 @@ class Sampler:
         # Nothing reads a logprob: the greedy rows' logsumexp (a full-vocab pass, ~2% of a 40M decode
         # step) is skipped and `logprobs` comes back None.
         wants_logprobs = (info.need_logprobs or info.top_logprobs_num > 0 or info.token_ids is not None
-                          or info.original_rows is not None)
+                          or info.original_rows is not None or info.raw_rows is not None)
         if any_greedy:
             if wants_logprobs and self.exact_greedy_logprobs:
                 greedy_lp = torch.log_softmax(logits, dim=-1)  # [bs, vocab]
@@ -404,7 +409,9 @@ class Sampler:
                 ids = torch.where(chosen_ok, ids, argmax)
             if info.has_greedy:
                 ids = torch.where(greedy, argmax, ids)
-        raw_lse = torch.logsumexp(raw, dim=-1) if info.original_rows is not None or info.return_raw_logprob else None
+        raw_lse = torch.logsumexp(raw, dim=-1) if info.raw_rows is not None or info.return_raw_logprob else None
+        # SGLang's original logprobs: the processed logits' log-softmax, without the temperature
+        orig_lse = torch.logsumexp(logits, dim=-1) if info.original_rows is not None else None
 
         def greedy_at(at: torch.Tensor) -> torch.Tensor:
             return greedy_lp.gather(1, at) if greedy_lp is not None else logits.gather(1, at) - lse.unsqueeze(1)
@@ -418,7 +425,9 @@ class Sampler:
             else:
                 vals = logprobs_all.gather(1, at)
             if info.original_rows is not None:
-                vals = torch.where(info.original_rows.unsqueeze(1), raw.gather(1, at) - raw_lse.unsqueeze(1), vals)
+                vals = torch.where(info.original_rows.unsqueeze(1), logits.gather(1, at) - orig_lse.unsqueeze(1), vals)
+            if info.raw_rows is not None:
+                vals = torch.where(info.raw_rows.unsqueeze(1), raw.gather(1, at) - raw_lse.unsqueeze(1), vals)
             return vals
 
         out = SampleOutput(ids, reported(ids.unsqueeze(1)).squeeze(1) if wants_logprobs else None)
@@ -435,11 +444,11 @@ class Sampler:
                     s_vals = torch.where(greedy.unsqueeze(1), vals, s_vals)
                     s_ids = torch.where(greedy.unsqueeze(1), top_ids, s_ids)
                 vals, top_ids = s_vals, s_ids
-            if info.original_rows is not None:
-                r_vals, r_ids = raw.topk(k, dim=-1)
-                orig = info.original_rows.unsqueeze(1)
-                vals = torch.where(orig, r_vals - raw_lse.unsqueeze(1), vals)
-                top_ids = torch.where(orig, r_ids, top_ids)
+            for rows, src, src_lse in ((info.original_rows, logits, orig_lse), (info.raw_rows, raw, raw_lse)):
+                if rows is not None:
+                    r_vals, r_ids = src.topk(k, dim=-1)
+                    vals = torch.where(rows.unsqueeze(1), r_vals - src_lse.unsqueeze(1), vals)
+                    top_ids = torch.where(rows.unsqueeze(1), r_ids, top_ids)
             out.top_logprobs, out.top_logprob_ids = vals, top_ids
         if info.token_ids is not None:
             out.token_ids_logprobs = reported(info.token_ids)

@@ -135,6 +135,18 @@ def test_integral_floats_and_numpy_scalars_read_as_their_values(env):
     assert out["meta_info"]["completion_tokens"] == 8
 
 
+def test_numpy_logit_bias_reads_as_the_plain_dict(env):
+    """A logit_bias keyed by numpy integers with numpy float values (a dict built from arrays) biases exactly
+    as the plain {int: float} dict does; it was refused as "key '5' must be a token id"."""
+    engine, ref_ids = env
+    plain = {ref_ids[0]: -100.0, 9: 50.0}
+    arrays = dict(zip(np.array(list(plain), dtype=np.int64), np.array(list(plain.values()), dtype=np.float32)))
+    outs = [engine.generate(input_ids=PROMPT, sampling_params=_sp(temperature=0, max_new_tokens=4, logit_bias=b),
+                            return_logprob=True) for b in (plain, arrays)]
+    assert outs[0]["output_ids"] == outs[1]["output_ids"] == [9, 9, 9, 9]
+    assert outs[0]["meta_info"]["output_token_logprobs"] == outs[1]["meta_info"]["output_token_logprobs"]
+
+
 def test_prompt_filling_the_context_gets_one_token(env):
     """A prompt of context_length-1 tokens is accepted and stops after one token (finish length)."""
     engine, _ = env

@@ -296,25 +296,35 @@ def test_default_logprobs_are_sglangs_full_vocab_tempered(env, filters):
             assert got_v.isfinite().all() and (got_v - want_v).abs().max() <= 1e-5
 
 
-def test_penalised_logprob_is_of_the_penalised_distribution(env):
-    """With a repetition penalty the default logprob is of the penalised distribution, the original one is raw."""
+@pytest.mark.parametrize("mode", ["default", "original", "raw_logprobs"])
+def test_which_logits_each_logprob_mode_reports(env, tiny_llama, module_engines, mode):
+    """With a repetition penalty, a logit bias and a min_new_tokens ban at temperature 0.7, the sampled token's
+    logprob is (recomputed by hand on HF's logits): by default log_softmax(processed / 0.7); with
+    return_original_logprob SGLang's log_softmax(processed), the penalties, bias and ban applied and the
+    temperature not; with logprobs_mode="raw_logprobs" (vLLM's) log_softmax(raw logits). The tokens are the same."""
     engine, hf = env
+    if mode == "raw_logprobs":
+        engine = module_engines(tiny_llama, logprobs_mode="raw_logprobs")
     prompt = random_prompts([8], seed=9)[0]
-    sp = dict(GREEDY, max_new_tokens=3, repetition_penalty=1.5)
-    both = [engine.generate(input_ids=prompt, sampling_params=sp, return_logprob=True, return_original_logprob=o)
-            for o in (False, True)]
-    assert both[0]["output_ids"] == both[1]["output_ids"]
-    out = both[0]["output_ids"]
-    for k, t in enumerate(out):
-        seq = prompt + out[:k]
+    eos, bias = 1, {5: 3.0, 9: -2.0}
+    sp = dict(temperature=0.7, seed=4, max_new_tokens=4, min_new_tokens=2, repetition_penalty=1.5, logit_bias=bias)
+    out = engine.generate(input_ids=prompt, sampling_params=sp, return_logprob=True,
+                          return_original_logprob=mode == "original")
+    ref = env[0].generate(input_ids=prompt, sampling_params=sp)
+    assert out["output_ids"] == ref["output_ids"]
+    for k, t in enumerate(out["output_ids"]):
+        seq = prompt + out["output_ids"][:k]
         logits = hf(torch.tensor([seq])).logits[0, -1].double().detach()
         seen = torch.tensor(sorted(set(seq)))
         pen = logits.clone()
         pen[seen] = torch.where(logits[seen] < 0, logits[seen] * 1.5, logits[seen] / 1.5)
-        assert math.isclose(both[0]["meta_info"]["output_token_logprobs"][k][0],
-                            torch.log_softmax(pen, 0)[t].item(), abs_tol=2e-5)
-        assert math.isclose(both[1]["meta_info"]["output_token_logprobs"][k][0],
-                            torch.log_softmax(logits, 0)[t].item(), abs_tol=2e-5)
+        for tok, b in bias.items():
+            pen[tok] += b
+        if k < 2:
+            pen[eos] = -math.inf
+        want = {"default": torch.log_softmax(pen / 0.7, 0), "original": torch.log_softmax(pen, 0),
+                "raw_logprobs": torch.log_softmax(logits, 0)}[mode]
+        assert math.isclose(out["meta_info"]["output_token_logprobs"][k][0], want[t].item(), abs_tol=2e-5), (mode, k)
 
 
 def test_update_weight_version_and_checksum(tiny_llama, make_engine):
