@@ -11,13 +11,23 @@ from __future__ import annotations
 
 from weight_sync.lora import adapter_payload, lora_result, sync_lora_adapter
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+TARGETS = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def lora_targets(model) -> list[str]:
+    """Every projection of a dense model; only attention on a MoE model: peft maps gate/up/down onto fused
+    expert parameters there (target_parameters), which the engine's LoRA does not serve."""
+    config = getattr(model, "config", None)
+    return ATTENTION if any(getattr(config, k, None) for k in MOE_CONFIG_KEYS) else TARGETS
 
 
 def wrap_lora(model, rank: int, alpha: float):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=lora_targets(model), lora_dropout=0.0,
+                        task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
 

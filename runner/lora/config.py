@@ -99,6 +99,11 @@ class AdapterConfig:
         alpha = d.get("lora_alpha", 8)
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
             raise ValueError(f"adapter config lora_alpha={alpha!r} must be a finite number")
+        if d.get("target_parameters") not in (None, []):
+            # Checked first: peft fills rank_pattern for the parameters it adapts, and that message would hide this.
+            raise ValueError(f"adapter config target_parameters={d['target_parameters']!r}: LoRA on parameters "
+                             f"(peft's form for fused MoE experts) is not supported; MoE models take adapters on "
+                             f"their attention projections (q_proj, k_proj, v_proj, o_proj)")
         refused = {
             "use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
             "modules_to_save": (None, []), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),

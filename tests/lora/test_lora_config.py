@@ -35,6 +35,16 @@ def test_scaling_and_refusals():
             AdapterConfig.from_dict({"r": 4, "lora_alpha": 8, **bad})
 
 
+def test_a_moe_expert_adapter_is_refused_naming_the_experts():
+    """peft's config for LoRA on fused MoE experts (target_parameters, with the rank_pattern peft fills for
+    them) is refused naming target_parameters and what MoE models take instead, not the rank_pattern the user
+    never set."""
+    d = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "target_parameters": ["down_proj", "gate_up_proj"],
+         "rank_pattern": {".*\\.gate_up_proj": 8}}
+    with pytest.raises(ValueError, match=r"target_parameters.*attention projections"):
+        AdapterConfig.from_dict(d)
+
+
 def test_peft_written_alora_config_is_refused_by_name():
     """An aLoRA adapter (peft's LoraConfig with alora_invocation_tokens: it acts only after those tokens) adds no
     tensors of its own, so only its config tells it apart: refused by name, where serving it as plain LoRA gave

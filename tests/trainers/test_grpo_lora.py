@@ -92,3 +92,24 @@ def test_lora_with_tp2_serves_the_trainers_adapter(ckpt_factory, tmp_path):
         _assert_engine_equals_peft(trainer, model, prompt)
     finally:
         trainer.close()
+
+
+def test_lora_on_a_moe_policy_adapts_attention_and_serves_it(tmp_path):
+    """--lora-rank on a Qwen3-MoE policy wraps the attention projections only (peft would put gate/up/down on
+    the fused experts, an adapter the engine refuses: the run died at step 0), trains, and the engine under the
+    adapter generates what the trainer's PeftModel generates."""
+    from tests.moe_checkpoints import make_moe_checkpoint
+
+    ckpt = make_moe_checkpoint(tmp_path / "moe", "qwen3_moe")
+    cfg = RLConfig(model=str(ckpt), steps=1, prompts_per_step=2, group_size=2, no_wandb=True, eval_every=0,
+                   output_dir=str(tmp_path / "run"), lr=1e-2, lora_rank=4)
+    trainer = GRPOTrainer(cfg)
+    trainer.task = Task("length", make_toy_prompts, length_reward)
+    try:
+        history = trainer.train()
+        adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in trainer.policy.named_parameters() if "lora_" in n}
+        assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+        assert history and all(m["logprob_mismatch"] < 1e-3 for m in history)
+        _assert_engine_equals_peft(trainer, trainer.policy.eval(), random_prompts([7], seed=4)[0])
+    finally:
+        trainer.close()
