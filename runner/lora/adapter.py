@@ -58,6 +58,7 @@ def stage_adapter(config: AdapterConfig, tensors: dict[str, torch.Tensor], modul
     if not tensors:
         raise ValueError("adapter has no tensors")
     by_target: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    named: dict[tuple[int, str, str], str] = {}  # (layer, target, A or B) -> the tensor name that gave it
     for name, t in tensors.items():
         m = _KEY.match(name)
         if m is None:
@@ -81,6 +82,10 @@ def stage_adapter(config: AdapterConfig, tensors: dict[str, torch.Tensor], modul
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(f"adapter tensor {name!r} must be a floating-point tensor, got "
                              f"{getattr(t, 'dtype', type(t).__name__)}")
+        first = named.setdefault((layer, target, ab), name)
+        if first != name:  # two spellings of one weight (PEFT's prefix and the bare name): which one is meant?
+            raise ValueError(f"adapter tensors {first!r} and {name!r} are the same weight (lora_{ab} of layer "
+                             f"{layer} {target}); give it once")
         by_target.setdefault((layer, target), {})[ab] = t
     where = {(m.layer_id, t.name): (m, j) for m in modules.values() for j, t in enumerate(m.targets)}
     staged: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -98,6 +98,9 @@ def _bad_cases(a):
         "alpha_inf": (tensors, {**config, "lora_alpha": 1e300}, "overflows torch.float32"),
         "alpha_b": ({**tensors, f"{Q}.lora_B.weight": tensors[f"{Q}.lora_B.weight"] * 1e6},
                     {**config, "lora_alpha": 3e38}, "times the scaling"),
+        # one weight under PEFT's name and the bare one, other values: which is meant? (the later had won)
+        "two_spellings": ({**tensors, f"{Q}.lora_A.weight".removeprefix("base_model.model."):
+                           torch.zeros_like(tensors[f"{Q}.lora_A.weight"])}, config, "are the same weight"),
     }
     return cases
 
