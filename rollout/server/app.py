@@ -130,6 +130,10 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.server_args = server_args
     app.state.model_name = server_args.served_model_name or engine.args.model_path
+    adapters = engine.runner.lora_adapters() if hasattr(engine, "runner") else {}
+    if app.state.model_name in adapters:  # /load_lora_adapter refuses this name; --lora-paths must too
+        raise ValueError(f"LoRA adapter {app.state.model_name!r} (--lora-paths) has the served model's name, so "
+                         f"OpenAI requests (`model`) could not tell them apart: give the adapter another name")
     tokenizer = getattr(getattr(engine, "tokenizer", None), "tokenizer", None)
     app.state.chat_template = resolve_chat_template(server_args.chat_template, tokenizer)
     logger.info("chat template: %s", app.state.chat_template.source)

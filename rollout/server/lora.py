@@ -104,12 +104,14 @@ def lora_of_model(request: Request, model: str | None) -> str | None:
         return None
     loaded = request.app.state.engine.runner.lora_adapters()
     base = request.app.state.model_name
+    if model in loaded and model != base:  # a loaded name as given, before reading "<base>:" off it
+        return model  # (an adapter named "<base>:x" is listed under that id, so that id must reach it)
     if model.startswith(f"{base}:"):
         name = model[len(base) + 1:]
         if name not in loaded:
             raise ValueError(f"LoRA adapter {name!r} (model {model!r}) is not loaded; loaded: {sorted(loaded)}")
         return name
-    return model if model in loaded and model != base else None
+    return None
 
 
 def adapter_cards(request: Request, card: dict) -> list[dict]:

@@ -62,3 +62,28 @@ def test_lora_endpoints_equal_the_engine(tiny_llama, adapter_factory, make_engin
         assert r.status_code == 200 and r.json()["loaded_adapters"] == {"b": "__tensor__"}
         assert c.post("/unload_lora_adapter", json={"lora_name": "a"}).status_code == 400
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "b"]
+
+
+def test_adapter_ids_in_v1_models_reach_their_adapter(tiny_llama, adapter_factory, make_engine):
+    """An adapter loaded as "tiny:y" is listed under that id, and that id serves it (it was read as adapter
+    "y" of "tiny" and refused); an adapter given at start-up under the served model's name is refused there,
+    as /load_lora_adapter refuses it (/v1/models listed "tiny" twice, the base model answering both)."""
+    from rollout.server.app import create_app
+    from rollout.server.args import ServerArgs
+
+    a = adapter_factory(tiny_llama, r=8, seed=21)
+    ref_engine = make_engine(tiny_llama, lora_paths={"a": str(a)})
+    text = ref_engine.tokenizer.decode(PROMPT)
+    want = ref_engine.generate(prompt=text, sampling_params=GREEDY, lora_path="a")["text"]
+    base = ref_engine.generate(prompt=text, sampling_params=GREEDY)["text"]
+    assert want != base
+    kw = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"])
+    with start_server(tiny_llama, engine_kw=kw) as s, s.client() as c:
+        assert c.post("/load_lora_adapter", json={"lora_name": "tiny:y", "lora_path": str(a)}).status_code == 200
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "tiny:y"]
+        r = c.post("/v1/completions", json={"model": "tiny:y", "prompt": text, "max_tokens": 6, "temperature": 0,
+                                            "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    clash = make_engine(tiny_llama, lora_paths={"tiny": str(a)})
+    with pytest.raises(ValueError, match="served model's name"):
+        create_app(clash, ServerArgs(served_model_name="tiny"))
