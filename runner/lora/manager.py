@@ -118,6 +118,8 @@ class LoRAManager:
         with saver.region("weights", enable_cpu_backup=cfg.enable_weights_cpu_backup):
             saver.track("weights", [t for m in self.modules.values() for t in m.tensors()])
         self.adapters: dict[str, LoadedAdapter] = {}
+        # uid -> (name, why) of adapters dropped by a release, so a request still on one is told which and why
+        self.dropped: dict[int, tuple[str, str]] = {}
         self.by_uid: dict[int, LoadedAdapter] = {}
         self.free_slots = list(range(self.num_slots))
         self._batch_key: tuple | None = None  # (slots,) of the gathered batch buffers
@@ -217,7 +219,9 @@ class LoRAManager:
         if not has_backup and self.adapters:
             logger.warning("LoRA adapters %s dropped: weights released without CPU backup", sorted(self.adapters))
             for name in list(self.adapters):
-                self.unload(name)
+                adapter = self.unload(name)
+                self.dropped[adapter.uid] = (name, "dropped when the weights were released without "
+                                                   "enable_weights_cpu_backup (load it again after the resume)")
 
     def on_weights_resumed(self) -> None:
         self._drop_batch()
@@ -238,7 +242,9 @@ class LoRAManager:
         for u in uids:
             if u is not None:
                 if u not in self.by_uid:
-                    raise RuntimeError(f"LoRA adapter uid {u} is not loaded (unloaded under a running request)")
+                    name, why = self.dropped.get(u, (f"uid {u}", "unloaded under a running request"))
+                    raise RuntimeError(f"LoRA adapter {name!r} this request was admitted with is gone: {why}; a "
+                                       f"reloaded adapter of that name is a new one, so resubmit the request")
                 adapters.append(self.by_uid[u])
         slots = sorted({a.slot for a in adapters})
         if len(slots) > self.max_per_batch:

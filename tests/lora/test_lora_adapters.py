@@ -213,3 +213,25 @@ def test_release_resume_keeps_adapters_with_backup(env, make_engine, backup):
             engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path="a")
         assert engine.load_lora_adapter("a", str(a)).success
         _same(_gen(engine, "a"), refs["a"])
+
+
+def test_a_paused_request_on_an_adapter_dropped_by_a_release_is_told_which_and_why(env, make_engine):
+    """Paused in flight on adapter "a", a request whose adapter a release without CPU backup dropped ends as an
+    abort naming "a" and the release (it said "uid 1 is not loaded"), also after "a" is loaded again (a new
+    adapter, not the one it ran under); a base-model request paused beside it finishes."""
+    ckpt, a, _, _ = env
+    engine = _lora_engine(make_engine, ckpt, lora_paths={"a": str(a)}, enable_memory_saver=True,
+                          enable_weights_cpu_backup=False)
+    long = dict(GREEDY, max_new_tokens=200)
+    on_a = engine.generate(input_ids=PROMPTS[0], sampling_params=long, lora_path="a", stream=True)
+    on_base = engine.generate(input_ids=PROMPTS[1], sampling_params=long, stream=True)
+    next(on_a), next(on_base)
+    engine.pause_generation(mode="in_place")
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    assert engine.update_weights_from_disk(str(ckpt))[0]
+    assert engine.load_lora_adapter("a", str(a)).success
+    engine.continue_generation()
+    end_a, end_base = list(on_a)[-1]["meta_info"]["finish_reason"], list(on_base)[-1]["meta_info"]["finish_reason"]
+    assert end_a["type"] == "abort" and "'a'" in end_a["message"] and "released" in end_a["message"], end_a
+    assert end_base == {"type": "length", "length": 200}
