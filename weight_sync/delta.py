@@ -233,7 +233,10 @@ def send_deltas(target, updates: list[DeltaUpdate], weight_version: str | None =
                 ok, msg = engine.update_weights_from_tensor(update, load_format="delta", flush_cache=True,
                                                             weight_version=weight_version)[:2]
                 if not ok:
-                    return False, f"engine {i} refused delta part {k}: {msg}", k
+                    done = [f"parts 0-{k - 1} were applied"] if k else []
+                    done += [f"part {k} was applied by engines 0-{i - 1}"] if i else []
+                    done = f"; {' and '.join(done)}: the engines hold part of this step" if done else ""
+                    return False, f"engine {i} refused delta part {k} of {len(updates)}: {msg}{done}", k
         return True, f"{len(updates)} delta part(s) into {len(target)} engines", len(updates)
     if hasattr(target, "sync_delta"):
         return target.sync_delta(updates, weight_version=weight_version)
@@ -244,5 +247,8 @@ def send_deltas(target, updates: list[DeltaUpdate], weight_version: str | None =
         ok, msg = target.update_weights_from_tensor(update, load_format="delta", flush_cache=True,
                                                     weight_version=weight_version)[:2]
         if not ok:
-            return False, (f"delta part {k}: {msg}" if len(updates) > 1 else msg), k
+            if len(updates) == 1:
+                return False, msg, k
+            done = f"; parts 0-{k - 1} were applied, so the engine holds part of this step" if k else ""
+            return False, f"delta part {k} of {len(updates)}: {msg}{done}", k
     return True, f"{len(updates)} delta part(s): {msg}", len(updates)

@@ -177,3 +177,30 @@ def test_bad_deltas_are_refused_and_change_nothing(engines, monkeypatch):
     ok, msg = engine.update_weights_from_tensor(dc.DeltaUpdate.pack([good_enc]), load_format="delta")
     assert ok, msg
     assert torch.equal(_current(engine, name), good)
+
+
+def test_a_later_part_refused_says_the_earlier_ones_landed(engines, tiny_llama):
+    """When part 1 of a several-part delta is refused, the message says part 0 was applied (the engine's own
+    "nothing was changed" is about that part alone), and the next sync is a full one that restores agreement."""
+    engine, ref = engines
+    trainer = Trainer(tiny_llama, 1e-3, seed=5)
+
+    class RefusesPartOne:
+        def __init__(self):
+            self.parts = 0
+
+        def update_weights_from_tensor(self, *args, **kwargs):
+            self.parts += kwargs.get("load_format") == "delta"
+            if self.parts == 2 and kwargs.get("load_format") == "delta":
+                return False, "refused for the test; nothing was changed"
+            return engine.update_weights_from_tensor(*args, **kwargs)
+
+    target = RefusesPartOne()
+    ds = DeltaSync(target, dtype=torch.bfloat16, bucket_bytes=1 << 12)
+    assert ds.sync(trainer.model)[0] and ds.last["mode"] == "full"
+    trainer.step()
+    ok, msg = ds.sync(trainer.model)
+    assert not ok and "delta part 1 of" in msg and "parts 0-0 were applied" in msg, msg
+    ok, msg = ds.sync(trainer.model)
+    assert ok and ds.last["mode"] == "full", msg
+    assert_equals_full_update(engine, ref, trainer)
