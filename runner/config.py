@@ -15,6 +15,7 @@ model can run in and the one list of memory tags live here too. Nothing here tou
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,10 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         family = SUPPORTED_ARCHITECTURES[arch]
+        raw = _with_hf_defaults(raw)
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # swish is transformers' other name for SiLU
+            raise ValueError(f"{arch} with hidden_act={act!r} is not supported: the MLP is SwiGLU (hidden_act 'silu')")
         num_heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         rope_theta, rope_scaling = _parse_rope(raw)
@@ -169,6 +174,44 @@ class ModelConfig:
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
                 "attention_bias", "o_proj_bias", "qk_norm")
         return {k: getattr(self, k) for k in keys}
+
+
+# Keys a config.json may leave out, where transformers then uses its config class's own default (which differs
+# by architecture: Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5, Mistral's sliding_window 4096, ...) or a value
+# it derives (head_dim from hidden_size and heads). Taken from transformers' resolved config, so a hand-written
+# config.json runs as HF runs it.
+_HF_DEFAULTED = ("rms_norm_eps", "sliding_window", "max_position_embeddings", "hidden_act", "head_dim",
+                 "use_sliding_window", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                 "num_experts_per_tok", "tie_word_embeddings")
+_ROPE_KEYS = ("rope_theta", "rope_parameters", "rope_scaling")
+
+
+def _with_hf_defaults(raw: dict) -> dict:
+    """`raw` with the keys of _HF_DEFAULTED (and the rope theta) it lacks filled in as transformers resolves
+    them for its model_type; `raw` itself when transformers cannot build that config (the checks that follow
+    then see what the file says)."""
+    missing = [k for k in _HF_DEFAULTED if k not in raw]
+    no_rope = not any(k in raw for k in _ROPE_KEYS)
+    if not (missing or no_rope) or not isinstance(raw.get("model_type"), str):
+        return raw
+    try:
+        from transformers import AutoConfig
+
+        # A deep copy: transformers standardizes nested values (rope_parameters) in place.
+        given = copy.deepcopy({k: v for k, v in raw.items() if k != "model_type"})
+        resolved = AutoConfig.for_model(raw["model_type"], **given)
+    except Exception:  # an unknown model_type or a config transformers refuses: nothing to fill from
+        return raw
+    out = dict(raw)
+    for k in missing:
+        if hasattr(resolved, k):
+            out[k] = getattr(resolved, k)
+    if no_rope:
+        params = getattr(resolved, "rope_parameters", None)  # transformers 5; 4.x keeps rope_theta
+        theta = params.get("rope_theta") if isinstance(params, dict) else getattr(resolved, "rope_theta", None)
+        if theta is not None:
+            out["rope_theta"] = theta
+    return out
 
 
 def _parse_rope(raw: dict) -> tuple[float, dict | None]:

@@ -163,6 +163,7 @@ def test_qwen_sliding_window(tiny_qwen2, tiny_qwen3, arch):
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer-type"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
     ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),  # the MLP is SwiGLU: run as SiLU it gave other tokens than HF
 ])
 def test_unsupported_configs_are_refused(tiny_llama, change, message):
     """Configs the runner cannot run exactly fail with a message naming the culprit."""
@@ -174,3 +175,21 @@ def test_cpu_kernels_setting_must_be_none_or_a_bool(tiny_llama):
     """cpu_kernels takes None, True or False; anything else is refused by name."""
     with pytest.raises(ValueError, match=r"cpu_kernels='yes'"):
         RunnerConfig(str(tiny_llama), cpu_kernels="yes")
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_keys_left_out_of_config_json_take_transformers_defaults(ckpt_factory, arch):
+    """A config.json without rope_theta, rms_norm_eps, sliding_window, head_dim resolves them as transformers does
+    for its model_type (Mistral's window is 4096, Qwen3's head_dim 128; the engine had used Llama's defaults and
+    hidden_size // heads), and hidden_act "swish" (transformers' other name for SiLU) is taken."""
+    from transformers import AutoConfig
+
+    raw = _raw(ckpt_factory(arch))
+    cut = {k: v for k, v in raw.items()
+           if k not in ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "sliding_window", "head_dim")}
+    hf = AutoConfig.for_model(cut["model_type"], **{k: v for k, v in cut.items() if k != "model_type"})
+    mc = ModelConfig.from_dict(cut)
+    assert mc.rope_theta == hf.rope_parameters["rope_theta"] and mc.rms_norm_eps == hf.rms_norm_eps
+    assert mc.head_dim == hf.head_dim
+    assert mc.sliding_window == (hf.sliding_window if arch == "mistral" else None)
+    assert ModelConfig.from_dict(dict(raw, hidden_act="swish")).head_dim == ModelConfig.from_dict(raw).head_dim

@@ -162,6 +162,27 @@ def test_greedy_engine_generate_matches_hf_generate(moe_ckpt, arch):
         assert out["output_ids"] == hf_generate(hf, prompt, 12)[0]
 
 
+def test_mixtral_config_without_rope_theta_or_eps_runs_as_hf_loads_it(moe_ckpt, tmp_path):
+    """A Mixtral config.json that leaves out rope_theta and rms_norm_eps: HF uses MixtralConfig's defaults (1e6,
+    1e-5), and so does the engine (it used Llama's, 1e4 and 1e-6, and its greedy tokens left HF's at token 4)."""
+    import json
+    import shutil
+
+    path = shutil.copytree(moe_ckpt("mixtral"), tmp_path / "mixtral")
+    raw = json.loads((path / "config.json").read_text())
+    for k in ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps"):
+        raw.pop(k, None)
+    (path / "config.json").write_text(json.dumps(raw))
+    hf = load_hf_model(path)
+    assert (hf.config.rope_parameters["rope_theta"], hf.config.rms_norm_eps) == (1e6, 1e-5)
+    prompts = random_prompts([9, 30], seed=8)
+    with make_engine(path) as engine:
+        outs = engine.generate(input_ids=prompts,
+                               sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+    for prompt, out in zip(prompts, outs):
+        assert out["output_ids"] == hf_generate(hf, prompt, 16)[0]
+
+
 def _naive_experts(x, w13, w2, weights, ids) -> torch.Tensor:
     """Per token, per slot: the chosen expert's SiLU-gated MLP times its routing weight, summed."""
     out = torch.zeros_like(x)
