@@ -323,6 +323,10 @@ class RunnerConfig:
             if self.enable_deterministic_inference:
                 raise ValueError("rl_on_policy_target='fsdp' and enable_deterministic_inference=True pick different "
                                  "kernels; choose one")
+            if self.tp_size != 1:
+                raise ValueError(f"rl_on_policy_target='fsdp' with tp_size={self.tp_size}: the ranks' partial sums "
+                                 f"add up in another order than transformers' one forward, so logprobs would not be "
+                                 f"bitwise HF's; use tp_size=1")
             if self.attention_backend not in (None, "torch_native", "hf_sdpa"):
                 raise ValueError(f"attention_backend={self.attention_backend!r} does not follow transformers' "
                                  f"numerics; rl_on_policy_target='fsdp' uses 'hf_sdpa' (leave it None)")

@@ -52,6 +52,12 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model_path)
+        if config.rl_on_policy_target == "fsdp" and self.model_config.architecture == "Qwen3MoeForCausalLM":
+            # HF's Qwen3-MoE rounds the routing weights to the model dtype and sums the experts there; this
+            # runner keeps them in fp32 (as HF's Mixtral does), so the promise of bitwise logprobs would not hold.
+            raise ValueError("rl_on_policy_target='fsdp' is not supported for Qwen3MoeForCausalLM (its routing "
+                             "weights are not rounded as transformers rounds them, so logprobs would not be "
+                             "bitwise HF's); supported: the dense architectures and MixtralForCausalLM")
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")

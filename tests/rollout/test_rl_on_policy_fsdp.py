@@ -68,3 +68,16 @@ def test_rl_on_policy_target_is_validated(tiny_llama):
         Engine(str(tiny_llama), device="cpu", rl_on_policy_target="megatron")
     with pytest.raises(ValueError, match="enable_deterministic_inference"):
         Engine(str(tiny_llama), device="cpu", rl_on_policy_target="fsdp", enable_deterministic_inference=True)
+
+
+def test_fsdp_target_is_refused_where_it_would_not_be_bitwise(tiny_llama, tmp_path):
+    """'fsdp' promises HF's bits, so it is refused, by name, where they were measured to differ: with tp_size=2
+    (the ranks' partial sums add in another order: max |diff| 0.196 against HF) and for Qwen3-MoE (HF rounds the
+    routing weights to bf16 before the weighted sum; the engine keeps fp32: max |diff| 0.101)."""
+    from tests.moe_checkpoints import make_moe_checkpoint
+
+    with pytest.raises(ValueError, match="tp_size=2"):
+        Engine(str(tiny_llama), device="cpu", rl_on_policy_target="fsdp", tp_size=2)
+    moe = make_moe_checkpoint(tmp_path / "q3moe", "qwen3_moe")
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM"):
+        Engine(str(moe), device="cpu", rl_on_policy_target="fsdp", dtype="bfloat16")
