@@ -228,6 +228,11 @@ def _parse_rope(raw: dict) -> tuple[float, dict | None]:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         return theta, None
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if not isinstance(scaling.get(k), int | float) or isinstance(scaling.get(k), bool)]
+        if missing:
+            raise ValueError(f"llama3 rope scaling needs numbers for {missing}; got {scaling!r}")
     return theta, scaling
 
 

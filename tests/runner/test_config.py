@@ -163,7 +163,9 @@ def test_qwen_sliding_window(tiny_qwen2, tiny_qwen3, arch):
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer-type"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),  # the MLP is SwiGLU: run as SiLU it gave other tokens than HF
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64}}, "low_freq_factor"),  # was a bare KeyError  # the MLP is SwiGLU: run as SiLU it gave other tokens than HF
 ])
 def test_unsupported_configs_are_refused(tiny_llama, change, message):
     """Configs the runner cannot run exactly fail with a message naming the culprit."""
