@@ -162,7 +162,7 @@ def _busy_engine_1(group, rid: str):
     return busy
 
 
-def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ckpt, trainer):
+def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ckpt, trainer, monkeypatch):
     """Engine 1 busy, engine 0 idle: engine 0 takes bucket 0, engine 1 refuses; the rollback of engine 0
     cannot be refused by a request arriving meanwhile (it retracts it), the busy engine is left alone, and the
     group stays on one version with equal bits, so the next sync (once idle) goes through."""
@@ -170,16 +170,31 @@ def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ck
     assert ok, msg
     base_sum = group.get_weights_checksum()["checksum"]
     busy = _busy_engine_1(group, "busy")
-    # A request on engine 0 after its first bucket: the rollback must retract it, not be refused by it.
-    late = group.handles[0].call.remote("generate", (), dict(input_ids=PROMPTS[1], sampling_params=dict(
-        max_new_tokens=200, ignore_eos=True)))
+    # A request on engine 0 after its first bucket: the rollback must retract it, not be refused by it. Sent
+    # from inside the sync, once bucket 0 went out (sent before it, it could start first and refuse bucket 0).
+    late = []
+    apply_everywhere = group._apply_everywhere
+
+    def then_a_request_on_engine_0(*args, **kwargs):
+        failed = apply_everywhere(*args, **kwargs)
+        if not late:
+            late.append(group.handles[0].call.remote("generate", (), dict(input_ids=PROMPTS[1], sampling_params=dict(
+                max_new_tokens=200, ignore_eos=True))))
+            deadline = time.monotonic() + 60
+            while ray.get(group.handles[0].call.remote("get_server_info", (), {}), timeout=60)["num_in_flight"] == 0:
+                assert time.monotonic() < deadline, "the late request never started"
+                time.sleep(0.02)
+        return failed
+
+    monkeypatch.setattr(group, "_apply_everywhere", then_a_request_on_engine_0)
     model, _, _ = trainer
     ok, msg = sync_weights(model, group, bucket_bytes=32 << 10, weight_version="mixed?")
+    monkeypatch.undo()
     assert not ok and "engine 1" in msg and "in flight" in msg and "inconsistent" not in msg, msg
     assert group.weight_version == "base3"  # raises if the engines disagree
     assert group.get_weights_checksum()["checksum"] == base_sum  # raises if the engines' bits differ
     ray.get(group.handles[1].call.remote("abort_request", (), dict(rid="busy")), timeout=60)
-    ray.get([busy, late], timeout=120)
+    ray.get([busy, *late], timeout=120)
     # No version named: each engine labels the update with its update count, which the rollback put back too
     # (left one ahead on engine 0, the group read versions ["3", "1"] and refused every later update).
     ok, msg = sync_weights(model, group, bucket_bytes=32 << 10)
