@@ -54,6 +54,13 @@ def _is_int_like(x) -> bool:
     return _is_number(x) and (isinstance(x, numbers.Integral) or (math.isfinite(x) and float(x).is_integer()))
 
 
+# Fields SGLang's SamplingParams reads None as its default for (what /generate's null and a client copying
+# OpenAI fields, nulls included, send).
+NONE_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                                "repetition_penalty", "min_new_tokens", "n", "ignore_eos", "skip_special_tokens",
+                                "spaces_between_special_tokens", "no_stop_trim"})
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int | None = 128  # None: up to the context length
@@ -110,6 +117,9 @@ class SamplingParams:
 
     def normalize(self) -> None:
         """Type and range checks that do not need the model; raises ValueError naming the field."""
+        for f in fields(self):  # SGLang: None for these means "the default", so a client may send null
+            if f.name in NONE_MEANS_DEFAULT and getattr(self, f.name) is None:
+                setattr(self, f.name, f.default)
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             if name == "max_new_tokens" and self.max_new_tokens is None:
                 continue

@@ -84,7 +84,7 @@ BAD_CALLS = {
     "ignore_eos not a bool": (dict(input_ids=PROMPT, sampling_params=_sp(ignore_eos="no")), ValueError, "ignore_eos"),
     "skip_special_tokens not a bool": (dict(input_ids=PROMPT, sampling_params=_sp(skip_special_tokens=3, stop=["x"])),
                                        ValueError, "skip_special_tokens"),
-    "no_stop_trim not a bool": (dict(input_ids=PROMPT, sampling_params=_sp(no_stop_trim=None)), ValueError,
+    "no_stop_trim not a bool": (dict(input_ids=PROMPT, sampling_params=_sp(no_stop_trim="false")), ValueError,
                                 "no_stop_trim"),
     "top_logprobs_num above vocab": (dict(input_ids=PROMPT, return_logprob=True, top_logprobs_num=VOCAB_SIZE + 1),
                                      ValueError, "top_logprobs_num"),
@@ -145,6 +145,21 @@ def test_numpy_logit_bias_reads_as_the_plain_dict(env):
                             return_logprob=True) for b in (plain, arrays)]
     assert outs[0]["output_ids"] == outs[1]["output_ids"] == [9, 9, 9, 9]
     assert outs[0]["meta_info"]["output_token_logprobs"] == outs[1]["meta_info"]["output_token_logprobs"]
+
+
+def test_null_sampling_params_take_their_defaults(env):
+    """None for a field SGLang reads as its default (what /generate's null and a client copying OpenAI fields
+    send) is that default: the same tokens and logprobs as leaving the fields out (each was refused)."""
+    engine, _ = env
+    sp = dict(max_new_tokens=6, seed=11)
+    nulls = dict(temperature=None, top_p=None, top_k=None, min_p=None, frequency_penalty=None,
+                 presence_penalty=None, repetition_penalty=None, min_new_tokens=None, n=None, ignore_eos=None,
+                 skip_special_tokens=None, spaces_between_special_tokens=None, no_stop_trim=None)
+    a, b = (engine.generate(input_ids=PROMPT, sampling_params=p, return_logprob=True) for p in (sp, {**sp, **nulls}))
+    assert a["output_ids"] == b["output_ids"]
+    assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+    with pytest.raises(ValueError, match="max_new_tokens"):  # None there means the context, and "x" is neither
+        engine.generate(input_ids=PROMPT, sampling_params=dict(sp, max_new_tokens="x"))
 
 
 def test_prompt_filling_the_context_gets_one_token(env):
