@@ -19,6 +19,7 @@ pause_generation(mode="abort" | "retract" | "in_place") / continue_generation(),
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -562,6 +563,18 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         return await gather_final_outputs(sink, reqs, self._output, lambda: self._abort_quietly(reqs), single)
 
     # ---- control (SGLang's semantics) -------------------------------------------------------------
+    @property
+    def server_args(self):
+        """SGLang's Engine.server_args: this engine's options (EngineArgs, SGLang's field names)."""
+        return self.args
+
+    @functools.cached_property
+    def tokenizer_manager(self):
+        """SGLang's Engine.tokenizer_manager, the calls RL code makes on it (rollout/tokenizer_manager_view.py)."""
+        from rollout.tokenizer_manager_view import TokenizerManagerView
+
+        return TokenizerManagerView(self)
+
     def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
         """Abort requests in flight; each returns what it generated so far with finish_reason
         {"type": "abort", "message": ...}. As SGLang: `abort_all=True` aborts every request in flight;
