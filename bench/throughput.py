@@ -380,6 +380,7 @@ def main(argv=None) -> dict:
         engine_row = rows.get("engine", {})
         for row in rows.values():
             drop_unreliable_decode(row, args.output_len)
+            drop_implausible_floor(row)
             if "seconds" in row:
                 row["tokens_per_s"] = row["tokens"] / row["seconds"]
                 row["tokens_per_cpu_s"] = row["tokens"] / row["cpu_seconds"] if row["cpu_seconds"] else None
@@ -434,6 +435,23 @@ def drop_unreliable_decode(row: dict, output_len: int) -> None:
                              f"{MIN_DECODE_SHARE:.0%} of the run, so it is noise; use a longer --output-len")
 
 
+# A decode step runs the floor's linears and more: a median ratio below this means the floor's own timing was
+# disturbed (descheduled on a shared machine: a 0.13 ms floor once read 40 ms), not that the step beat it.
+MIN_PLAUSIBLE_FLOOR_RATIO = 0.5
+
+
+def drop_implausible_floor(row: dict) -> None:
+    """Replace a row's floor figures by a note when decode / floor is below MIN_PLAUSIBLE_FLOOR_RATIO."""
+    ratio = row.get("decode_over_floor")
+    if ratio is None or ratio >= MIN_PLAUSIBLE_FLOOR_RATIO:
+        return
+    floor = row.get("floor_ms")
+    for key in ("floor_ms", "decode_over_floor", "floor_cpu_ms", "decode_over_floor_cpu"):
+        row.pop(key, None)
+    row["floor_note"] = (f"floor dropped: the decode step measured {ratio:.2f}x its floor ({floor:.2f} ms), less "
+                         f"than its own linears alone take, so the floor's timing was disturbed; run again")
+
+
 def print_table(workload: dict, rows: dict) -> None:
     w = workload
     print(f"\n{w['model']} {w['dtype']}  {w['batch']} prompts x n={w['n']} x {w['prompt_len']} prompt "
@@ -454,8 +472,9 @@ def print_table(workload: dict, rows: dict) -> None:
         print(f"{name:<10}{row['seconds']:>10.2f}{row['tokens_per_s']:>12.1f}{ratio:>8}"
               f"{per_cpu:>12}{row['load_avg_1m']:>6.1f}{step:>11}{fl:>10}{over:>8}{cpu_over:>12}")
     for name, row in rows.items():
-        if "decode_ms_note" in row:
-            print(f"{name}: {row['decode_ms_note']}")
+        for note in ("decode_ms_note", "floor_note"):
+            if note in row:
+                print(f"{name}: {row[note]}")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 

@@ -1,4 +1,5 @@
-"""bench/throughput drops a decode ms/step estimate that is the difference of two prefill-dominated runs."""
+"""bench/throughput drops a decode ms/step estimate that is the difference of two prefill-dominated runs, and a
+floor whose timing was disturbed."""
 
 from bench.throughput import MIN_DECODE_SHARE, drop_unreliable_decode
 
@@ -26,3 +27,17 @@ def test_rows_without_a_decode_figure_are_left_alone():
     drop_unreliable_decode(failed, 32)
     drop_unreliable_decode(short, 1)
     assert failed == dict(error="vLLM missing") and short == dict(seconds=1.0, tokens=16)
+
+
+def test_a_floor_slower_than_the_decode_step_is_dropped_with_a_note():
+    """decode 0.13 ms against a floor read at 39.97 ms (its timing descheduled): the ratio would say the step
+    beats its own linears 300x, so the floor figures go and a note says why; a plausible floor stays."""
+    from bench.throughput import drop_implausible_floor
+
+    row = dict(decode_ms=0.13, floor_ms=39.97, decode_over_floor=0.0033, floor_cpu_ms=0.2, decode_over_floor_cpu=0.6)
+    drop_implausible_floor(row)
+    assert row["decode_ms"] == 0.13 and not {"floor_ms", "decode_over_floor", "floor_cpu_ms"} & row.keys()
+    assert "39.97" in row["floor_note"] and "disturbed" in row["floor_note"]
+    kept = dict(decode_ms=6.6, floor_ms=5.1, decode_over_floor=1.29)
+    drop_implausible_floor(kept)
+    assert kept == dict(decode_ms=6.6, floor_ms=5.1, decode_over_floor=1.29)
