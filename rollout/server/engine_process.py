@@ -44,6 +44,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 from rollout.server import engine_deltas as deltas
+from runner import omp_env
 
 logger = logging.getLogger("rollout.server.engine_process")
 
@@ -251,7 +252,8 @@ def start(engine_kwargs: dict, num_threads: int, start_timeout_s: float):
     # when the server's end of the pipe closes, however the server ends.
     proc = ctx.Process(target=run, args=(child_conn, dict(engine_kwargs), num_threads), name="rollout-engine",
                        daemon=False)
-    proc.start()
+    with omp_env.for_children():  # libgomp's spin before it sleeps (runner/omp_env.py), read as the child loads torch
+        proc.start()
     child_conn.close()  # only the child holds its end: EOF on ours when it dies
     gone = "the engine process exited with code {} before it was ready (see its log above)"
     deadline = time.monotonic() + start_timeout_s

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from runner import omp_env
 from runner.config import RunnerConfig
 from runner.forward_batch import LogitsOutput
 from runner.lora.manager import new_uid
@@ -61,7 +62,8 @@ class TPModelRunner:
             proc = ctx.Process(target=worker_main, name=f"rollout-tp-rank{rank}", daemon=True,
                                args=(json.dumps(dataclasses.asdict(worker_cfg)), rank, port, backend, timeout_s,
                                      child_end))
-            proc.start()
+            with omp_env.for_children():  # libgomp's spin before it sleeps, read as the worker loads torch
+                proc.start()
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)

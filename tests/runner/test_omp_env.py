@@ -1,0 +1,49 @@
+"""Processes the engine starts (the server's engine process, tensor-parallel ranks) get GOMP_SPINCOUNT=10000
+unless the user's environment chose a libgomp wait already; the caller's own environment is left as it was."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rollout import Engine
+from rollout.server.engine_client import EngineClient
+from runner import omp_env
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = [e.decode(errors="replace").split("=", 1) for e in f.read().split(b"\0") if b"=" in e]
+    return dict(items)
+
+
+def test_defaults_yield_to_the_users_choice(monkeypatch):
+    """No choice made: the children get 10000; GOMP_SPINCOUNT or OMP_WAIT_POLICY set: nothing is added; the
+    variable is gone again after the spawn."""
+    for k in omp_env.USER_CHOICES:
+        monkeypatch.delenv(k, raising=False)
+    with omp_env.for_children() as added:
+        assert added == {"GOMP_SPINCOUNT": "10000"} and os.environ["GOMP_SPINCOUNT"] == "10000"
+    assert "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with omp_env.for_children() as added:
+        assert added == {} and "GOMP_SPINCOUNT" not in os.environ
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads a child's environment from /proc")
+def test_the_engine_process_and_tp_ranks_start_with_the_spin_count(tiny_llama, monkeypatch):
+    """The server's engine process and a rank-1 worker see GOMP_SPINCOUNT=10000 in their environment (libgomp
+    reads it as they load torch); this process does not."""
+    for k in omp_env.USER_CHOICES:
+        monkeypatch.delenv(k, raising=False)
+    client = EngineClient.spawn({"model_path": str(tiny_llama), "show_progress": False, "max_total_tokens": 512},
+                                start_timeout_s=300)
+    try:
+        assert _environ(client.pid).get("GOMP_SPINCOUNT") == "10000"
+    finally:
+        client.shutdown(timeout_s=30)
+    with Engine(str(tiny_llama), tp_size=2, show_progress=False, max_total_tokens=512) as engine:
+        workers = engine.runner.procs
+        assert workers and all(_environ(p.pid).get("GOMP_SPINCOUNT") == "10000" for p in workers)
+    assert "GOMP_SPINCOUNT" not in os.environ
