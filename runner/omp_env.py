@@ -11,8 +11,8 @@ passive. So processes the engine starts itself (the server's engine process, ten
 GOMP_SPINCOUNT=10000 unless the user's environment already chooses (GOMP_SPINCOUNT or OMP_WAIT_POLICY).
 
 libgomp reads these variables once, when it loads: they apply to a process that has not imported torch yet,
-which is why this sets them around the spawn of a child and never in the caller's own process (an in-process
-Engine runs in whatever its caller chose; the README says what to export on a shared machine).
+which is why this sets them around the spawn of a child. The caller's own process gets the same default only
+from `import rollout` before torch (rollout/__init__.py; importing this module imports torch first).
 """
 
 from __future__ import annotations

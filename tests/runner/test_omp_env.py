@@ -47,3 +47,33 @@ def test_the_engine_process_and_tp_ranks_start_with_the_spin_count(tiny_llama, m
         workers = engine.runner.procs
         assert workers and all(_environ(p.pid).get("GOMP_SPINCOUNT") == "10000" for p in workers)
     assert "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_importing_rollout_before_torch_sets_the_spin_count_before_torch_loads():
+    """`import rollout` first: GOMP_SPINCOUNT is in the environment when torch (and libgomp) is first imported;
+    imported after torch, or with the user's own choice, it adds nothing."""
+    import subprocess
+    import sys
+
+    probe = ("import builtins, os, sys\n"
+             "seen = []\n"
+             "real = builtins.__import__\n"
+             "def hook(name, *a, **k):\n"
+             "    if name == 'torch' and 'torch' not in sys.modules and not seen:\n"
+             "        seen.append(os.environ.get('GOMP_SPINCOUNT'))\n"
+             "    return real(name, *a, **k)\n"
+             "builtins.__import__ = hook\n"
+             "{first}\n"
+             "import rollout\n"
+             "print(seen[0] if seen else 'torch was imported first', os.environ.get('GOMP_SPINCOUNT'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in omp_env.USER_CHOICES}
+
+    def run(first: str, **extra) -> str:
+        out = subprocess.run([sys.executable, "-c", probe.format(first=first)], env={**env, **extra},
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert run("") == ["10000", "10000"]
+    assert run("import torch") == ["None", "None"]
+    assert run("", OMP_WAIT_POLICY="PASSIVE") == ["None", "None"]
