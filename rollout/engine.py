@@ -490,13 +490,16 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
     def _output(self, req: Req, final: bool) -> dict:
         return build_output(req, self.tokenizer, req.weight_version if final else self.weight_version, final)
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool | list[bool] | None = False,
-                 top_logprobs_num: int | list[int] | None = 0, stream: bool = False, rid=None,
-                 show_progress: bool | None = None, return_routed_experts: bool | list[bool] = False,
-                 logprob_start_len: int | list[int] | None = None,
+    # The parameters up to `stream` take sglang.Engine.generate's positions (image_data, audio_data, video_data,
+    # custom_logit_processor and return_hidden_states are taken at their neutral values only: sglang_generate_args).
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None, audio_data=None,
+                 video_data=None, return_logprob: bool | list[bool] | None = False,
+                 logprob_start_len: int | list[int] | None = None, top_logprobs_num: int | list[int] | None = 0,
                  token_ids_logprob: list[int] | list[list[int]] | None = None,
-                 return_original_logprob: bool | None = None, lora_path: str | list[str | None] | None = None,
-                 **sglang_args):
+                 lora_path: str | list[str | None] | None = None, custom_logit_processor=None,
+                 return_hidden_states: bool = False, return_routed_experts: bool | list[bool] = False,
+                 stream: bool = False, rid=None, show_progress: bool | None = None,
+                 return_original_logprob: bool | None = None, **sglang_args):
         """Blocking generation. One dict for a single prompt with n=1, else a list (n dicts per prompt).
         stream=True returns an iterator of chunk dicts (of every request of the call, each with "index").
         return_routed_experts=True (MoE, engine built with enable_return_routed_experts): the final
@@ -519,7 +522,9 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         Other sglang.Engine.generate arguments (image_data, custom_logit_processor, return_hidden_states,
         routed_dp_rank, ...) are taken at their neutral value and refused otherwise, naming the argument
         (rollout/sglang_generate_args.py)."""
-        check_generate_args(sglang_args)
+        check_generate_args(dict(sglang_args, image_data=image_data, audio_data=audio_data, video_data=video_data,
+                                 custom_logit_processor=custom_logit_processor,
+                                 return_hidden_states=return_hidden_states))
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                        rid, stream, return_routed_experts, logprob_start_len, token_ids_logprob,
                                        return_original_logprob, lora_path)
@@ -544,15 +549,20 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         self._posted_aborts.append((list(reqs), "the caller stopped reading"))
         self._cv.notify_all()
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
-                             return_logprob: bool | list[bool] | None = False, top_logprobs_num: int | list[int] | None = 0,
-                             stream: bool = False, rid=None, return_routed_experts: bool | list[bool] = False,
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None, audio_data=None,
+                             video_data=None, return_logprob: bool | list[bool] | None = False,
                              logprob_start_len: int | list[int] | None = None,
+                             top_logprobs_num: int | list[int] | None = 0,
                              token_ids_logprob: list[int] | list[list[int]] | None = None,
-                             return_original_logprob: bool | None = None,
-                             lora_path: str | list[str | None] | None = None, **sglang_args):
-        """asyncio twin of generate: many coroutines share the engine, each awaiting its own results."""
-        check_generate_args(sglang_args, "async_generate")
+                             lora_path: str | list[str | None] | None = None, custom_logit_processor=None,
+                             return_hidden_states: bool = False, return_routed_experts: bool | list[bool] = False,
+                             stream: bool = False, rid=None, return_original_logprob: bool | None = None,
+                             **sglang_args):
+        """asyncio twin of generate (the same positions): many coroutines share the engine, each awaiting its
+        own results."""
+        check_generate_args(dict(sglang_args, image_data=image_data, audio_data=audio_data, video_data=video_data,
+                                 custom_logit_processor=custom_logit_processor,
+                                 return_hidden_states=return_hidden_states), "async_generate")
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                        rid, stream, return_routed_experts, logprob_start_len, token_ids_logprob,
                                        return_original_logprob, lora_path)

@@ -62,3 +62,26 @@ def test_async_lora_load_and_unload_equal_the_sync_calls(make_engine, tiny_llama
     assert engine.load_lora_adapter("ad", str(adapter)).success
     via_sync = engine.generate(input_ids=PROMPT, sampling_params=GREEDY, lora_path="ad")["output_ids"]
     assert via_async == via_sync != base
+
+
+def test_generate_takes_sglangs_positional_order(make_engine, tiny_llama):
+    """generate / async_generate take sglang.Engine's positions: prompt, sampling_params, input_ids, image_data,
+    audio_data, video_data, return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob, lora_path
+    (return_logprob was 4th, so a call passing image_data positionally set it, and top_logprobs_num landed on
+    stream); the results equal the keyword call's, and a non-neutral image_data is refused by name."""
+    import pytest
+
+    engine = make_engine(tiny_llama)
+    ids, sp = [5, 6, 7, 8], {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    want = engine.generate(input_ids=ids, sampling_params=sp, return_logprob=True, logprob_start_len=1,
+                           top_logprobs_num=2, token_ids_logprob=[9])
+    engine.flush_cache()  # a prefix-cache hit may move a logprob by an ulp
+    got = engine.generate(None, sp, ids, None, None, None, True, 1, 2, [9], None)
+    assert got["output_ids"] == want["output_ids"] and got["meta_info"]["output_top_logprobs"] == \
+        want["meta_info"]["output_top_logprobs"]
+    assert got["meta_info"]["input_token_ids_logprobs"] == want["meta_info"]["input_token_ids_logprobs"]
+    engine.flush_cache()
+    got = asyncio.run(engine.async_generate(None, sp, ids, None, None, None, True, 1, 2, [9], None))
+    assert got["meta_info"]["output_top_logprobs"] == want["meta_info"]["output_top_logprobs"]
+    with pytest.raises(ValueError, match="image_data"):
+        engine.generate(None, sp, ids, "http://example.com/cat.png")
