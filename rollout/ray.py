@@ -46,6 +46,12 @@ FORWARDED = frozenset({
 })
 
 
+def _num_samples(sp) -> int:
+    """A prompt's n from its sampling params; None (SGLang's "the default") is 1, as the engine reads it."""
+    n = (sp or {}).get("n")
+    return 1 if n is None else int(n)
+
+
 def _check_abort_all(abort_all_requests) -> None:
     if not isinstance(abort_all_requests, bool):
         raise TypeError(f"abort_all_requests must be a bool, got {abort_all_requests!r}")
@@ -272,7 +278,7 @@ class EngineGroup:
         loads = list(self._outstanding)
         assignment: list[list[int]] = [[] for _ in self.handles]
         for i, sp in enumerate(sps):
-            n = int((sp or {}).get("n", 1))
+            n = _num_samples(sp)
             e = min(range(len(loads)), key=lambda j: loads[j])
             assignment[e].append(i)
             loads[e] += n
@@ -300,7 +306,7 @@ class EngineGroup:
             outs = outs if isinstance(outs, list) else [outs]
             pos = 0
             for i in idx:
-                n = int((sps[i] or {}).get("n", 1))
+                n = _num_samples(sps[i])
                 by_prompt[i] = outs[pos: pos + n]
                 pos += n
         flat = [o for group in by_prompt for o in group]

@@ -191,7 +191,7 @@ def _with_hf_defaults(raw: dict) -> dict:
     them for its model_type; `raw` itself when transformers cannot build that config (the checks that follow
     then see what the file says)."""
     missing = [k for k in _HF_DEFAULTED if k not in raw]
-    no_rope = not any(k in raw for k in _ROPE_KEYS)
+    no_rope = all(raw.get(k) is None for k in _ROPE_KEYS)  # transformers 4 writes "rope_scaling": null
     if not (missing or no_rope) or not isinstance(raw.get("model_type"), str):
         return raw
     try:
@@ -319,6 +319,8 @@ class RunnerConfig:
     rl_on_policy_target: str | None = None
 
     def __post_init__(self) -> None:
+        if self.random_seed is not None and (not isinstance(self.random_seed, int) or isinstance(self.random_seed, bool)):
+            raise ValueError(f"random_seed={self.random_seed!r} must be an int or None (None: drawn at start-up)")
         if self.cpu_kernels not in (None, True, False):
             raise ValueError(f"cpu_kernels={self.cpu_kernels!r}: use None (when they build), True (required) or False")
         if self.rl_on_policy_target not in RL_ON_POLICY_TARGETS:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 CHILD_SPINCOUNT = "10000"
 USER_CHOICES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
@@ -31,13 +32,28 @@ def child_defaults() -> dict[str, str]:
     return {"GOMP_SPINCOUNT": CHILD_SPINCOUNT}
 
 
+_lock = threading.Lock()  # guards _holders and _added: threads may start engines at the same time
+_holders = 0
+_added: dict[str, str] = {}
+
+
 @contextlib.contextmanager
 def for_children():
-    """Inside: os.environ holds child_defaults(), so processes started here inherit them; restored after."""
-    added = child_defaults()
-    os.environ.update(added)
+    """Inside: os.environ holds child_defaults(), so processes started here inherit them; restored when the
+    last thread inside leaves (a second thread entering meanwhile sees ours, not a choice of the user's)."""
+    global _holders, _added
+    with _lock:
+        if _holders == 0:
+            _added = child_defaults()
+            os.environ.update(_added)
+        _holders += 1
+        added = dict(_added)
     try:
         yield added
     finally:
-        for k in added:
-            os.environ.pop(k, None)
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                for k in _added:
+                    os.environ.pop(k, None)
+                _added = {}

@@ -189,9 +189,9 @@ def _nbytes(cast: dict) -> int:
 def _split(encoded: list[EncodedTensor], bucket_bytes: int, ties: dict | None = None) -> list[DeltaUpdate]:
     """Pack encoded tensors into updates of at most ~bucket_bytes of payload each (at least one). Tensors that
     may be one tensor in the engine (a tied embedding and LM head) go in one update, or a part changing one
-    would leave the other's base stale: those with the same `ties` key (one storage in the source) and those
-    whose new values are equal (same shape, dtype and checksum: a tied pair gathered into two copies, as a
-    full state dict from FSDP2 is). Grouping two tensors that only happen to be equal costs nothing."""
+    would leave the other's base stale: those with the same `ties` key (one storage in the source) and
+    embedding / LM-head tensors whose new values are equal (same shape, dtype and checksum: a tied pair
+    gathered into two copies, as a full state dict from FSDP2 is)."""
     parent: dict[str, str] = {}
 
     def root(name: str) -> str:
@@ -204,7 +204,10 @@ def _split(encoded: list[EncodedTensor], bucket_bytes: int, ties: dict | None = 
     for e in encoded:
         name = e.entry["name"]
         parent[name] = name
-        content = ("content", e.entry["dtype"], tuple(e.entry["shape"]), e.entry["result"])
+        # By value only for the names a tie joins (an embedding, the LM head): equal norms or untouched twin
+        # layers grouped by value would make one part past bucket_bytes for nothing.
+        tieable = "embed" in name or "lm_head" in name
+        content = ("content", e.entry["dtype"], tuple(e.entry["shape"]), e.entry["result"]) if tieable else None
         for key in ((ties or {}).get(name), content):
             if key is not None:
                 parent[root(name)] = root(first.setdefault(key, name))

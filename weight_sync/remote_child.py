@@ -39,6 +39,8 @@ def jsonable(x):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, torch.Tensor):
         return x.tolist()
+    if hasattr(x, "item") and type(x).__module__ == "numpy":  # a numpy scalar (logit_bias values, ids): JSON's
+        return x.item()
     return x
 
 

@@ -51,7 +51,7 @@ class MoEConfig:
     @classmethod
     def from_model_config(cls, config: ModelConfig) -> MoEConfig:
         raw, arch = config.hf_config, config.architecture
-        if raw.get("hidden_act", "silu") != "silu":
+        if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # swish: transformers' other name for SiLU
             raise ValueError(f"{arch} with hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
         if arch == "MixtralForCausalLM":
             num_experts = raw["num_local_experts"]

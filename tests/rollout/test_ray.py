@@ -88,6 +88,13 @@ def test_group_generate_equals_one_engine_in_input_order(group, reference):
     assert all(info["num_prompt_tokens"] > 0 for info in infos), "both engines should have taken prompts"
 
 
+def test_null_n_routes_as_one_sample(group, reference):
+    """sampling_params n=None (SGLang's "the default", what /generate's null sends) is one sample per prompt in
+    the group's routing too, as the engines read it (the group raised on int(None))."""
+    outs = group.generate(input_ids=PROMPTS, sampling_params={**GREEDY, "n": None})
+    assert [o["output_ids"] for o in outs] == [ids for ids, _ in reference]
+
+
 def test_n_samples_of_one_prompt_stay_on_one_engine(group):
     """The n samples of a prompt go to one engine, so n-1 of them hit its prefix cache."""
     group.flush_cache()

@@ -112,3 +112,12 @@ def test_unseeded_requests_differ_between_engines_unless_random_seed_is_given(ti
     assert a != b
     assert len({tuple(x) for x in a + b}) == 8  # 8 samples of one prompt at temperature 1: all distinct here
     assert _unseeded(make_engine(tiny_llama, random_seed=5)) == _unseeded(make_engine(tiny_llama, random_seed=5))
+
+
+def test_random_seed_must_be_an_int_or_none(tiny_llama):
+    """random_seed "7", 1.5 or True is refused naming it (a string seed then broke launch_engines' s + i)."""
+    from rollout import Engine
+
+    for bad in ("7", 1.5, True):
+        with pytest.raises(ValueError, match="random_seed"):
+            Engine(str(tiny_llama), random_seed=bad)

@@ -163,8 +163,9 @@ def test_greedy_engine_generate_matches_hf_generate(moe_ckpt, arch):
 
 
 def test_mixtral_config_without_rope_theta_or_eps_runs_as_hf_loads_it(moe_ckpt, tmp_path):
-    """A Mixtral config.json that leaves out rope_theta and rms_norm_eps: HF uses MixtralConfig's defaults (1e6,
-    1e-5), and so does the engine (it used Llama's, 1e4 and 1e-6, and its greedy tokens left HF's at token 4)."""
+    """A Mixtral config.json that leaves out rope_theta and rms_norm_eps (its rope_scaling null): HF uses
+    MixtralConfig's defaults (1e6, 1e-5), and so does the engine (it used Llama's, 1e4 and 1e-6, and its greedy
+    tokens left HF's at token 4; with the null it still read 1e4). hidden_act "swish" (SiLU) is taken for MoE too."""
     import json
     import shutil
 
@@ -172,6 +173,7 @@ def test_mixtral_config_without_rope_theta_or_eps_runs_as_hf_loads_it(moe_ckpt, 
     raw = json.loads((path / "config.json").read_text())
     for k in ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps"):
         raw.pop(k, None)
+    raw["rope_scaling"] = None  # as transformers 4 writes it into every config: null is missing too
     (path / "config.json").write_text(json.dumps(raw))
     hf = load_hf_model(path)
     assert (hf.config.rope_parameters["rope_theta"], hf.config.rms_norm_eps) == (1e6, 1e-5)
@@ -181,6 +183,10 @@ def test_mixtral_config_without_rope_theta_or_eps_runs_as_hf_loads_it(moe_ckpt, 
                                sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
     for prompt, out in zip(prompts, outs):
         assert out["output_ids"] == hf_generate(hf, prompt, 16)[0]
+    from runner.config import ModelConfig
+    from runner.models.moe import MoEConfig
+
+    assert MoEConfig.from_model_config(ModelConfig.from_dict(dict(raw, hidden_act="swish"))).num_experts > 0
 
 
 def _naive_experts(x, w13, w2, weights, ids) -> torch.Tensor:

@@ -77,3 +77,40 @@ def test_importing_rollout_before_torch_sets_the_spin_count_before_torch_loads()
     assert run("") == ["10000", "10000"]
     assert run("import torch") == ["None", "None"]
     assert run("", OMP_WAIT_POLICY="PASSIVE") == ["None", "None"]
+
+
+def test_threads_starting_children_together_all_pass_the_spin_count(monkeypatch):
+    """Two threads inside for_children at once: each sees the engine's 10000 (the second took the first's value
+    for the user's choice and added nothing), and the variable stays until the last leaves."""
+    import threading
+
+    for k in omp_env.USER_CHOICES:
+        monkeypatch.delenv(k, raising=False)
+    inside, release, seen = threading.Barrier(2), threading.Event(), []
+
+    def start_child():
+        with omp_env.for_children():
+            inside.wait(timeout=30)
+            seen.append(os.environ.get("GOMP_SPINCOUNT"))
+            release.wait(timeout=30)
+
+    threads = [threading.Thread(target=start_child) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while len(seen) < 2:
+        pass
+    release.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert seen == ["10000", "10000"] and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_a_remote_engine_child_starts_with_the_spin_count(monkeypatch):
+    """RemoteEngine's child (the trainers' --engine-process) gets it too: it imports torch before rollout."""
+    from weight_sync.cross_process import RemoteEngine
+
+    for k in omp_env.USER_CHOICES:
+        monkeypatch.delenv(k, raising=False)
+    with RemoteEngine("tests.weight_sync.fake_engine:EchoEngine", start_timeout_s=120) as remote:
+        pid = remote.get_weights_by_name("x")[0]
+        assert _environ(pid).get("GOMP_SPINCOUNT") == "10000"

@@ -104,6 +104,15 @@ def test_update_takes_engines_keywords_and_last_value_of_a_name(echo):
     assert not ok and "online must be a bool" in msg, msg
 
 
+def test_numpy_scalars_in_arguments_reach_the_child(echo):
+    """A logit_bias built from numpy arrays (int64 keys, float32 values) crosses to the child as numbers, as the
+    in-process Engine takes it (it failed in the parent: "Object of type float32 is not JSON serializable")."""
+    import numpy as np
+
+    sp = {"logit_bias": {np.int64(5): np.float32(1.5)}, "max_new_tokens": np.int64(4)}
+    assert echo.generate(prompt="abc", sampling_params=sp) == {"text": "cba"}
+
+
 # ---------------------------------------------------------------------------------------------
 # threads
 
