@@ -176,13 +176,16 @@ def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ck
     ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base3")
     assert ok, msg
     base_sum = group.get_weights_checksum()["checksum"]
-    busy = _busy_engine_1(group, "busy")
-    # A request on engine 0 after its first bucket: the rollback must retract it, not be refused by it. Sent
-    # from inside the sync, once bucket 0 went out (sent before it, it could start first and refuse bucket 0).
-    late = []
+    # Both requests are sent from inside the sync, around bucket 0: engine 1's long one right before it (sent
+    # before the sync's snapshots, it could reach the context limit and end first, so engine 1 took bucket 0),
+    # and engine 0's after it (the rollback must retract it, not be refused by it; sent before, it could start
+    # first and make engine 0 refuse bucket 0).
+    busy, late = [], []
     apply_everywhere = group._apply_everywhere
 
     def then_a_request_on_engine_0(*args, **kwargs):
+        if not busy:
+            busy.append(_busy_engine_1(group, "busy"))
         failed = apply_everywhere(*args, **kwargs)
         if not late:
             late.append(group.handles[0].call.remote("generate", (), dict(input_ids=PROMPTS[1], sampling_params=dict(
@@ -201,7 +204,7 @@ def test_a_request_in_flight_on_one_engine_leaves_the_group_consistent(group, ck
     assert group.weight_version == "base3"  # raises if the engines disagree
     assert group.get_weights_checksum()["checksum"] == base_sum  # raises if the engines' bits differ
     ray.get(group.handles[1].call.remote("abort_request", (), dict(rid="busy")), timeout=60)
-    ray.get([busy, *late], timeout=120)
+    ray.get([*busy, *late], timeout=120)
     # No version named: each engine labels the update with its update count, which the rollback put back too
     # (left one ahead on engine 0, the group read versions ["3", "1"] and refused every later update).
     ok, msg = sync_weights(model, group, bucket_bytes=32 << 10)
