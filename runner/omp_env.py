@@ -7,7 +7,8 @@ descheduled for a whole time slice, the spinner burns its core through every bar
 with two busy processes beside it (Qwen2.5-0.5B shape, bf16, 4 x 32 -> 32, 2 threads, three calls), 33.5 s of
 wall and 33.3 CPU-s by default, 8.9-9.1 s with GOMP_SPINCOUNT=3000-10000, 8.4 s with OMP_WAIT_POLICY=PASSIVE;
 quiet, the 40M fp32 decode (16 x 32 -> 64) took 0.38-0.44 s at the default and at 10,000 alike, and 0.50-0.55 s
-passive. So processes the engine starts itself (the server's engine process, tensor-parallel ranks) get
+passive. So processes the engine starts itself (the server's engine process, tensor-parallel ranks, the
+trainers' --engine-process through RemoteEngine's child_env) get
 GOMP_SPINCOUNT=10000 unless the user's environment already chooses (GOMP_SPINCOUNT or OMP_WAIT_POLICY).
 
 libgomp reads these variables once, when it loads: they apply to a process that has not imported torch yet,

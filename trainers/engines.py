@@ -51,9 +51,10 @@ def engine_process(model: str, **kw):
     """The Engine in a child process (weight_sync.cross_process.RemoteEngine): CUDA weights reach it as
     CUDA IPC handles, host weights through shared memory. On CUDA with torch_memory_saver installed the
     child starts with its preload hook (LD_PRELOAD), so its graph memory is pauseable too."""
+    from runner import omp_env
     from weight_sync.cross_process import RemoteEngine
 
-    env = {}
+    env = omp_env.child_defaults()  # libgomp's spin before it sleeps (runner/omp_env.py), read as the child loads
     if kw.get("device") == "cuda":
         try:
             import torch_memory_saver.utils as tms_utils

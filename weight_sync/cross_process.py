@@ -48,7 +48,6 @@ from multiprocessing import shared_memory
 
 import torch
 
-from runner import omp_env
 from weight_sync.bucket import FlattenedTensorBucket, as_one_bucket
 from weight_sync.remote_child import ALLOWED_METHODS, DELTA_BLOB, jsonable, resolve_factory, serve
 from weight_sync.shm import bucket_from_shm, bucket_to_shm, new_segment_prefix
@@ -117,8 +116,7 @@ class RemoteEngine:
         saved = {k: os.environ.get(k) for k in (child_env or {})}
         os.environ.update(child_env or {})  # spawn copies the environment at start: the child's only
         try:
-            with omp_env.for_children():  # libgomp's spin before it sleeps, read as the child loads torch
-                self._proc.start()
+            self._proc.start()
         finally:
             for k, v in saved.items():
                 if v is None:

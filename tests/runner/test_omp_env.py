@@ -105,12 +105,15 @@ def test_threads_starting_children_together_all_pass_the_spin_count(monkeypatch)
     assert seen == ["10000", "10000"] and "GOMP_SPINCOUNT" not in os.environ
 
 
-def test_a_remote_engine_child_starts_with_the_spin_count(monkeypatch):
-    """RemoteEngine's child (the trainers' --engine-process) gets it too: it imports torch before rollout."""
-    from weight_sync.cross_process import RemoteEngine
+def test_the_trainers_engine_process_starts_with_the_spin_count(tiny_llama, monkeypatch):
+    """The trainers' --engine-process (a RemoteEngine: weight_sync stays free of runner, so the trainers pass
+    the variable as its child_env) gets it too: that child imports torch before rollout."""
+    from trainers.engines import engine_process
 
     for k in omp_env.USER_CHOICES:
         monkeypatch.delenv(k, raising=False)
-    with RemoteEngine("tests.weight_sync.fake_engine:EchoEngine", start_timeout_s=120) as remote:
-        pid = remote.get_weights_by_name("x")[0]
-        assert _environ(pid).get("GOMP_SPINCOUNT") == "10000"
+    remote = engine_process(str(tiny_llama), device="cpu", show_progress=False, max_total_tokens=512)
+    try:
+        assert _environ(remote._proc.pid).get("GOMP_SPINCOUNT") == "10000"
+    finally:
+        remote.shutdown()
