@@ -55,9 +55,9 @@ def sampling_info(reqs: list[Req], vocab_size: int, eos_ids: list[int], device,
         bias = torch.zeros(len(reqs), vocab_size, dtype=torch.float32)
         bias[rows, cols] = torch.tensor(vals, dtype=torch.float32)
         info.logit_bias = bias.to(device)
-    if any(r.return_logprob and r.return_original_logprob and not r.return_raw_logprob for r in reqs):
-        info.original_rows = torch.tensor([r.return_original_logprob and not r.return_raw_logprob for r in reqs],
-                                          dtype=torch.bool, device=device)
+    original = [r.return_original_logprob and not r.return_raw_logprob for r in reqs]  # raw (engine-wide) wins
+    if any(r.return_logprob and o for r, o in zip(reqs, original)):
+        info.original_rows = torch.tensor(original, dtype=torch.bool, device=device)
     if any(r.return_logprob and r.return_raw_logprob for r in reqs):
         info.raw_rows = torch.tensor([r.return_raw_logprob for r in reqs], dtype=torch.bool, device=device)
     if any(r.return_logprob and r.return_processed_logprob for r in reqs):

@@ -117,9 +117,9 @@ class SamplingParams:
 
     def normalize(self) -> None:
         """Type and range checks that do not need the model; raises ValueError naming the field."""
-        for f in fields(self):  # SGLang: None for these means "the default", so a client may send null
-            if f.name in NONE_MEANS_DEFAULT and getattr(self, f.name) is None:
-                setattr(self, f.name, f.default)
+        for name, default in _NONE_DEFAULTS.items():  # SGLang: None here means "the default" (a client's null)
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             if name == "max_new_tokens" and self.max_new_tokens is None:
                 continue
@@ -248,3 +248,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+# Each None-means-default field's default, read once (normalize runs for every request).
+_NONE_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.name in NONE_MEANS_DEFAULT}

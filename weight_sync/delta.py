@@ -192,28 +192,16 @@ def _split(encoded: list[EncodedTensor], bucket_bytes: int, ties: dict | None = 
     would leave the other's base stale: those with the same `ties` key (one storage in the source) and
     embedding / LM-head tensors whose new values are equal (same shape, dtype and checksum: a tied pair
     gathered into two copies, as a full state dict from FSDP2 is)."""
-    parent: dict[str, str] = {}
-
-    def root(name: str) -> str:
-        while parent[name] != name:
-            parent[name] = parent[parent[name]]
-            name = parent[name]
-        return name
-
-    first: dict = {}  # a grouping key -> the first name seen with it
+    units: dict = {}  # unit key -> its tensors, in first-seen order
+    by_value: dict = {}  # (dtype, shape, checksum) of an embedding / LM-head tensor -> the unit key it joined
     for e in encoded:
         name = e.entry["name"]
-        parent[name] = name
+        key = (ties or {}).get(name, name)
         # By value only for the names a tie joins (an embedding, the LM head): equal norms or untouched twin
         # layers grouped by value would make one part past bucket_bytes for nothing.
-        tieable = "embed" in name or "lm_head" in name
-        content = ("content", e.entry["dtype"], tuple(e.entry["shape"]), e.entry["result"]) if tieable else None
-        for key in ((ties or {}).get(name), content):
-            if key is not None:
-                parent[root(name)] = root(first.setdefault(key, name))
-    units: dict[str, list[EncodedTensor]] = {}  # root name -> its tensors, in first-seen order
-    for e in encoded:
-        units.setdefault(root(e.entry["name"]), []).append(e)
+        if "embed" in name or "lm_head" in name:
+            key = by_value.setdefault((e.entry["dtype"], tuple(e.entry["shape"]), e.entry["result"]), key)
+        units.setdefault(key, []).append(e)
     groups, cur, size = [], [], 0
     for unit in units.values():
         n = sum(e.pos_bytes.numel() + e.val_bytes.numel() for e in unit)
