@@ -15,6 +15,14 @@ is built. Against torch's CPU flash SDPA on the already-gathered K/V (same machi
 4 x 512 fresh tokens 17.0 vs 33.0 ms per layer in bf16 (13.9 vs 30.6 fp32), one 2048-token prompt
 59.4 vs 69.5 ms, 4 x 256 on a 256-token prefix 11.1 vs 16.4 ms.
 
+On a CPU with AMX tiles, bf16 extends of at least `cpu_kernels.EXTEND_SDPA_MIN_TOKENS` new tokens per
+request go to torch's flash SDPA instead, inside the same op (the request's K/V gathered out of the pool,
+causal from its cached prefix): its bf16 GEMMs run on the tile unit, 2-4x faster than this loop there at
+256-2048 tokens (figures in runner/cpu_kernels.py). Those rows then differ from the decode op's by bf16
+rounding (SDPA rounds the probabilities to bf16 before they weight V), so on that route a token's KV is not
+bitwise the same prefilled and decoded; the rest of the batch, fp32 models, and every CPU without AMX keep
+the kernel.
+
 When they are used (`usable`): any step of an fp32 or bf16 model (q and cache of one dtype) with a
 head_dim the kernel was compiled for, outside batch-invariant mode (which has its own fixed-block
 kernel). Numerics: fp32 accumulation like

@@ -12,17 +12,27 @@
 // compile-time head_dim; threads are torch's OpenMP team on the calling thread (the pool every torch CPU
 // op uses). Without AVX-512 or AVX2 the loader keeps torch's ops and never builds this.
 //
+// Long bf16 extends can go to torch's flash SDPA instead (`extend_via_sdpa`, below): on a CPU with AMX its
+// bf16 GEMMs run on the tile unit, which this per-token loop cannot use. The Python side turns that on
+// (runner/cpu_kernels.py, set_extend_sdpa_min_tokens) where it pays.
+//
 // Not here: sliding windows, soft caps, sinks, fp16 caches. The Python side routes those to SDPA.
-// The Tensor class and the two factory ops used, not all of ATen.h: ~5 s less compile per file.
+// The Tensor class and the few ops used, not all of ATen.h: ~5 s less compile per file.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_copy.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/util/BFloat16.h>
 #include <omp.h>
 #include <torch/library.h>
 
 #include "lanes.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -339,13 +349,112 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                 scale);
 }
 
+// bf16 extends of at least this many new tokens go to torch's SDPA; 0: none do (the default, until the
+// Python side sets it: it knows whether the CPU has AMX, which ATen's C++ API does not say).
+std::atomic<int64_t> g_sdpa_min_tokens{0};
+
+int64_t set_extend_sdpa_min_tokens(int64_t min_tokens) {
+  TORCH_CHECK(min_tokens >= 0, "set_extend_sdpa_min_tokens: min_tokens must be >= 0 (0: never), got ", min_tokens);
+  return g_sdpa_min_tokens.exchange(min_tokens);
+}
+
+// Request b's extend through torch's flash SDPA: its K/V rows gathered out of the pool ([seq_len, hkv, D],
+// a small copy against the attention), its queries [n, hq, D] as one [1, hq, n, D] batch with GQA, causal
+// from position seq_len - n (the cached prefix fully visible: a boolean mask when there is one). Writes
+// out's rows [offset, offset + n). fp32 accumulation inside; the probabilities are rounded to bf16 before
+// they weight V (SDPA's bf16 path, HF's too), so rows differ from the kernel's by bf16 rounding.
+void extend_via_sdpa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slots,
+                     int64_t seq_len, int64_t n, int64_t offset, double scale, at::Tensor& out) {
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor idx = at::from_blob(const_cast<int64_t*>(slots), {seq_len}, opts);
+  const at::Tensor k = k_cache.index_select(0, idx).transpose(0, 1).unsqueeze(0);  // [1, hkv, seq_len, D]
+  const at::Tensor v = v_cache.index_select(0, idx).transpose(0, 1).unsqueeze(0);
+  const at::Tensor qb = q.narrow(0, offset, n).transpose(0, 1).unsqueeze(0);  // [1, hq, n, D]
+  const int64_t prefix = seq_len - n;
+  std::optional<at::Tensor> mask;
+  if (prefix > 0) {  // query j sees keys 0 .. prefix + j
+    const at::Tensor keys = at::arange(seq_len, opts);
+    const at::Tensor last = at::arange(prefix, seq_len, opts).unsqueeze(1);  // [n, 1]
+    mask = keys.unsqueeze(0).le(last);  // [n, seq_len] bool
+  }
+  const at::Tensor o = at::scaled_dot_product_attention(qb, k, v, mask, 0.0, /*is_causal=*/prefix == 0, scale,
+                                                        /*enable_gqa=*/true);  // [1, hq, n, D]
+  out.narrow(0, offset, n).copy_(o.squeeze(0).transpose(0, 1));
+}
+
 // The same for an extend step: q: [num_tokens, hq, D], request b's extend_lens[b] new tokens in order
 // (their K/V already in the pool, at positions seq_lens[b] - extend_lens[b] onwards), causal.
+// bf16 requests with at least g_sdpa_min_tokens new tokens take extend_via_sdpa; the rest the kernel
+// (as a sub-batch of their rows when some took SDPA).
 at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale) {
-  return attend("paged_extend_attention", q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, &extend_lens,
-                scale);
+  const char* name = "paged_extend_attention";
+  const int64_t min_tokens = g_sdpa_min_tokens.load();
+  const bool may_sdpa = min_tokens > 0 && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
+                        extend_lens.scalar_type() == at::kLong && extend_lens.is_contiguous();
+  int64_t num_sdpa = 0;
+  if (may_sdpa) {
+    const int64_t* ext = extend_lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < extend_lens.numel(); ++b) num_sdpa += ext[b] >= min_tokens;
+  }
+  if (num_sdpa == 0)
+    return attend(name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, &extend_lens, scale);
+
+  // The whole step is checked (shapes, dtypes, lengths, every slot in the pool) before any work, as attend does.
+  TORCH_CHECK(q.is_contiguous() && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+                  k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
+              name, ": q [num_tokens, hq, head_dim] contiguous, k_cache and v_cache [slots, kv_heads, head_dim], one dtype");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.stride(1) == 1 &&
+                  req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  req_pool_indices.is_contiguous() && seq_lens.is_contiguous() &&
+                  req_pool_indices.numel() == seq_lens.numel() && extend_lens.numel() == seq_lens.numel(),
+              name, ": req_to_token, req_pool_indices, seq_lens and extend_lens must be int64, [bs] contiguous");
+  const int64_t bs = seq_lens.numel(), num_slots = k_cache.size(0);
+  const int64_t max_context = req_to_token.size(1), num_rows = req_to_token.size(0);
+  const int64_t* ext = extend_lens.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* r2t = req_to_token.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < bs; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_context, name, ": seq_lens[", b, "] = ", lens[b], " is outside [1, ",
+                max_context, "]");
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < num_rows, name, ": req_pool_indices[", b, "] = ", rows[b],
+                " is outside [0, ", num_rows, ")");
+    TORCH_CHECK(ext[b] >= 1 && ext[b] <= lens[b], name, ": extend_lens[", b, "] = ", ext[b],
+                " is outside [1, seq_lens[", b, "] = ", lens[b], "]");
+    const int64_t* slots = r2t + rows[b] * req_to_token.stride(0);
+    bool in_pool = true;
+    for (int64_t t = 0; t < lens[b]; ++t) in_pool &= (slots[t] >= 0) & (slots[t] < num_slots);
+    TORCH_CHECK(in_pool, name, ": request ", b, " has a KV slot outside the pool [0, ", num_slots, ")");
+    total += ext[b];
+  }
+  TORCH_CHECK(total == q.size(0), name, ": q has ", q.size(0), " rows but the requests' new tokens sum to ", total);
+
+  at::Tensor out = at::empty_like(q);
+  std::vector<int64_t> kernel_reqs, kernel_rows;  // the requests (and their q rows) the kernel takes
+  for (int64_t b = 0, offset = 0; b < bs; offset += ext[b], ++b) {
+    if (ext[b] >= min_tokens) {
+      extend_via_sdpa(q, k_cache, v_cache, r2t + rows[b] * req_to_token.stride(0), lens[b], ext[b], offset, scale,
+                      out);
+    } else {
+      kernel_reqs.push_back(b);
+      for (int64_t t = 0; t < ext[b]; ++t) kernel_rows.push_back(offset + t);
+    }
+  }
+  if (!kernel_reqs.empty()) {
+    const auto opts = at::TensorOptions().dtype(at::kLong);
+    const at::Tensor req_idx = at::from_blob(kernel_reqs.data(), {static_cast<int64_t>(kernel_reqs.size())}, opts);
+    const at::Tensor row_idx = at::from_blob(kernel_rows.data(), {static_cast<int64_t>(kernel_rows.size())}, opts);
+    const at::Tensor sub_ext = extend_lens.index_select(0, req_idx);
+    const at::Tensor sub = attend(name, q.index_select(0, row_idx), k_cache, v_cache, req_to_token,
+                                  req_pool_indices.index_select(0, req_idx), seq_lens.index_select(0, req_idx),
+                                  &sub_ext, scale);
+    out.index_copy_(0, row_idx, sub);
+  }
+  return out;
 }
 
 }  // namespace
@@ -355,9 +464,14 @@ TORCH_LIBRARY(rollout_cpu, m) {
         "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
   m.def("paged_extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, Tensor extend_lens, float scale) -> Tensor");
+  m.def("set_extend_sdpa_min_tokens(int min_tokens) -> int");
 }
 
 TORCH_LIBRARY_IMPL(rollout_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_extend_attention", &paged_extend_attention);
+}
+
+TORCH_LIBRARY_IMPL(rollout_cpu, CompositeExplicitAutograd, m) {
+  m.impl("set_extend_sdpa_min_tokens", &set_extend_sdpa_min_tokens);
 }

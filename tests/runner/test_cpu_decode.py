@@ -236,12 +236,22 @@ def test_extend_kernel_is_causal_over_prefix_and_new_tokens(op, dtype):
         start += n
 
 
+@pytest.fixture
+def sdpa_from(op):
+    """Sets the extend's SDPA route threshold for one test (0: the kernel only), restoring the machine's own."""
+    before = op.set_extend_sdpa_min_tokens(0)
+    op.set_extend_sdpa_min_tokens(before)
+    yield op.set_extend_sdpa_min_tokens
+    op.set_extend_sdpa_min_tokens(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d, heads", [(64, (14, 2)), (128, (4, 4)), (16, (7, 1)), (96, (6, 2))])
-def test_extend_is_bitwise_the_decode_op_per_token(op, dtype, d, heads):
-    """Each new token of an extend gets exactly the bits the decode op gives it attended alone over its own
-    prefix (so a sequence's KV does not depend on whether its tokens were prefilled or decoded): runs of
-    1-3 new tokens, 4-8, long chunks, prefixes shared and not."""
+def test_extend_is_bitwise_the_decode_op_per_token(op, sdpa_from, dtype, d, heads):
+    """On the kernel route, each new token of an extend gets exactly the bits the decode op gives it attended
+    alone over its own prefix (so a sequence's KV does not depend on whether its tokens were prefilled or
+    decoded): runs of 1-3 new tokens, 4-8, long chunks, prefixes shared and not."""
+    sdpa_from(0)
     hq, hkv = heads
     lens, new = [40, 300, 3, 77, 19, 5], [40, 131, 2, 21, 4, 1]
     q, k, v, r2t, rows, seq = _case(dtype, d, hq, hkv, lens, seed=5, share_prefix=3)
@@ -256,17 +266,93 @@ def test_extend_is_bitwise_the_decode_op_per_token(op, dtype, d, heads):
         start += n
 
 
+def _extend_oracle(q, k, v, r2t, rows, seq, new, scale):
+    """Every new token's float64 softmax over its own first p + j + 1 slots: [num_tokens, hq, d]."""
+    out, start = [], 0
+    for b, (n_all, n) in enumerate(zip(seq.tolist(), new)):
+        for j in range(n):
+            seen = torch.tensor([n_all - n + j + 1])
+            out.append(_oracle(q[start + j:start + j + 1], k, v, r2t, rows[b:b + 1], seen, scale)[0])
+        start += n
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("d, heads", [(64, (14, 2)), (128, (4, 4)), (32, (7, 1))])
+def test_extend_sdpa_route_matches_float64_softmax(op, sdpa_from, d, heads):
+    """bf16 extends of at least the threshold's new tokens go through torch's SDPA, the rest through the kernel,
+    in one call: fresh prompts (causal), chunks after a cached prefix (the prefix fully visible), prefixes shared
+    between requests, short extends beside long ones; every row equals the float64 oracle to bf16 rounding, and
+    the short requests' rows are the kernel's bits."""
+    hq, hkv = heads
+    lens, new = [40, 300, 3, 260, 90], [40, 150, 1, 60, 90]
+    q, k, v, r2t, rows, seq = _case(torch.bfloat16, d, hq, hkv, lens, seed=21, share_prefix=30)
+    q = torch.randn(sum(new), hq, d, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    args = (q, k, v, r2t, rows, seq, torch.tensor(new), 0.125)
+    sdpa_from(0)
+    kernel = cpu_decode.paged_attention(op, *args)
+    sdpa_from(50)  # requests 1, 3, 4 on SDPA; 0 (40 new) and 2 (1 new) on the kernel
+    routed = cpu_decode.paged_attention(op, *args)
+    assert routed.shape == q.shape and routed.dtype == torch.bfloat16
+    torch.testing.assert_close(routed.double(), _extend_oracle(*args), rtol=1e-2, atol=1e-2)
+    starts = [0, 40, 190, 191, 251]
+    for b in (0, 2):
+        rows_b = slice(starts[b], starts[b] + new[b])
+        assert torch.equal(routed[rows_b], kernel[rows_b])
+    assert not torch.equal(routed[40:190], kernel[40:190])  # request 1 did take the other route
+
+
+def test_extend_sdpa_route_is_per_request_and_bf16_only(op, sdpa_from):
+    """A request's extend output is the same bits alone as in any batch on the SDPA route too (the route
+    depends on its own new-token count only), and fp32 extends always stay on the kernel."""
+    lens, new = [200, 64, 130], [200, 10, 100]
+    q, k, v, r2t, rows, seq = _case(torch.bfloat16, 64, 8, 2, lens, seed=12)
+    q = torch.randn(sum(new), 8, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    sdpa_from(64)
+    batch = cpu_decode.paged_attention(op, q, k, v, r2t, rows, seq, torch.tensor(new), 0.125)
+    start = 0
+    for b, n in enumerate(new):
+        alone = cpu_decode.paged_attention(op, q[start:start + n], k, v, r2t, rows[b:b + 1], seq[b:b + 1],
+                                           torch.tensor([n]), 0.125)
+        assert torch.equal(alone, batch[start:start + n]), f"request {b}"
+        start += n
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    on = cpu_decode.paged_attention(op, q32, k32, v32, r2t, rows, seq, torch.tensor(new), 0.125)
+    sdpa_from(0)
+    assert torch.equal(on, cpu_decode.paged_attention(op, q32, k32, v32, r2t, rows, seq, torch.tensor(new), 0.125))
+
+
+def test_extend_sdpa_threshold_setting_and_machine_default(op, sdpa_from, monkeypatch):
+    """The threshold op returns the previous value and refuses a negative one by name; the loader turns the
+    route on (at EXTEND_SDPA_MIN_TOKENS) only on a CPU with AMX tiles and native bf16."""
+    sdpa_from(7)
+    assert sdpa_from(9) == 7
+    with pytest.raises(RuntimeError, match="min_tokens must be >= 0"):
+        sdpa_from(-1)
+    assert sdpa_from(9) == 9
+    for amx, bf16, want in [(True, True, cpu_kernels.EXTEND_SDPA_MIN_TOKENS), (False, True, 0), (True, False, 0)]:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda bf16=bf16: bf16)
+        assert cpu_kernels.extend_sdpa_min_tokens() == want
+
+
+@pytest.mark.parametrize("sdpa_min", [0, 2])
 @pytest.mark.parametrize("ext, message", [
     ([4, 5], r"extend_lens\[0\] = 4 is outside \[1, seq_lens\[0\] = 3\]"),
     ([0, 5], r"extend_lens\[0\] = 0 is outside"),
     ([1, 1], r"q has 8 rows but the requests' new tokens sum to 2"),
 ])
-def test_extend_kernel_rejects_inconsistent_lengths(op, ext, message):
-    """extend_lens that exceed a request's length or do not add up to q's rows are refused by name."""
-    _, k, v, r2t, _, lens = _case(torch.float32, 64, 4, 2, [3, 5], seed=1)
-    q = torch.randn(8, 4, 64)
-    with pytest.raises(RuntimeError, match=message):
-        op.paged_extend_attention(q, k, v, r2t, torch.tensor([0, 1]), lens, torch.tensor(ext), 0.125)
+def test_extend_kernel_rejects_inconsistent_lengths(op, sdpa_from, sdpa_min, ext, message):
+    """extend_lens that exceed a request's length or do not add up to q's rows, and slots outside the pool, are
+    refused by name before any work, on either route (bf16 with the SDPA route on, fp32)."""
+    sdpa_from(sdpa_min)
+    for dtype in (torch.float32, torch.bfloat16):
+        _, k, v, r2t, _, lens = _case(dtype, 64, 4, 2, [3, 5], seed=1)
+        q = torch.randn(8, 4, 64).to(dtype)
+        with pytest.raises(RuntimeError, match=message):
+            op.paged_extend_attention(q, k, v, r2t, torch.tensor([0, 1]), lens, torch.tensor(ext), 0.125)
+        r2t[1, 2] = 10_000
+        with pytest.raises(RuntimeError, match="request 1 has a KV slot outside the pool"):
+            op.paged_extend_attention(q, k, v, r2t, torch.tensor([0, 1]), lens, torch.tensor([3, 5]), 0.125)
 
 
 @needs_cpu_kernels
@@ -305,6 +391,35 @@ def test_engine_kernel_path_equals_sdpa_path_under_chunking_sharing_and_sampling
         lp_off = [e[0] for e in off["meta_info"]["output_token_logprobs"]]
         torch.testing.assert_close(torch.tensor(lp_on), torch.tensor(lp_off), rtol=0, atol=1e-4)
     assert any(o["meta_info"]["cached_tokens"] > 0 for o in outs[0])  # the shared prefix was reused
+
+
+@needs_cpu_kernels
+def test_engine_sdpa_extend_route_scores_prompts_as_the_fp32_oracle(make_engine, ckpt_factory, sdpa_from):
+    """A bf16 engine with the SDPA extend route on (forced at 16 tokens here, whatever the CPU), fresh prompts
+    and 48-token chunks after a cached prefix: every prompt token's logprob is within bf16 noise of HF's fp32
+    forward over the same (bf16-valued) weights, as close as the kernel route is."""
+    from transformers import AutoModelForCausalLM
+
+    path = ckpt_factory("qwen3", dtype=torch.bfloat16, hidden_size=128)
+    prompts = random_prompts([150, 20, 97], seed=13)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    errors = {}
+    for route_from in (16, 0):
+        sdpa_from(route_from)
+        engine = make_engine(path, dtype="bfloat16", chunked_prefill_size=48)
+        outs = engine.generate(input_ids=prompts, sampling_params=dict(max_new_tokens=1, temperature=0.0),
+                               return_logprob=True, logprob_start_len=0)
+        worst = 0.0
+        for prompt, out in zip(prompts, outs):
+            with torch.no_grad():
+                want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), dim=-1)
+            got = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]  # position p scores p + 1
+            ref = [want[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)]
+            worst = max(worst, (torch.tensor(got) - torch.tensor(ref)).abs().max().item())
+        errors[route_from] = worst
+        engine.shutdown()
+    print(f"max |logprob - fp32 oracle|: SDPA route {errors[16]:.4f}, kernel route {errors[0]:.4f}")
+    assert errors[16] < 0.5 and errors[16] <= 1.5 * errors[0] + 0.02
 
 
 def test_the_ninja_package_is_found_off_path(monkeypatch):
