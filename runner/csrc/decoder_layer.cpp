@@ -23,6 +23,7 @@
 
 #include "entry_points.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -102,6 +103,28 @@ Tensor gated_mlp(const Tensor& x, const OptList& p, int64_t kind) {
   return at::mul(at::silu(halves[0]), halves[1]);
 }
 
+// A prefill's MLP runs over row blocks of this many tokens when both its linears are prepacked: the
+// [rows, intermediate] activations of a block stay in cache between gate|up and down instead of making
+// a round trip through memory. On a 2-core Xeon with AMX (24 layers' worth of 0.5B-shaped MLPs, 2048
+// tokens, bf16) 37.9 ms a layer whole against 28.7 in blocks of 512 and 30.9 in blocks of 256; fp32
+// 187 -> 167 ms. oneDNN computes each output row the same whatever the rows beside it (checked bitwise
+// there, and by the fused-vs-modules tests), so the blocks change no bits.
+constexpr int64_t kMlpRowBlock = 512;
+
+// hidden: [num_tokens, hidden] -> the MLP's output [num_tokens, hidden].
+Tensor mlp(const Tensor& hidden, const OptList& gate_up, int64_t gate_up_kind, const OptList& down,
+           int64_t down_kind) {
+  const int64_t n = hidden.size(0);
+  if (n <= kMlpRowBlock || gate_up_kind != 2 || down_kind != 1)
+    return linear(gated_mlp(hidden, gate_up, gate_up_kind), down, down_kind, "down_proj");
+  std::vector<Tensor> blocks;
+  for (int64_t start = 0; start < n; start += kMlpRowBlock) {
+    const Tensor rows = hidden.narrow(0, start, std::min(kMlpRowBlock, n - start));
+    blocks.push_back(linear(gated_mlp(rows, gate_up, gate_up_kind), down, down_kind, "down_proj"));
+  }
+  return at::cat(blocks);
+}
+
 // hidden: [num_tokens, hidden]; residual: the same, or None on the first layer; cos, sin_signed:
 // [num_tokens, 1, head_dim] (runner/layers/rotary.py); k_cache, v_cache: this layer's pool
 // [slots, kv_heads, head_dim]; out_cache_loc: [num_tokens] int64 slots of the new tokens; the paged
@@ -164,7 +187,7 @@ std::tuple<Tensor, Tensor> decoder_layer(
   const Tensor attn_out = linear(attn.reshape({n, q_size}), o, o_kind, "o_proj");
 
   std::tie(hidden, residual) = add_rms_norm(attn_out, residual, ln2, eps);
-  return {linear(gated_mlp(hidden, gate_up, gate_up_kind), down, down_kind, "down_proj"), residual};
+  return {mlp(hidden, gate_up, gate_up_kind, down, down_kind), residual};
 }
 
 constexpr int64_t kLayerParams = 14;  // per layer in model_forward's list (runner/models/fused_layer.py)

@@ -84,6 +84,25 @@ def test_fused_forward_equals_module_forward_bitwise(make_engine, ckpt_factory, 
     assert fused == modules
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_prefill_mlp_in_row_blocks_equals_module_forward_bitwise(make_engine, ckpt_factory, monkeypatch, dtype):
+    """A prefill step of more than 512 tokens runs the prepacked MLP over 512-row blocks (decoder_layer.cpp,
+    kMlpRowBlock): 1,250 prompt tokens in one step (three prompts up to the 512-token context), uneven last block; tokens
+    and logprobs equal the modules' (whole-batch MLP) exactly."""
+    monkeypatch.setattr(prepack, "MIN_PACK_NUMEL", 0)
+    path = ckpt_factory("qwen2")
+    engine = make_engine(path, dtype=dtype, chunked_prefill_size=2048, max_total_tokens=4096)
+    assert all(m.packed is not None for m in engine.runner.model.fused_model.linears)
+    prompts = random_prompts([500, 483, 267], seed=12)
+    params = dict(max_new_tokens=6, temperature=0.9, seed=2, ignore_eos=True)
+    calls = _count_runs(monkeypatch, engine)
+    fused = _generate(engine, prompts, params)
+    assert calls[0] > 0
+    _set_fused(engine, False)
+    engine.flush_cache()
+    assert _generate(engine, prompts, params) == fused
+
+
 def test_fused_greedy_decode_matches_hf_generate(make_engine, ckpt_factory):
     """Through the fused op (the default on an AVX-512 or AVX2 CPU), greedy tokens are HF generate's and the
     logprobs are within float rounding of HF's."""
