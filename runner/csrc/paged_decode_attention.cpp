@@ -352,6 +352,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // bf16 extends of at least this many new tokens go to torch's SDPA; 0: none do (the default, until the
 // Python side sets it: it knows whether the CPU has AMX, which ATen's C++ API does not say).
 std::atomic<int64_t> g_sdpa_min_tokens{0};
+// An extend after a cached prefix needs a [new tokens, seq_len] mask (SDPA's causal flag aligns the top-left
+// corner, not the bottom-right); SDPA widens it to a float mask of the same shape. Above this many elements
+// (a 2048-token chunk after ~2k cached tokens) the kernel keeps the request instead of allocating that.
+constexpr int64_t kSdpaMaxMaskElements = int64_t{1} << 22;
+
+bool takes_sdpa(int64_t new_tokens, int64_t seq_len, int64_t min_tokens) {
+  return min_tokens > 0 && new_tokens >= min_tokens &&
+         (new_tokens == seq_len || new_tokens * seq_len <= kSdpaMaxMaskElements);
+}
 
 int64_t set_extend_sdpa_min_tokens(int64_t min_tokens) {
   TORCH_CHECK(min_tokens >= 0, "set_extend_sdpa_min_tokens: min_tokens must be >= 0 (0: never), got ", min_tokens);
@@ -384,8 +393,8 @@ void extend_via_sdpa(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 // The same for an extend step: q: [num_tokens, hq, D], request b's extend_lens[b] new tokens in order
 // (their K/V already in the pool, at positions seq_lens[b] - extend_lens[b] onwards), causal.
-// bf16 requests with at least g_sdpa_min_tokens new tokens take extend_via_sdpa; the rest the kernel
-// (as a sub-batch of their rows when some took SDPA).
+// bf16 requests with at least g_sdpa_min_tokens new tokens take extend_via_sdpa (unless their prefix mask
+// would be over kSdpaMaxMaskElements); the rest the kernel (as a sub-batch of their rows when some took SDPA).
 at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale) {
@@ -394,9 +403,11 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   const bool may_sdpa = min_tokens > 0 && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
                         extend_lens.scalar_type() == at::kLong && extend_lens.is_contiguous();
   int64_t num_sdpa = 0;
-  if (may_sdpa) {
+  if (may_sdpa && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+      seq_lens.numel() == extend_lens.numel()) {
     const int64_t* ext = extend_lens.data_ptr<int64_t>();
-    for (int64_t b = 0; b < extend_lens.numel(); ++b) num_sdpa += ext[b] >= min_tokens;
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < extend_lens.numel(); ++b) num_sdpa += takes_sdpa(ext[b], lens[b], min_tokens);
   }
   if (num_sdpa == 0)
     return attend(name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, &extend_lens, scale);
@@ -436,7 +447,7 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty_like(q);
   std::vector<int64_t> kernel_reqs, kernel_rows;  // the requests (and their q rows) the kernel takes
   for (int64_t b = 0, offset = 0; b < bs; offset += ext[b], ++b) {
-    if (ext[b] >= min_tokens) {
+    if (takes_sdpa(ext[b], lens[b], min_tokens)) {
       extend_via_sdpa(q, k_cache, v_cache, r2t + rows[b] * req_to_token.stride(0), lens[b], ext[b], offset, scale,
                       out);
     } else {

@@ -321,6 +321,31 @@ def test_extend_sdpa_route_is_per_request_and_bf16_only(op, sdpa_from):
     assert torch.equal(on, cpu_decode.paged_attention(op, q32, k32, v32, r2t, rows, seq, torch.tensor(new), 0.125))
 
 
+def test_extend_after_a_long_prefix_keeps_the_kernel_over_the_mask_cap(op, sdpa_from):
+    """A prefixed extend whose [new tokens, seq_len] mask would pass 2^22 elements (200 new tokens after 21,000
+    cached) stays on the kernel: its rows are the kernel's bits, and match the oracle; a fresh extend needs no
+    mask and takes SDPA at any length."""
+    gen = torch.Generator().manual_seed(17)
+    hq, hkv, d, prefix, n = 2, 1, 16, 21_000, 200
+    k = torch.randn(prefix + n + 1, hkv, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(prefix + n + 1, hkv, d, generator=gen).to(torch.bfloat16)
+    r2t = torch.arange(1, prefix + n + 1).unsqueeze(0)
+    q = torch.randn(n, hq, d, generator=gen).to(torch.bfloat16)
+    args = (q, k, v, r2t, torch.tensor([0]), torch.tensor([prefix + n]), torch.tensor([n]), 0.25)
+    sdpa_from(0)
+    kernel = cpu_decode.paged_attention(op, *args)
+    sdpa_from(16)
+    assert torch.equal(cpu_decode.paged_attention(op, *args), kernel)
+    rows = slice(n - 3, n)  # the oracle on the last rows only: 21k keys each
+    sub = (q[rows], k, v, r2t, torch.tensor([0]), torch.tensor([prefix + n]), [3], 0.25)
+    torch.testing.assert_close(kernel[rows].double(), _extend_oracle(*sub), rtol=1e-2, atol=1e-2)
+    fresh = (q, k, v, r2t, torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), 0.25)
+    sdpa_from(0)
+    fresh_kernel = cpu_decode.paged_attention(op, *fresh)
+    sdpa_from(16)
+    assert not torch.equal(cpu_decode.paged_attention(op, *fresh), fresh_kernel)  # no mask: SDPA takes it
+
+
 def test_extend_sdpa_threshold_setting_and_machine_default(op, sdpa_from, monkeypatch):
     """The threshold op returns the previous value and refuses a negative one by name; the loader turns the
     route on (at EXTEND_SDPA_MIN_TOKENS) only on a CPU with AMX tiles and native bf16."""
