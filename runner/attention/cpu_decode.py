@@ -17,7 +17,7 @@ is built. Against torch's CPU flash SDPA on the already-gathered K/V (same machi
 
 On a CPU with AMX tiles, bf16 extends of at least `cpu_kernels.EXTEND_SDPA_MIN_TOKENS` new tokens per
 request go to torch's flash SDPA instead, inside the same op (the request's K/V gathered out of the pool,
-causal from its cached prefix, whose boolean mask is capped at 2^22 elements: past that, the kernel): its bf16 GEMMs run on the tile unit, 2-4x faster than this loop there at
+causal from its cached prefix, whose boolean mask is capped at 2^24 elements: past that, the kernel): its bf16 GEMMs run on the tile unit, 2-4x faster than this loop there at
 256-2048 tokens (figures in runner/cpu_kernels.py). Those rows then differ from the decode op's by bf16
 rounding (SDPA rounds the probabilities to bf16 before they weight V), so on that route a token's KV is not
 bitwise the same prefilled and decoded; the rest of the batch, fp32 models, and every CPU without AMX keep

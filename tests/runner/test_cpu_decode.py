@@ -322,11 +322,11 @@ def test_extend_sdpa_route_is_per_request_and_bf16_only(op, sdpa_from):
 
 
 def test_extend_after_a_long_prefix_keeps_the_kernel_over_the_mask_cap(op, sdpa_from):
-    """A prefixed extend whose [new tokens, seq_len] mask would pass 2^22 elements (200 new tokens after 21,000
+    """A prefixed extend whose [new tokens, seq_len] mask would pass 2^24 elements (200 new tokens after 84,000
     cached) stays on the kernel: its rows are the kernel's bits, and match the oracle; a fresh extend needs no
     mask and takes SDPA at any length."""
     gen = torch.Generator().manual_seed(17)
-    hq, hkv, d, prefix, n = 2, 1, 16, 21_000, 200
+    hq, hkv, d, prefix, n = 2, 1, 16, 84_000, 200
     k = torch.randn(prefix + n + 1, hkv, d, generator=gen).to(torch.bfloat16)
     v = torch.randn(prefix + n + 1, hkv, d, generator=gen).to(torch.bfloat16)
     r2t = torch.arange(1, prefix + n + 1).unsqueeze(0)
@@ -336,7 +336,7 @@ def test_extend_after_a_long_prefix_keeps_the_kernel_over_the_mask_cap(op, sdpa_
     kernel = cpu_decode.paged_attention(op, *args)
     sdpa_from(16)
     assert torch.equal(cpu_decode.paged_attention(op, *args), kernel)
-    rows = slice(n - 3, n)  # the oracle on the last rows only: 21k keys each
+    rows = slice(n - 3, n)  # the oracle on the last rows only: 84k keys each
     sub = (q[rows], k, v, r2t, torch.tensor([0]), torch.tensor([prefix + n]), [3], 0.25)
     torch.testing.assert_close(kernel[rows].double(), _extend_oracle(*sub), rtol=1e-2, atol=1e-2)
     fresh = (q, k, v, r2t, torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), 0.25)
