@@ -48,9 +48,9 @@ CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp
 # bf16 extends of at least this many new tokens per request take torch's flash SDPA where the CPU has AMX
 # (runner/csrc/paged_decode_attention.cpp, extend_via_sdpa): its bf16 GEMMs run on the tile unit. On a
 # 2-core Xeon with AMX (14/2 heads, head_dim 64, one request) the kernel took 0.36 / 1.35 / 5.2 / 16.5 ms
-# at 128 / 256 / 512 / 1024 new tokens, SDPA 0.22 / 0.66 / 2.3 / 3.8 ms; on a Zen 5 without AMX the kernel
-# was the faster (4 x 512 bf16: 17.0 vs 33.0 ms a layer), so there it stays the only path, as it does for
-# fp32 (within 0.65-1.26x of SDPA at 128-2048 tokens on the Xeon).
+# at 128 / 256 / 512 / 1024 new tokens, SDPA 0.22 / 0.66 / 2.3 / 3.8 ms. On AMD EPYCs without AMX the kernel
+# was the faster (Zen 4, 4 x 512 bf16: 17.0 vs 33.0 ms a layer; Zen 5, 16 x 1024: 163 vs 254 ms), so there it
+# stays the only path, as it does for fp32 (0.65-1.26x SDPA's time at 128-2048 tokens on the Xeon).
 EXTEND_SDPA_MIN_TOKENS = 128
 
 
