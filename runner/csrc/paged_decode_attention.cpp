@@ -42,8 +42,8 @@ namespace {
 
 using namespace rollout_lanes;
 
-// ---- head_dim = 16 * NV; query heads of a group in chunks of GC <= kMaxGC (below), so a chunk's q rows (or
-// accumulators) and the current K (or V) row stay in AVX-512's 32 vector registers (AVX2 spills some).
+// ---- head_dim = 16 * NV; query heads of a group in chunks of GC heads (for_head_chunks, below says how many),
+// each chunk's q rows (or accumulators) and the current K (or V) row held in vector registers where they fit.
 
 // e^x for x <= 0 (scores minus their max) on 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by a
 // degree-6 Taylor polynomial (relative error < 2e-7 on that interval), 2^n by the exponent bits.
@@ -88,8 +88,11 @@ inline V16 vsum4(V16 v0, V16 v1, V16 v2, V16 v3) {
 }
 #endif
 
+// scores_chunk and values_chunk are forced inline: with the decode's chunks of up to 8 heads compiled
+// beside them, GCC left the extend's chunk-of-4 calls out of line, and a 1024-token fp32 extend (one request,
+// 14/2 heads, 2-core Xeon) took 12.7-13.4 ms against 9.3-10.6 ms inlined.
 template <int NV, int GC, typename T>
-void scores_chunk(const float* __restrict q, const T* __restrict k_base, int64_t slot_stride,
+__attribute__((always_inline)) inline void scores_chunk(const float* __restrict q, const T* __restrict k_base, int64_t slot_stride,
                   const int64_t* __restrict slots, int64_t len, float* __restrict scores,
                   const T* __restrict v_base) {  // v_base: also prefetch these V rows (nullptr: not)
   V16 qv[GC][NV];
@@ -109,7 +112,14 @@ void scores_chunk(const float* __restrict q, const T* __restrict k_base, int64_t
       for (int j = 1; j < NV; ++j) a[g] = vfmadd(qv[g][j], kv[j], a[g]);
     }
 #if defined(ROLLOUT_LANES_AVX512)
-    if constexpr (GC >= 3) {
+    if constexpr (GC >= 5) {  // two sets of 4 sums (decode chunks of up to 8 heads)
+      alignas(64) float s[32];
+      _mm512_store_ps(s, vsum4(a[0], a[1], a[2], a[3]));
+      _mm512_store_ps(s + 16, vsum4(a[4 % GC], GC >= 6 ? a[5 % GC] : vzero(), GC >= 7 ? a[6 % GC] : vzero(),
+                                    GC >= 8 ? a[7 % GC] : vzero()));
+      for (int g = 0; g < GC; ++g) scores[g * len + t] = s[4 * g];
+      continue;
+    } else if constexpr (GC >= 3) {
       alignas(64) float s[16];
       _mm512_store_ps(s, vsum4(a[0], a[1], a[2], GC == 4 ? a[GC - 1] : vzero()));
       for (int g = 0; g < GC; ++g) scores[g * len + t] = s[4 * g];
@@ -121,7 +131,7 @@ void scores_chunk(const float* __restrict q, const T* __restrict k_base, int64_t
 }
 
 template <int NV, int GC, typename T>
-void values_chunk(const T* __restrict v_base, int64_t slot_stride, const int64_t* __restrict slots, int64_t len,
+__attribute__((always_inline)) inline void values_chunk(const T* __restrict v_base, int64_t slot_stride, const int64_t* __restrict slots, int64_t len,
                   const float* __restrict probs, float* __restrict acc) {
   V16 av[GC][NV];
   for (int g = 0; g < GC; ++g)
@@ -164,29 +174,46 @@ inline void softmax_rows(float* scores, int64_t len, int group, float* inv_sum) 
   }
 }
 
-// f(std::integral_constant<int, GC>, g0) for each chunk g0 .. g0 + GC - 1 (GC <= 4) of the group's heads:
-// GC is a compile-time constant, so a chunk's rows live in registers.
-// AVX2 has 16 ymm registers, and a V16 is two of them: chunks of 2 heads there (a 16 x 512-key decode,
-// 14 q / 2 KV heads, head_dim 64, fp32, measured on a 2-core EPYC on one
-// thread: 1.17-1.44 ms against 1.23-2.33 ms with chunks of 4 over three runs each, noisy), 4 on AVX-512.
+// f(std::integral_constant<int, GC>, g0) for each chunk g0 .. g0 + GC - 1 (GC <= kMax) of the group's heads:
+// GC is a compile-time constant, so a chunk's rows live in registers (or, past what the registers hold, in
+// L1), and each chunk is one pass over the keys. How many heads a chunk takes, per kind of step:
+// - AVX2 has 16 ymm registers, and a V16 is two of them: chunks of 2 heads there, both kinds (a 16 x 512-key
+//   decode, 14 q / 2 KV heads, head_dim 64, fp32, measured on a 2-core EPYC on one thread: 1.17-1.44 ms
+//   against 1.23-2.33 ms with chunks of 4 over three runs each, noisy).
+// - AVX-512, decode: up to 8 heads, so a GQA group of up to 8 reads each request's K and V rows once instead
+//   of once per chunk of 4; what spills is q, reloaded from L1. bench/decode_attention.py on a 2-core Xeon,
+//   16 requests: 14/2 heads, head_dim 64, bf16 0.34 / 2.76 / 6.48 -> 0.31 / 2.00 / 4.58 ms a layer at
+//   576 / 2048 / 4096 keys, fp32 0.79 / 4.29 -> 0.59 / 2.87 at 576 / 2048; head_dim 128 with 12/2 heads
+//   0.92 / 5.52 -> 0.66 / 4.40, 16/2 1.07 / 5.71 -> 1.01 / 4.51; 32/8 (groups of 4) unchanged.
+// - AVX-512, extend: chunks of 4. A new token's keys are few and recently written (in cache), so the pass
+//   is compute-bound and the spills cost more than the second read: fp32 0.69 / 10.1 / 41.0 ms at 256 /
+//   1024 / 2048 tokens with chunks of 4 against 0.89 / 13.2 / 52.7 with 8 (one request, 14/2 heads).
+// Chunking changes no bits: each head's dot products and weighted sums run in the same order in any chunk.
 #if defined(ROLLOUT_LANES_AVX512)
-constexpr int kMaxGC = 4;
+constexpr int kMaxGCDecode = 8;
+constexpr int kMaxGCExtend = 4;
 #else
-constexpr int kMaxGC = 2;
+constexpr int kMaxGCDecode = 2;
+constexpr int kMaxGCExtend = 2;
 #endif
-template <typename F>
+template <int kMax, typename F>
 inline void for_head_chunks(int group, F&& f) {
-  for (int g0 = 0; g0 < group; g0 += kMaxGC) {
-    switch (group - g0 < kMaxGC ? group - g0 : kMaxGC) {
+  for (int g0 = 0; g0 < group; g0 += kMax) {
+    switch (group - g0 < kMax ? group - g0 : kMax) {
       case 1: f(std::integral_constant<int, 1>{}, g0); break;
       case 2: f(std::integral_constant<int, 2>{}, g0); break;
-      case 3: f(std::integral_constant<int, 3 <= kMaxGC ? 3 : 1>{}, g0); break;  // unreachable when kMaxGC < 3
-      default: f(std::integral_constant<int, kMaxGC>{}, g0); break;
+      // Unreachable when kMax is smaller (the 1 only keeps those instances valid).
+      case 3: f(std::integral_constant<int, 3 <= kMax ? 3 : 1>{}, g0); break;
+      case 4: f(std::integral_constant<int, 4 <= kMax ? 4 : 1>{}, g0); break;
+      case 5: f(std::integral_constant<int, 5 <= kMax ? 5 : 1>{}, g0); break;
+      case 6: f(std::integral_constant<int, 6 <= kMax ? 6 : 1>{}, g0); break;
+      case 7: f(std::integral_constant<int, 7 <= kMax ? 7 : 1>{}, g0); break;
+      default: f(std::integral_constant<int, kMax>{}, g0); break;
     }
   }
 }
 
-template <int NV, typename T>
+template <int kMax, int NV, typename T>
 void attend_simd(const float* q, const T* k_base, const T* v_base, int64_t slot_stride, const int64_t* slots,
                  int64_t len, int group, float* scores, float* acc, float* inv_sum, bool extend) {
   constexpr int D = NV * 16;
@@ -195,28 +222,28 @@ void attend_simd(const float* q, const T* k_base, const T* v_base, int64_t slot_
   // fp32 extend 154-159 -> 128-135, bf16 decode at 576 keys 0.27 -> 0.22 ms); not for an fp32 decode, whose
   // rows are twice as long: there it measured ~5% slower at 2048 keys.
   const T* v_ahead = (extend || sizeof(T) == 2) ? v_base : nullptr;
-  for_head_chunks(group, [&](auto gc, int g0) {
+  for_head_chunks<kMax>(group, [&](auto gc, int g0) {
     scores_chunk<NV, decltype(gc)::value, T>(q + g0 * D, k_base, slot_stride, slots, len, scores + g0 * len,
                                              g0 == 0 ? v_ahead : nullptr);
   });
   softmax_rows(scores, len, group, inv_sum);
-  for_head_chunks(group, [&](auto gc, int g0) {
+  for_head_chunks<kMax>(group, [&](auto gc, int g0) {
     values_chunk<NV, decltype(gc)::value, T>(v_base, slot_stride, slots, len, scores + g0 * len, acc + g0 * D);
   });
   for (int g = 0; g < group; ++g)
     for (int d = 0; d < D; ++d) acc[g * D + d] *= inv_sum[g];
 }
-template <int D, typename T>
+template <int kMax, int D, typename T>
 inline void attend_one(const float* q, const T* k_base, const T* v_base, int64_t slot_stride, const int64_t* slots,
                        int64_t len, int group, float* scores, float* acc, float* inv_sum, bool extend) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16 lanes");
-  attend_simd<D / 16, T>(q, k_base, v_base, slot_stride, slots, len, group, scores, acc, inv_sum, extend);
+  attend_simd<kMax, D / 16, T>(q, k_base, v_base, slot_stride, slots, len, group, scores, acc, inv_sum, extend);
 }
 
 // Token t of the step (q row t) belongs to request tok_req[t] and sees that request's first tok_len[t]
 // slots: for decode one token per request seeing all seq_len slots; for an extend of n new tokens on
 // top of seq_len - n cached ones, new token j sees seq_len - n + j + 1 (causal, prefix included).
-template <int D, typename T>
+template <int kMax, int D, typename T>
 void run(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
          const int64_t* extend_lens, double scale, at::Tensor& out) {
@@ -274,7 +301,7 @@ void run(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const
       for (int i = 0; i < group * D; i += 16)
         vstoreu(qf.data() + i, vmul(load16(qt + i, all_lanes()), vset1(fscale)));
       scores.resize(static_cast<size_t>(group) * len);
-      attend_one<D, T>(qf.data(), kp + h * D, vp + h * D, slot_stride, r2t + rows[b] * r2t_stride, len, group,
+      attend_one<kMax, D, T>(qf.data(), kp + h * D, vp + h * D, slot_stride, r2t + rows[b] * r2t_stride, len, group,
                        scores.data(), acc.data(), inv_sum.data(), extend_lens != nullptr);
       T* ot = op + (t * hq + h * group) * D;
       for (int i = 0; i < group * D; i += 16) store16(ot + i, vloadu(acc.data() + i), all_lanes());
@@ -282,18 +309,28 @@ void run(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const
   }
 }
 
+// Decode and extend compile separately, each with its own head chunks (for_head_chunks).
+template <int D, typename T>
+void run_kind(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r2t,
+              const at::Tensor& rows, const at::Tensor& lens, const int64_t* ext, double scale, at::Tensor& out) {
+  if (ext != nullptr)
+    run<kMaxGCExtend, D, T>(name, q, k, v, r2t, rows, lens, ext, scale, out);
+  else
+    run<kMaxGCDecode, D, T>(name, q, k, v, r2t, rows, lens, ext, scale, out);
+}
+
 template <typename T>
 bool dispatch_dim(int64_t d, const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& r2t, const at::Tensor& rows, const at::Tensor& lens, const int64_t* ext,
                   double scale, at::Tensor& out) {
   switch (d) {
-    case 16: run<16, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 32: run<32, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 64: run<64, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 80: run<80, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 96: run<96, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 128: run<128, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 256: run<256, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 16: run_kind<16, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 32: run_kind<32, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 64: run_kind<64, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 80: run_kind<80, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 96: run_kind<96, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 128: run_kind<128, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 256: run_kind<256, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
     default: return false;
   }
 }

@@ -58,10 +58,11 @@ def _oracle(q, k, v, r2t, rows, lens, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", cpu_decode.HEAD_DIMS)
-@pytest.mark.parametrize("heads", [(1, 1), (4, 1), (7, 1), (14, 2), (8, 8)])
+@pytest.mark.parametrize("heads", [(1, 1), (4, 1), (6, 1), (7, 1), (14, 2), (16, 2), (10, 1), (8, 8)])
 def test_kernel_matches_float64_softmax(op, dtype, d, heads):
     """Every (request, head): softmax(q.K * scale) V over its own seq_len slots, read in place; lengths on
-    and off the 16-lane boundary; GQA groups of 1, 4 and 7 (two chunks of the kernel's 4 heads)."""
+    and off the 16-lane boundary; GQA groups of 1, 4, 6, 7, 8 and 10 (the decode's head chunks hold up to 8
+    heads on AVX-512, 2 on AVX2: one chunk, a full one, and a full one plus a remainder)."""
     hq, hkv = heads
     q, k, v, r2t, rows, lens = _case(dtype, d, hq, hkv, [1, 15, 16, 17, 70], seed=d + hq, share_prefix=1)
     out = _decode(op, q, k, v, r2t, rows, lens, d**-0.5)
@@ -246,7 +247,7 @@ def sdpa_from(op):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d, heads", [(64, (14, 2)), (128, (4, 4)), (16, (7, 1)), (96, (6, 2))])
+@pytest.mark.parametrize("d, heads", [(64, (14, 2)), (128, (4, 4)), (16, (7, 1)), (96, (6, 2)), (32, (10, 1))])
 def test_extend_is_bitwise_the_decode_op_per_token(op, sdpa_from, dtype, d, heads):
     """On the kernel route, each new token of an extend gets exactly the bits the decode op gives it attended
     alone over its own prefix (so a sequence's KV does not depend on whether its tokens were prefilled or
