@@ -244,7 +244,7 @@ inline void attend_one(const float* q, const T* k_base, const T* v_base, int64_t
 // slots: for decode one token per request seeing all seq_len slots; for an extend of n new tokens on
 // top of seq_len - n cached ones, new token j sees seq_len - n + j + 1 (causal, prefix included).
 template <int kMax, int D, typename T>
-void run(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
          const int64_t* extend_lens, double scale, at::Tensor& out) {
   const int64_t bs = seq_lens.numel(), num_tokens = q.size(0), hq = q.size(1), hkv = k_cache.size(1);
@@ -259,31 +259,16 @@ void run(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  const int64_t num_slots = k_cache.size(0), max_context = req_to_token.size(1), num_rows = req_to_token.size(0);
-  std::vector<int64_t> tok_req, tok_len;
+  std::vector<int64_t> tok_req, tok_len;  // the requests' lengths and slots were checked (check_requests)
   tok_req.reserve(num_tokens);
   tok_len.reserve(num_tokens);
   for (int64_t b = 0; b < bs; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_context, name, ": seq_lens[", b, "] = ", lens[b], " is outside [1, ",
-                max_context, "]");
-    TORCH_CHECK(rows[b] >= 0 && rows[b] < num_rows, name, ": req_pool_indices[", b, "] = ", rows[b],
-                " is outside [0, ", num_rows, ")");
     const int64_t n = extend_lens ? extend_lens[b] : 1;
-    TORCH_CHECK(n >= 1 && n <= lens[b], name, ": extend_lens[", b, "] = ", n, " is outside [1, seq_lens[", b, "] = ",
-                lens[b], "]");
-    // A slot outside the pool would read out of bounds: one sequential pass over each request's
-    // slots first (small against the attention), so the step fails cleanly instead.
-    const int64_t* slots = r2t + rows[b] * r2t_stride;
-    bool in_pool = true;
-    for (int64_t t = 0; t < lens[b]; ++t) in_pool &= (slots[t] >= 0) & (slots[t] < num_slots);
-    TORCH_CHECK(in_pool, name, ": request ", b, " has a KV slot outside the pool [0, ", num_slots, ")");
     for (int64_t j = 0; j < n; ++j) {
       tok_req.push_back(b);
       tok_len.push_back(lens[b] - n + j + 1);
     }
   }
-  TORCH_CHECK(static_cast<int64_t>(tok_req.size()) == num_tokens, name, ": q has ", num_tokens,
-              " rows but the requests' new tokens sum to ", tok_req.size());
   const int64_t items = num_tokens * hkv;
   // OpenMP directly, not at::parallel_for: the team is the calling thread's own setting, the one
   // torch.set_num_threads gave it (at::parallel_for's first call per thread in an extension re-applies
@@ -311,33 +296,34 @@ void run(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const
 
 // Decode and extend compile separately, each with its own head chunks (for_head_chunks).
 template <int D, typename T>
-void run_kind(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r2t,
+void run_kind(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r2t,
               const at::Tensor& rows, const at::Tensor& lens, const int64_t* ext, double scale, at::Tensor& out) {
   if (ext != nullptr)
-    run<kMaxGCExtend, D, T>(name, q, k, v, r2t, rows, lens, ext, scale, out);
+    run<kMaxGCExtend, D, T>(q, k, v, r2t, rows, lens, ext, scale, out);
   else
-    run<kMaxGCDecode, D, T>(name, q, k, v, r2t, rows, lens, ext, scale, out);
+    run<kMaxGCDecode, D, T>(q, k, v, r2t, rows, lens, ext, scale, out);
 }
 
 template <typename T>
-bool dispatch_dim(int64_t d, const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+bool dispatch_dim(int64_t d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& r2t, const at::Tensor& rows, const at::Tensor& lens, const int64_t* ext,
                   double scale, at::Tensor& out) {
   switch (d) {
-    case 16: run_kind<16, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 32: run_kind<32, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 64: run_kind<64, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 80: run_kind<80, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 96: run_kind<96, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 128: run_kind<128, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
-    case 256: run_kind<256, T>(name, q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 16: run_kind<16, T>(q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 32: run_kind<32, T>(q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 64: run_kind<64, T>(q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 80: run_kind<80, T>(q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 96: run_kind<96, T>(q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 128: run_kind<128, T>(q, k, v, r2t, rows, lens, ext, scale, out); return true;
+    case 256: run_kind<256, T>(q, k, v, r2t, rows, lens, ext, scale, out); return true;
     default: return false;
   }
 }
 
-at::Tensor attend(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                  const at::Tensor* extend_lens, double scale) {
+// The arguments' shapes, dtypes and layouts (extend_lens: nullptr for decode).
+void check_args(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                const at::Tensor* extend_lens) {
   TORCH_CHECK(q.device().is_cpu(), name, ": q must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), name, ": q must be contiguous [num_tokens, hq, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), name,
@@ -356,24 +342,65 @@ at::Tensor attend(const char* name, const at::Tensor& q, const at::Tensor& k_cac
                   req_pool_indices.is_contiguous() && seq_lens.is_contiguous() && req_pool_indices.numel() == bs &&
                   (extend_lens != nullptr || bs == q.size(0)),
               name, ": req_pool_indices and seq_lens must be contiguous int64 [bs]");
-  const int64_t* ext = nullptr;
-  if (extend_lens != nullptr) {
+  if (extend_lens != nullptr)
     TORCH_CHECK(extend_lens->scalar_type() == at::kLong && extend_lens->is_contiguous() && extend_lens->numel() == bs,
                 name, ": extend_lens must be contiguous int64 [bs]");
-    ext = extend_lens->data_ptr<int64_t>();
+}
+
+// Each request's lengths, pool row and slots (ext: nullptr for decode, one new token each), and that the new
+// tokens add up to q's num_tokens rows. A slot outside the pool would read out of bounds: one sequential pass
+// over each request's slots first (small against the attention), so the step fails cleanly instead.
+void check_requests(const char* name, int64_t num_tokens, const at::Tensor& k_cache, const at::Tensor& req_to_token,
+                    const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const int64_t* ext) {
+  const int64_t bs = seq_lens.numel(), num_slots = k_cache.size(0);
+  const int64_t max_context = req_to_token.size(1), num_rows = req_to_token.size(0);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* r2t = req_to_token.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < bs; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_context, name, ": seq_lens[", b, "] = ", lens[b], " is outside [1, ",
+                max_context, "]");
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < num_rows, name, ": req_pool_indices[", b, "] = ", rows[b],
+                " is outside [0, ", num_rows, ")");
+    const int64_t n = ext ? ext[b] : 1;
+    TORCH_CHECK(n >= 1 && n <= lens[b], name, ": extend_lens[", b, "] = ", n, " is outside [1, seq_lens[", b, "] = ",
+                lens[b], "]");
+    const int64_t* slots = r2t + rows[b] * req_to_token.stride(0);
+    bool in_pool = true;
+    for (int64_t t = 0; t < lens[b]; ++t) in_pool &= (slots[t] >= 0) & (slots[t] < num_slots);
+    TORCH_CHECK(in_pool, name, ": request ", b, " has a KV slot outside the pool [0, ", num_slots, ")");
+    total += n;
   }
+  TORCH_CHECK(total == num_tokens, name, ": q has ", num_tokens, " rows but the requests' new tokens sum to ", total);
+}
+
+// The kernel over checked arguments -> [num_tokens, hq, D] in q's dtype.
+at::Tensor run_kernel(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                      const int64_t* ext, double scale) {
+  const int64_t d = q.size(2);
   auto out = at::empty_like(q);
   bool ok = false;
   if (q.scalar_type() == at::kFloat) {
-    ok = dispatch_dim<float>(d, name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext, scale, out);
+    ok = dispatch_dim<float>(d, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    ok = dispatch_dim<c10::BFloat16>(d, name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext,
+    ok = dispatch_dim<c10::BFloat16>(d, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext,
                                      scale, out);
   } else {
     TORCH_CHECK(false, name, ": dtype ", q.scalar_type(), " not supported (float32, bfloat16)");
   }
   TORCH_CHECK(ok, name, ": head_dim ", d, " not compiled (16, 32, 64, 80, 96, 128, 256)");
   return out;
+}
+
+at::Tensor attend(const char* name, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                  const at::Tensor* extend_lens, double scale) {
+  check_args(name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens);
+  const int64_t* ext = extend_lens != nullptr ? extend_lens->data_ptr<int64_t>() : nullptr;
+  check_requests(name, q.size(0), k_cache, req_to_token, req_pool_indices, seq_lens, ext);
+  return run_kernel(name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext, scale);
 }
 
 // q: [bs, hq, D]; k_cache, v_cache: [slots, hkv, D] with contiguous (hkv, D) rows; req_to_token:
@@ -438,51 +465,19 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale) {
   const char* name = "paged_extend_attention";
-  const int64_t min_tokens = g_sdpa_min_tokens.load();
-  const bool may_sdpa = min_tokens > 0 && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
-                        extend_lens.scalar_type() == at::kLong && extend_lens.is_contiguous();
-  int64_t num_sdpa = 0;
-  if (may_sdpa && seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
-      seq_lens.numel() == extend_lens.numel()) {
-    const int64_t* ext = extend_lens.data_ptr<int64_t>();
-    const int64_t* lens = seq_lens.data_ptr<int64_t>();
-    for (int64_t b = 0; b < extend_lens.numel(); ++b) num_sdpa += takes_sdpa(ext[b], lens[b], min_tokens);
-  }
-  if (num_sdpa == 0)
-    return attend(name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, &extend_lens, scale);
-
-  // The whole step is checked (shapes, dtypes, lengths, every slot in the pool) before any work, as attend does.
-  TORCH_CHECK(q.is_contiguous() && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
-                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-                  k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
-              name, ": q [num_tokens, hq, head_dim] contiguous, k_cache and v_cache [slots, kv_heads, head_dim], one dtype");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.stride(1) == 1 &&
-                  req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  req_pool_indices.is_contiguous() && seq_lens.is_contiguous() &&
-                  req_pool_indices.numel() == seq_lens.numel() && extend_lens.numel() == seq_lens.numel(),
-              name, ": req_to_token, req_pool_indices, seq_lens and extend_lens must be int64, [bs] contiguous");
-  const int64_t bs = seq_lens.numel(), num_slots = k_cache.size(0);
-  const int64_t max_context = req_to_token.size(1), num_rows = req_to_token.size(0);
+  // The whole step is checked before any work, as for decode.
+  check_args(name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, &extend_lens);
   const int64_t* ext = extend_lens.data_ptr<int64_t>();
+  check_requests(name, q.size(0), k_cache, req_to_token, req_pool_indices, seq_lens, ext);
+  const int64_t bs = seq_lens.numel();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t min_tokens = q.scalar_type() == at::kBFloat16 ? g_sdpa_min_tokens.load() : 0;
+  int64_t num_sdpa = 0;
+  for (int64_t b = 0; b < bs; ++b) num_sdpa += takes_sdpa(ext[b], lens[b], min_tokens);
+  if (num_sdpa == 0) return run_kernel(name, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext, scale);
+
   const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
   const int64_t* r2t = req_to_token.data_ptr<int64_t>();
-  int64_t total = 0;
-  for (int64_t b = 0; b < bs; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_context, name, ": seq_lens[", b, "] = ", lens[b], " is outside [1, ",
-                max_context, "]");
-    TORCH_CHECK(rows[b] >= 0 && rows[b] < num_rows, name, ": req_pool_indices[", b, "] = ", rows[b],
-                " is outside [0, ", num_rows, ")");
-    TORCH_CHECK(ext[b] >= 1 && ext[b] <= lens[b], name, ": extend_lens[", b, "] = ", ext[b],
-                " is outside [1, seq_lens[", b, "] = ", lens[b], "]");
-    const int64_t* slots = r2t + rows[b] * req_to_token.stride(0);
-    bool in_pool = true;
-    for (int64_t t = 0; t < lens[b]; ++t) in_pool &= (slots[t] >= 0) & (slots[t] < num_slots);
-    TORCH_CHECK(in_pool, name, ": request ", b, " has a KV slot outside the pool [0, ", num_slots, ")");
-    total += ext[b];
-  }
-  TORCH_CHECK(total == q.size(0), name, ": q has ", q.size(0), " rows but the requests' new tokens sum to ", total);
-
   at::Tensor out = at::empty_like(q);
   std::vector<int64_t> kernel_reqs, kernel_rows;  // the requests (and their q rows) the kernel takes
   for (int64_t b = 0, offset = 0; b < bs; offset += ext[b], ++b) {
@@ -498,10 +493,10 @@ at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& k_cache
     const auto opts = at::TensorOptions().dtype(at::kLong);
     const at::Tensor req_idx = at::from_blob(kernel_reqs.data(), {static_cast<int64_t>(kernel_reqs.size())}, opts);
     const at::Tensor row_idx = at::from_blob(kernel_rows.data(), {static_cast<int64_t>(kernel_rows.size())}, opts);
-    const at::Tensor sub_ext = extend_lens.index_select(0, req_idx);
-    const at::Tensor sub = attend(name, q.index_select(0, row_idx), k_cache, v_cache, req_to_token,
-                                  req_pool_indices.index_select(0, req_idx), seq_lens.index_select(0, req_idx),
-                                  &sub_ext, scale);
+    const at::Tensor sub_ext = extend_lens.index_select(0, req_idx);  // a subset of checked requests
+    const at::Tensor sub = run_kernel(name, q.index_select(0, row_idx), k_cache, v_cache, req_to_token,
+                                      req_pool_indices.index_select(0, req_idx), seq_lens.index_select(0, req_idx),
+                                      sub_ext.data_ptr<int64_t>(), scale);
     out.index_copy_(0, row_idx, sub);
   }
   return out;
