@@ -202,7 +202,7 @@ def test_pause_with_unknown_mode_is_refused_and_does_not_pause(engine):
     with pytest.raises(ValueError, match="in_place"):
         engine.pause_generation(mode="drain")
     assert not engine.get_server_info()["paused"]
-    assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["meta_info"][
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "ignore_eos": True})["meta_info"][
         "completion_tokens"] == 2
 
 

@@ -83,7 +83,7 @@ def test_routed_experts_only_where_asked_and_refused_without_the_flag(moe, make_
         plain.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 2}, return_routed_experts=True)
     with pytest.raises(ValueError, match="return_routed_experts must be a bool"):
         engine.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 2}, return_routed_experts="yes")
-    out = plain.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 2})
+    out = plain.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
     assert len(out["output_ids"]) == 2 and "routed_experts" not in out["meta_info"]
     with pytest.raises(ValueError, match="mixture-of-experts"):
         make_engine(tiny_llama, enable_return_routed_experts=True)
@@ -144,4 +144,5 @@ def test_recorder_on_a_dense_model_is_a_clear_error(make_engine, tiny_llama):
                  engine.dump_expert_distribution_record):
         with pytest.raises(ValueError, match="mixture-of-experts"):
             call()
-    assert len(engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})["output_ids"]) == 2
+    assert len(engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "ignore_eos": True})[
+        "output_ids"]) == 2

@@ -9,7 +9,7 @@ import pytest
 
 from tests.server.conftest import start_server
 
-GOOD = dict(input_ids=[5, 6, 7], sampling_params=dict(temperature=0, max_new_tokens=2))
+GOOD = dict(input_ids=[5, 6, 7], sampling_params=dict(temperature=0, max_new_tokens=2, ignore_eos=True))
 
 CASES = [
     ("/generate", b'{"text": "hi", ', "malformed JSON"),

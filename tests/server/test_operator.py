@@ -76,7 +76,7 @@ def test_release_without_memory_saver_names_the_flag(server):
             assert r.status_code == 400, r.text
             assert "--enable-memory-saver" in r.json()["error"]["message"]
         assert s.engine.runner.memory_saver.is_resident("weights")
-        r = c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        r = c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
 
 
