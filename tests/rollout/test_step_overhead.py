@@ -118,7 +118,7 @@ def test_small_cpu_model_steps_on_one_thread_without_changing_others(make_engine
         return step()
 
     engine.scheduler.step = recording_step
-    engine.generate(input_ids=[[5, 6, 7]], sampling_params=dict(max_new_tokens=3), show_progress=False)
+    engine.generate(input_ids=[[5, 6, 7]], sampling_params=dict(max_new_tokens=3, ignore_eos=True), show_progress=False)
     assert seen and seen[-1] == 1
     assert torch.get_num_threads() == before
     other: list[int] = []
