@@ -13,10 +13,8 @@ Messages on the private pipe (pickled; engine_process.py says why that is safe),
 function, args, kwargs), ("shutdown",). Child -> parent: ("submitted", call_id, ok, (requests, single) or
 error), ("out", deltas, load) once per engine step, ("reply", call_id, ok, value or error, state),
 ("bye",). A request's small "generate" and "abort" go onto the pipe from the event loop when that cannot
-block: those one turn of the reading loop makes are written together at its next turn (`_write_turn`: a
-client's burst of requests is one write and one wake-up of the engine process, which then submits them
-together), and from any other thread at once (`_send_direct`); everything else, and those whenever a
-message is queued ahead, is written by one sender thread (an event loop never blocks on the pipe). A PipeReader (rollout/server/engine_pipe.py) reads and
+block (`_send_direct`); everything else, and those whenever a message is queued ahead, is written by one
+sender thread (an event loop never blocks on the pipe). A PipeReader (rollout/server/engine_pipe.py) reads and
 dispatches, on its thread or, once `attach_loop` was called (the HTTP app does at start-up), on the server's event
 loop; the generate calls ("submitted", "out": deltas applied to this side's copy of each request, at once on
 the reading loop, one wake-up per other event loop) are handled by rollout/server/engine_generate.py, mixed in
@@ -43,7 +41,7 @@ import weakref
 
 from rollout.server import engine_process
 from rollout.server.engine_generate import RemoteGeneration, _Call
-from rollout.server.engine_pipe import PipeReader, frame, write_all, write_frame
+from rollout.server.engine_pipe import PipeReader, write_frame
 from rollout.server.engine_process import EngineProcessError
 from rollout.tokenizer import TokenizerWrapper
 
@@ -53,8 +51,6 @@ DIRECT_OPS = ("generate", "abort")  # the messages a request's path sends; every
 # three quarters of its send buffer (~200 KB) free, and write_frame writes a frame this small (a 4-byte
 # header, then the pickle) in one write that cannot block.
 DIRECT_MAX_BYTES = 4096 - 4
-# What one turn of the loop writes at once (several requests' messages): a sixth of that free room.
-TURN_MAX_BYTES = 1 << 15
 
 
 class _RunnerView:
@@ -101,7 +97,6 @@ class EngineClient(RemoteGeneration):
         self._write_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._queued = 0
-        self._turn: list[tuple] = []  # request messages collected on the reading loop for its next turn
         self._bye = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name="engine-client-sender", daemon=True)
         self._sender.start()
@@ -165,86 +160,15 @@ class EngineClient(RemoteGeneration):
             raise EngineProcessError(self._dead)
         if self._closing:
             raise RuntimeError("engine is shut down")
-        if msg[0] in DIRECT_OPS:
-            loop = self._reader.loop
-            if loop is not None and asyncio._get_running_loop() is loop:
-                self._add_to_turn(msg, loop)
-                return
-            self._hand_over_turn()
-            if self._send_direct(msg):
-                return
-        else:
-            self._hand_over_turn()
+        if msg[0] in DIRECT_OPS and self._send_direct(msg):
+            return
         self._enqueue(msg)
-
-    def _add_to_turn(self, msg: tuple, loop) -> None:
-        """On the reading loop: collect the request's message; the loop's next turn writes all it collected
-        together (`_write_turn`), one write and one wake-up of the engine process for a burst of requests
-        (a client's wave of 64 arrives within one turn) instead of one each."""
-        with self._count_lock:
-            first = not self._turn
-            self._turn.append(msg)
-        if first:
-            loop.call_soon(self._write_turn)
-
-    def _take_turn(self) -> list[tuple]:
-        with self._count_lock:
-            turn, self._turn = self._turn, []
-        return turn
-
-    def _hand_over_turn(self) -> None:
-        """Before a message that does not wait for the loop's turn: queue what the turn collected ahead of
-        it, so nothing overtakes a request's messages."""
-        for msg in self._take_turn():
-            self._enqueue(msg)
-
-    def _write_turn(self) -> None:
-        """The messages collected on the loop, written directly (as `_send_direct` writes one) in groups of
-        at most TURN_MAX_BYTES; from the first group that cannot go now, the sender thread takes the rest in
-        order."""
-        turn = self._take_turn()
-        start = 0
-        while start < len(turn):
-            group, size = [], 0
-            for msg in turn[start:]:
-                try:
-                    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception:  # noqa: BLE001 - the sender thread fails that call with the reason
-                    break
-                if len(data) > DIRECT_MAX_BYTES or size + len(data) + 4 > TURN_MAX_BYTES:
-                    break
-                group.append(data)
-                size += len(data) + 4
-            if not group or not self._write_frames_direct(group):
-                break
-            start += len(group)
-        for msg in turn[start:]:
-            self._enqueue(msg)
 
     def _enqueue(self, msg: tuple) -> None:
         """For the sender thread; counted until written, so no direct write overtakes it."""
         with self._count_lock:
             self._queued += 1
         self._outbox.put(msg)
-
-    def _write_frames_direct(self, frames: list[bytes]) -> bool:
-        """Write the pickled messages, framed, in one write from this thread when that cannot block: no
-        message queued ahead and room in the pipe (see DIRECT_MAX_BYTES). False: nothing was written."""
-        if not self._write_lock.acquire(blocking=False):
-            return False
-        try:
-            with self._count_lock:
-                if self._queued:
-                    return False
-            fd = self._conn.fileno()
-            if not select.select([], [fd], [], 0)[1]:
-                return False
-            write_all(fd, b"".join(frame(data) for data in frames))
-            return True
-        except (OSError, ValueError):  # the child is gone: the reader says why; the call fails as it would
-            return False
-        finally:
-            self._write_lock.release()
 
     def _send_direct(self, msg: tuple) -> bool:
         """Write a small message from the calling thread (the event loop) when that cannot block: nothing
@@ -256,7 +180,21 @@ class EngineClient(RemoteGeneration):
             data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001 - the sender thread fails that call with the reason
             return False
-        return len(data) <= DIRECT_MAX_BYTES and self._write_frames_direct([data])
+        if len(data) > DIRECT_MAX_BYTES or not self._write_lock.acquire(blocking=False):
+            return False
+        try:
+            with self._count_lock:
+                if self._queued:
+                    return False
+            fd = self._conn.fileno()
+            if not select.select([], [fd], [], 0)[1]:
+                return False
+            write_frame(fd, data)
+            return True
+        except (OSError, ValueError):  # the child is gone: the reader says why; the call fails as it would
+            return False
+        finally:
+            self._write_lock.release()
 
     def _send_loop(self) -> None:
         while True:

@@ -62,35 +62,22 @@ class FrameBuffer:
         return frames
 
 
-def header(size: int) -> bytes:
-    """multiprocessing.Connection's frame header for a message of `size` bytes."""
-    return (size.to_bytes(4, "big", signed=True) if size <= 0x7FFFFFFF
-            else (-1).to_bytes(4, "big", signed=True) + size.to_bytes(8, "big"))
-
-
-def frame(data: bytes) -> bytes:
-    """One message, framed: several of these written together are read as as many messages."""
-    return header(len(data)) + data
-
-
-def write_all(fd: int, data) -> None:
-    """Every byte of `data` to `fd`, whatever its blocking mode (select waits for room where a write would
-    block)."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view):]
-        except BlockingIOError:
-            select.select([], [fd], [])
-        except InterruptedError:
-            pass
-
-
 def write_frame(fd: int, data: bytes) -> None:
     """One message, framed as Connection.send_bytes frames it, written whole to `fd` (blocking or not)."""
+    size = len(data)
+    header = (size.to_bytes(4, "big", signed=True) if size <= 0x7FFFFFFF
+              else (-1).to_bytes(4, "big", signed=True) + size.to_bytes(8, "big"))
     # A small frame goes in one write (a direct write relies on it: see EngineClient._send_direct).
-    for part in ([frame(data)] if len(data) <= 1 << 14 else [header(len(data)), data]):
-        write_all(fd, part)
+    parts = [header + data] if size <= 1 << 14 else [header, data]
+    for part in parts:
+        view = memoryview(part)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                select.select([], [fd], [])
+            except InterruptedError:
+                pass
 
 
 class PipeReader:

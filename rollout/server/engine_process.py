@@ -7,11 +7,9 @@ rollout/server/engine_client.py, which documents the messages.
 
 What runs here:
 - the reader (this process's main thread) takes the parent's messages in order. A submission is made and
-  queued at once (`Engine._make_reqs` / `_submit` never wait for a step), together with the generate calls
-  already readable behind it (a burst the parent wrote at once), whose replies then go out in one write;
-  an abort is posted (the scheduler runs it at its next step boundary); every other call runs in a
-  thread pool, so a control call that waits (on the step lock, on a trainer's broadcast) never holds up
-  submissions or the others.
+  queued at once (`Engine._make_reqs` / `_submit` never wait for a step); an abort is posted (the
+  scheduler runs it at its next step boundary); every other call runs in a thread pool, so a control
+  call that waits (on the step lock, on a trainer's broadcast) never holds up submissions or the others.
 - the scheduler thread delivers outputs into `_CallSink`s, which record each request's new tokens since
   its last message (a delta, read while the step lock is held), and at every step boundary
   (`Engine.on_step_boundary`) the batch of all deltas of that step becomes ONE message.
@@ -46,12 +44,9 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 from rollout.server import engine_deltas as deltas
-from rollout.server.engine_pipe import frame, write_all
 from runner import omp_env
 
 logger = logging.getLogger("rollout.server.engine_process")
-MAX_CALLS_AT_ONCE = 256  # generate calls read and submitted together (bounds one reply's write)
-_NOTHING = object()  # no message looked ahead at
 
 
 def _state(engine) -> dict:
@@ -81,28 +76,20 @@ class _Pipe:
     def send(self, msg: tuple) -> None:
         """Never raises: a message that does not pickle is logged (a reply becomes that error instead), and
         a closed pipe (the parent is gone) is noted; the reader sees EOF and shuts the engine down."""
-        self.send_many([msg])
-
-    def send_many(self, msgs: list[tuple]) -> None:
-        """`send` for each, in one write (one wake-up of the parent)."""
-        frames = [frame(data) for data in map(self._pickle, msgs) if data is not None]
-        with self.lock:
-            if self.is_broken or not frames:
-                return
-            try:
-                write_all(self.conn.fileno(), frames[0] if len(frames) == 1 else b"".join(frames))
-            except (OSError, ValueError):
-                self.is_broken = True
-
-    @staticmethod
-    def _pickle(msg: tuple) -> bytes | None:
         try:
-            return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - a value that does not pickle: say so to the caller
             if msg[0] != "reply":
                 logger.exception("message %r does not pickle", msg[0])
-                return None
-            return pickle.dumps(("reply", msg[1], False, RuntimeError(f"the reply does not pickle: {e}"), msg[4]))
+                return
+            data = pickle.dumps(("reply", msg[1], False, RuntimeError(f"the reply does not pickle: {e}"), msg[4]))
+        with self.lock:
+            if self.is_broken:
+                return
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):
+                self.is_broken = True
 
 
 class _Batcher:
@@ -177,44 +164,22 @@ class EngineProcess:
         self.engine = engine
         self.pipe = _Pipe(conn)
         self.batcher = _Batcher(engine, self.pipe)
-        self.ahead = _NOTHING  # a message read while collecting generate calls, handled next
         self.calls: dict[int, _CallSink] = {}  # call id -> its sink, until every request delivered final
         # Control calls: as many as the HTTP server's control pool can have waiting, plus joins.
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-call")
         engine.on_step_boundary = self.batcher.flush
 
-    def _recv(self) -> tuple | None:
-        """The next message (the one looked ahead at first), or None at EOF."""
-        if self.ahead is not _NOTHING:
-            msg, self.ahead = self.ahead, _NOTHING
-            return msg
-        try:
-            return pickle.loads(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            return None
-
-    def _generate_calls(self, first: tuple) -> list[tuple]:
-        """`first` and the generate calls already readable right behind it (a burst the server wrote
-        together), at most MAX_CALLS_AT_ONCE; the first other message is kept for the next `_recv`."""
-        calls = [first[1:]]
-        while len(calls) < MAX_CALLS_AT_ONCE and self.conn.poll(0):
-            msg = self._recv()
-            if msg is None or msg[0] != "generate":
-                self.ahead = msg
-                break
-            calls.append(msg[1:])
-        return calls
-
     def serve(self) -> None:
         try:
             while True:
-                msg = self._recv()
-                if msg is None:
+                try:
+                    msg = pickle.loads(self.conn.recv_bytes())
+                except (EOFError, OSError):
                     logger.warning("the server closed the pipe; shutting the engine down")
                     return
                 op = msg[0]
                 if op == "generate":
-                    self._generate(self._generate_calls(msg))
+                    self._generate(*msg[1:])
                 elif op == "abort":
                     sink = self.calls.get(msg[1])
                     if sink is not None:
@@ -228,30 +193,23 @@ class EngineProcess:
             self.engine.shutdown()  # in-flight requests end as abort; their finals go out before "bye"
             self.pipe.send(("bye",))
 
-    def _generate(self, calls: list[tuple]) -> None:
-        """Make and submit each (call_id, encoded, kwargs); every call's "submitted" reply (its requests, or
-        its error as the parent raises it) goes out in one write, before any delta of those calls."""
+    def _generate(self, call_id: int, encoded, kwargs: dict) -> None:
         engine = self.engine
-        made, replies = [], []
-        for call_id, encoded, kwargs in calls:
-            try:
-                reqs, single = engine._make_reqs(None, None, encoded=encoded, **kwargs)
-                made.append((call_id, reqs, single, [_skeleton(r) for r in reqs]))
-            except Exception as e:  # noqa: BLE001 - the caller's error, raised in the parent as it is
-                replies.append(("submitted", call_id, False, portable_error(e)))
-        with self.batcher.lock:  # the replies go out before any delta of these calls
-            for call_id, reqs, single, skeletons in made:
-                sink = _CallSink(call_id, self.batcher, self.calls, len(reqs))
-                sink.reqs = reqs
-                self.calls[call_id] = sink
+        try:
+            reqs, single = engine._make_reqs(None, None, encoded=encoded, **kwargs)
+            sink = _CallSink(call_id, self.batcher, self.calls, len(reqs))
+            sink.reqs = reqs
+            skeletons = [_skeleton(r) for r in reqs]
+            self.calls[call_id] = sink
+            with self.batcher.lock:  # the reply goes out before any delta of this call
                 try:
                     engine._submit(reqs, sink)
-                except Exception as e:  # noqa: BLE001
+                except BaseException:
                     self.calls.pop(call_id, None)
-                    replies.append(("submitted", call_id, False, portable_error(e)))
-                else:
-                    replies.append(("submitted", call_id, True, (skeletons, single)))
-            self.pipe.send_many(replies)
+                    raise
+                self.pipe.send(("submitted", call_id, True, (skeletons, single)))
+        except Exception as e:  # noqa: BLE001 - the caller's error, raised in the parent as it is
+            self.pipe.send(("submitted", call_id, False, portable_error(e)))
 
     def _call(self, call_id: int, name: str, args: tuple, kwargs: dict) -> None:
         """An Engine method by name, or a module-level function fn(engine, ...) (rollout.server's helpers

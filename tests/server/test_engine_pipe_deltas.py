@@ -128,14 +128,12 @@ def _writer(monkeypatch=None):
     import multiprocessing
     import queue
     import threading
-    import types
 
     parent, child = multiprocessing.Pipe(duplex=True)
     client = object.__new__(EngineClient)
     client._conn, client._dead, client._closing = parent, None, False
     client._outbox, client._queued = queue.SimpleQueue(), 0
     client._write_lock, client._count_lock = threading.Lock(), threading.Lock()
-    client._turn, client._reader = [], types.SimpleNamespace(loop=None)  # no reading loop: nothing waits for a turn
     return client, child
 
 
