@@ -119,11 +119,12 @@ class TokenizerWrapper:
                              f"character {e.start} (encode the text as UTF-8, or pass input_ids)") from None
         return self.tokenizer.encode(text)
 
-    def decode(self, ids: list[int], req: Req | None = None) -> str | None:
+    def decode(self, ids: list[int], req: Req | None = None, skip_special_tokens: bool = True) -> str | None:
+        """`ids` as text, with `req`'s decoding options if given, else skipping special tokens as asked."""
         if self.tokenizer is None:
             return None
         sp = req.sampling_params if req is not None else None
-        return self._decode(ids, sp.skip_special_tokens if sp else True,
+        return self._decode(ids, sp.skip_special_tokens if sp else skip_special_tokens,
                             sp.spaces_between_special_tokens if sp else True)
 
     def _decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:

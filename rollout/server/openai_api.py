@@ -156,7 +156,9 @@ async def completions(req: CompletionRequest, request: Request):
     prompts = await prepare(request, prompts, sampling, req.logprobs)
     if isinstance(prompts, Response):
         return prompts
-    echoed = [p if isinstance(p, str) else (engine.tokenizer.decode(p) or "") for p in given] if req.echo else None
+    # a token-id prompt decoded as the completion is (skip_special_tokens), so the logprobs' tokens join into the text
+    echoed = [p if isinstance(p, str) else (engine.tokenizer.decode(p, skip_special_tokens=req.skip_special_tokens)
+                                            or "") for p in given] if req.echo else None
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), _served_model(request, req.model)
     # echo with logprobs: the prompt's tokens scored too (the first has no logprob), as OpenAI's and vLLM's
     start = 0 if req.echo and req.logprobs is not None else None

@@ -422,3 +422,23 @@ def test_completion_echo_with_logprobs_streamed_equals_unstreamed(server, oai):
         assert g["token_logprobs"][0] is None and lp.token_logprobs[0] is None
         assert g["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
         assert [t and set(t) for t in g["top"]] == [t and set(t) for t in lp.top_logprobs]
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_echoed_token_id_prompt_follows_skip_special_tokens(server, oai, skip):
+    """echo of a token-id prompt holding special tokens decodes it as skip_special_tokens says, as the completion
+    is: the text is the tokenizer's decode of prompt + output ids, and the logprobs' tokens join into it."""
+    tok = server.engine.tokenizer.tokenizer
+    ids = [tok.bos_token_id, *tok.encode("Hi", add_special_tokens=False), tok.eos_token_id,
+           *tok.encode("there", add_special_tokens=False)]
+    kw = dict(model="tiny", prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=0,
+              extra_body={**IGN, "skip_special_tokens": skip})
+    c = oai.completions.create(**kw).choices[0]
+    out = server.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 3, "temperature": 0, **IGN})
+    want = tok.decode(ids, skip_special_tokens=skip) + tok.decode(out["output_ids"], skip_special_tokens=skip)
+    assert c.text == want and (tok.eos_token in want) is not skip
+    special = (tok.bos_token, tok.eos_token) if skip else ()  # skipped: shown, taking no characters
+    assert "".join(t for t in c.logprobs.tokens if t not in special) == c.text
+    assert all(c.text[o:].startswith(t) for t, o in zip(c.logprobs.tokens, c.logprobs.text_offset)
+               if t not in special)
+    assert _streamed_tokens_and_offsets(oai, kw) == (c.logprobs.tokens, c.logprobs.text_offset)
