@@ -193,10 +193,13 @@ async def stream_choices(request: Request, prompts: list, sampling: dict, num_to
 async def start_stream(request: Request, prompts: list, sampling: dict, num_top: int | None, model,
                        names: dict[str, str], rid: str | None = None, logprob_start_len: int | None = None):
     """-> (the merged choice stream, its first item), or the error Response: every stream is started (and
-    validated by the engine) before the status line is sent, so a bad request is still a 400."""
+    validated by the engine) before the status line is sent, so a bad request is still a 400. A client gone
+    before the first item (a request waiting out a pause) aborts its choices then, as an unstreamed one (499)."""
     try:
         merged = stream_choices(request, prompts, sampling, num_top, model, rid, logprob_start_len)
-        first = await merged.__anext__()
+        first = await await_unless_disconnected(request, merged.__anext__())
+    except asyncio.CancelledError:
+        return Response(status_code=499)  # stream_choices aborted every choice on its way out
     except Exception as e:
         return openai_error(e, names)
     return merged, first

@@ -263,3 +263,29 @@ def test_chat_longer_than_the_context_is_refused_before_rendering(tiny_llama, mo
                                                  "messages": [{"role": "user", "content": "hello"}]})
         assert r.status_code == 200, r.text
         assert threads and all(name.startswith("rollout-tokenize") for name in threads), threads
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_stream_dropped_while_paused_is_aborted_before_generation_continues(server, route):
+    """A streamed request whose client goes away while generation is paused (no first token yet) is aborted
+    then, as an unstreamed one is: the engine holds nothing in flight, still paused, and /get_load reads 0."""
+    body = {"stream": True, "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}, "input_ids": [5, 6, 7]}
+    if route != "/generate":
+        body = {"model": "tiny", "stream": True, "max_tokens": 50, "ignore_eos": True, "n": 2}
+        body |= {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    engine = server.engine
+    with start_server(server.path, engine=engine, chat_template="plain") as s, s.client() as c:
+        assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        try:
+            with httpx.Client(base_url=s.url, timeout=httpx.Timeout(2.0, connect=5.0)) as gone:
+                with pytest.raises(httpx.ReadTimeout):  # paused: no first token, so no status line yet either
+                    with gone.stream("POST", route, json=body) as r:
+                        r.read()
+            deadline = time.monotonic() + 10
+            while engine.get_server_info()["num_in_flight"]:
+                assert time.monotonic() < deadline, "the dropped stream's requests are still queued"
+                time.sleep(0.05)
+            assert engine.get_server_info()["paused"] and c.get("/get_load").json()[0]["num_reqs"] == 0
+        finally:
+            assert c.post("/continue_generation", json={}).status_code == 200
+        assert c.post("/generate", json=GOOD).status_code == 200
