@@ -27,12 +27,19 @@ class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):  # SGLang and vLLM type both "bool or null"
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class SamplingFields(Body):
     # OpenAI types these "... or null": a client that passes None (the openai client sends it as null) gets the
-    # default, as it would by leaving the field out.
+    # default, as it would by leaving the field out; so do the extras vLLM types so (top_k, min_p,
+    # repetition_penalty), which vLLM clients send as null.
     null_means_default: ClassVar[frozenset[str]] = frozenset(
-        {"temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo", "logprobs"})
+        {"temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo", "logprobs",
+         "top_k", "min_p", "repetition_penalty"})
 
     @model_validator(mode="before")
     @classmethod

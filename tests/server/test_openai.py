@@ -286,6 +286,28 @@ def test_null_openai_fields_take_their_defaults(server, oai):
             assert got.choices[0].message.content == plain.choices[0].message.content
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_null_vllm_and_sglang_extras_take_their_defaults(server, route):
+    """The extras vLLM types "or null" (top_k, min_p, repetition_penalty) and SGLang's stream_options flags, sent as
+    null (as vLLM clients send them), give exactly what leaving them out gives (same seed, same text)."""
+    body = {"model": "tiny", "max_tokens": 6, "seed": 3, "ignore_eos": True, "stream": True}
+    body |= {"prompt": "Hello"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+
+    def text(c, extra):
+        with c.stream("POST", route, json={**body, **extra}) as r:
+            assert r.status_code == 200, r.read()
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 6  # include_usage as asked, also beside a null flag
+        return "".join(ch.get("text") or ch.get("delta", {}).get("content") or "" for e in events
+                       for ch in e["choices"])
+
+    with start_server(server.path, engine=server.engine, chat_template="plain") as s, s.client() as c:
+        plain = text(c, {"stream_options": {"include_usage": True}})
+        nulls = text(c, {"top_k": None, "min_p": None, "repetition_penalty": None,
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": None}})
+        assert nulls == plain and len(plain) > 0
+
+
 def test_max_tokens_defaults_are_openais(server, oai):
     """A chat request with neither max_tokens nor max_completion_tokens runs to the context length (OpenAI's and
     vLLM's default, not the engine's 128); a completion's max_tokens sent as null is OpenAI's default, 16."""
