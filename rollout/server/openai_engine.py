@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from rollout.engine import sample_seed
+from rollout.engine import Engine, sample_seed
 from rollout.server import limits
 from rollout.server.common import dumps, engine_error, error_response, run_blocking
 from rollout.server.lora import lora_of_model
@@ -124,9 +124,10 @@ async def generate_all(request: Request, prompts: list, sampling: dict, num_top:
 
 
 async def stream_choices(request: Request, prompts: list, sampling: dict, num_top: int | None, model=None,
-                         rid: str | None = None, logprob_start_len: int | None = None):
+                         rid: str | list[str] | None = None, logprob_start_len: int | None = None):
     """Yield (choice_index, chunk_dict, is_final) from one engine stream per choice, as they come. The choices
-    run as `rid` (one choice) or `{rid}_{k}` (SGLang's names for a batch), abortable by those ids."""
+    run as the ids an unstreamed request's would (SGLang's: `rid` for one choice, else `{rid}_{k}`; a list, one
+    per prompt, `{rid[i]}_{j}` with n > 1), abortable by those ids."""
     engine = request.app.state.engine
     key = "input_ids" if prompts and isinstance(prompts[0], list) else "prompt"
     n = sampling.get("n", 1)
@@ -136,7 +137,7 @@ async def stream_choices(request: Request, prompts: list, sampling: dict, num_to
         base = uuid.uuid4().hex
         rids = [f"{base}-{k}" for k in range(num)]
     else:
-        rids = [rid] if num == 1 else [f"{rid}_{k}" for k in range(num)]
+        rids = Engine._expand_rids(rid, len(prompts), num, num == 1)
     streams, finished = [], set()
 
     async def abort_unfinished():
@@ -191,7 +192,7 @@ async def stream_choices(request: Request, prompts: list, sampling: dict, num_to
 
 
 async def start_stream(request: Request, prompts: list, sampling: dict, num_top: int | None, model,
-                       names: dict[str, str], rid: str | None = None, logprob_start_len: int | None = None):
+                       names: dict[str, str], rid: str | list[str] | None = None, logprob_start_len: int | None = None):
     """-> (the merged choice stream, its first item), or the error Response: every stream is started (and
     validated by the engine) before the status line is sent, so a bad request is still a 400. A client gone
     before the first item (a request waiting out a pause) aborts its choices then, as an unstreamed one (499)."""

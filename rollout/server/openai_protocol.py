@@ -75,7 +75,7 @@ class SamplingFields(Body):
     stop_token_ids: list[int] | None = None
     stop_regex: str | list[str] | None = None
     custom_params: dict | None = None  # SGLang's: handed to a custom logit processor (none is run here)
-    rid: str | None = None
+    rid: str | list[str] | None = None  # SGLang's: a list names each prompt's request (rid_j for choice j of n > 1)
     # sglang-router re-serialises OpenAI bodies with SGLang's extras; unset (false/null) they change nothing.
     return_hidden_states: Literal[False] = False
     lora_path: None = None

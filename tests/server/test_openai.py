@@ -360,6 +360,48 @@ def test_rid_of_an_openai_request_aborts_it(server, stream):
         assert got["finish"] == "abort", got
 
 
+def _finish_reasons(served, body: dict, got: dict) -> None:
+    """POST body to /v1/completions (streamed or not, as it says); got[choice index] = its finish_reason."""
+    with served.client() as c:
+        if not body.get("stream"):
+            for ch in c.post("/v1/completions", json=body).json()["choices"]:
+                got[ch["index"]] = ch["finish_reason"]
+            return
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        got[ch["index"]] = ch["finish_reason"] or got.get(ch["index"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_rid_list_names_each_prompts_choices(server, stream):
+    """SGLang's `rid` as a list, one per prompt of a batch completion: each prompt's choices run as rid[i] (n = 1)
+    or rid[i]_j, as on /generate, streamed or not, so /abort_request with one prompt's ids aborts only its
+    choices; a list of the wrong length is a 400 naming rid."""
+    body = {"model": "tiny", "prompt": ["hi", "yo"], "max_tokens": 20, "ignore_eos": True, "stream": stream}
+    with start_server(server.path, engine=server.engine) as s, s.client() as c:
+        r = c.post("/v1/completions", json={**body, "rid": ["only-one"]})
+        assert r.status_code == 400 and "rid" in r.json()["error"]["message"], r.text
+        for n, aborted in ((1, [f"rl-{stream}-b"]), (2, [f"rl-{stream}-b_0", f"rl-{stream}-b_1"])):
+            rids = [f"rl-{stream}-a", f"rl-{stream}-b"]
+            assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+            got: dict = {}
+            t = threading.Thread(target=_finish_reasons, args=(s, {**body, "n": n, "rid": rids}, got))
+            try:
+                t.start()
+                deadline = time.monotonic() + 30
+                while s.engine.get_server_info()["num_in_flight"] < 2 * n:
+                    assert time.monotonic() < deadline, "the requests never reached the engine"
+                    time.sleep(0.02)
+                for rid in aborted:
+                    assert c.post("/abort_request", json={"rid": rid}).status_code == 200
+            finally:
+                assert c.post("/continue_generation", json={}).status_code == 200
+            t.join(30)
+            assert got == {i: "length" if i < n else "abort" for i in range(2 * n)}, (n, got)
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_continuous_usage_stats_puts_usage_on_every_chunk(server, route):
     """stream_options.continuous_usage_stats: every content chunk carries its choice's usage so far (the prompt's
