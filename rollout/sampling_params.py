@@ -163,9 +163,10 @@ class SamplingParams:
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"sampling param stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
-        ids = self.stop_token_ids or []
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids  # an array has no truth value
         if not isinstance(ids, list | tuple | set) or not all(_is_int_like(t) for t in ids):
-            raise ValueError(f"sampling param stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+            hint = " (convert it with .tolist())" if hasattr(ids, "tolist") else ""
+            raise ValueError(f"sampling param stop_token_ids must be a list of ints, got {self.stop_token_ids!r}{hint}")
         self.stop_token_ids = [int(t) for t in ids]
         if self.seed is not None:
             if not _is_int_like(self.seed):

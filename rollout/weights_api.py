@@ -19,6 +19,7 @@ resuming a resident one raises RuntimeError, as SGLang does.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import stat
 
@@ -105,7 +106,8 @@ class WeightsAPI:
         in flight is aborted, but only once the update has succeeded. The write is all or nothing and no
         step runs while the lock is held, so to every request that is the same as aborting first; a
         refused update then loses nothing (SGLang aborts before it knows whether the update will load)."""
-        problem = weight_version_problem(weight_version) if weight_version is not None else None
+        problem = (weight_version_problem(weight_version) if weight_version is not None else None) or \
+            flags_problem(flush_cache=flush_cache, online=online, abort_all_requests=abort_all)
         if problem:  # checked before any weight moves
             return False, f"{what} failed: {problem}", 0
         with self._cv:
@@ -142,6 +144,8 @@ class WeightsAPI:
         online=True: requests in flight (generation not paused) are retracted at this step boundary and
         go on under the new weights, instead of the update being refused. abort_all_requests=True: every
         request in flight is aborted once the update succeeded (a refused update aborts nothing)."""
+        if load_format is not None and not isinstance(load_format, str):  # the runner's lookups would not name it
+            return False, f"update_weights_from_tensor failed: load_format must be a string or None, got {load_format!r}"
         # KV computed from the old weights must not be reused: an update without flush is only
         # safe when nothing is cached, so it is forced if requests were retracted.
         return self._update("update_weights_from_tensor",
@@ -161,6 +165,9 @@ class WeightsAPI:
                            f"got {type(model_path).__name__}", 0)
         if "\x00" in os.fspath(model_path):  # os calls would raise a bare ValueError ("embedded null byte")
             return False, f"update_weights_from_disk failed: model_path {str(model_path)!r} holds a NUL byte", 0
+        problem = flags_problem(flush_cache=flush_cache, online=online, abort_all_requests=abort_all_requests)
+        if problem:  # before the fast path below reads `online`, and before any file is opened
+            return False, f"update_weights_from_disk failed: {problem}", 0
         if load_format == "delta":  # a delta file (weight_sync/disk.py DiskTarget.sync_delta)
             try:  # read before taking the engine lock: a slow file system stalls only this call
                 blob = _read_delta_file(model_path)
@@ -253,6 +260,11 @@ class WeightsAPI:
         return True, f"destroyed weight update group {group_name!r}"
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        if not isinstance(name, str):  # else an unhashable name fails in a dict lookup, naming nothing
+            raise ValueError(f"get_weights_by_name: name must be a string, got {name!r}")
+        if not isinstance(truncate_size, numbers.Integral) or isinstance(truncate_size, bool):
+            raise ValueError(f"get_weights_by_name: truncate_size must be an int, got {truncate_size!r}")
+        truncate_size = int(truncate_size)
         with self._cv:
             return self.runner.get_weights_by_name(name, truncate_size)
 
@@ -266,6 +278,15 @@ def weight_version_problem(version) -> str | None:
         version.encode("utf-8")
     except UnicodeEncodeError as e:
         return f"weight_version {version!r} is not valid UTF-8 text (character {e.start} is a lone surrogate)"
+    return None
+
+
+def flags_problem(**flags) -> str | None:
+    """Why a weight update's bool options cannot be read, or None. Truthiness would read the string "false"
+    as True: abort_all_requests="false" would abort every request in flight, online="false" retract them."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            return f"{name} must be a bool, got {value!r}"
     return None
 
 

@@ -11,6 +11,7 @@ import json
 import shutil
 import struct
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -377,12 +378,33 @@ def test_bad_checkpoint_changes_nothing(setup, tmp_path, ckpt_factory, make_bad)
     _check_refused(setup, engine.update_weights_from_disk(str(path)), expected)
 
 
-@pytest.mark.parametrize("call", ["tensor", "disk", "disk path None", "surrogate version", "relabel surrogate"])
+# A valid update with a bool option given as a string: truthiness read abort_all_requests="false" as True (every
+# request in flight aborted) and online="false" as True (retracted instead of refused); a load_format that is
+# not a string failed as "unhashable type: 'list'".
+MISTYPED_OPTIONS = {
+    "tensor flush_cache string": lambda e, b, sd: (e.update_weights_from_tensor(list(sd.items()), flush_cache="no"),
+                                                   ["flush_cache must be a bool", "'no'"]),
+    "tensor online string": lambda e, b, sd: (e.update_weights_from_tensor(list(sd.items()), online="false"),
+                                              ["online must be a bool", "'false'"]),
+    "tensor abort_all_requests string": lambda e, b, sd: (
+        e.update_weights_from_tensor(list(sd.items()), abort_all_requests="false"), ["abort_all_requests", "'false'"]),
+    "tensor load_format list": lambda e, b, sd: (
+        e.update_weights_from_tensor(list(sd.items()), load_format=["flattened_bucket"]), ["load_format must be"]),
+    "disk online int": lambda e, b, sd: (e.update_weights_from_disk(str(b), online=0), ["online must be a bool"]),
+    "disk abort_all_requests None": lambda e, b, sd: (e.update_weights_from_disk(str(b), abort_all_requests=None),
+                                                      ["abort_all_requests must be a bool", "None"]),
+}
+
+
+@pytest.mark.parametrize("call", ["tensor", "disk", "disk path None", "surrogate version", "relabel surrogate",
+                                  *MISTYPED_OPTIONS])
 def test_mistyped_update_argument_changes_nothing(setup, call):
-    """A valid update with a non-string or non-UTF-8 weight_version, or a model_path that is not a path: refused
-    naming the argument, nothing loaded or relabelled."""
+    """A valid update with a non-string or non-UTF-8 weight_version, a model_path that is not a path, a bool option
+    that is not a bool or a load_format that is not a string: refused naming it, nothing loaded or relabelled."""
     engine, b, sd, _, _ = setup
-    if call == "surrogate version":
+    if call in MISTYPED_OPTIONS:
+        res, expected = MISTYPED_OPTIONS[call](engine, b, sd)
+    elif call == "surrogate version":
         res, expected = engine.update_weights_from_disk(str(b), weight_version="v\ud800"), ["weight_version",
                                                                                             "surrogate"]
     elif call == "relabel surrogate":
@@ -396,6 +418,18 @@ def test_mistyped_update_argument_changes_nothing(setup, call):
     else:
         res, expected = engine.update_weights_from_disk(None), ["model_path", "NoneType"]
     _check_refused(setup, res, expected)
+
+
+def test_get_weights_by_name_with_a_mistyped_argument_is_a_clear_error(setup):
+    """A name that is not a string or a truncate_size that is not an int raises ValueError naming the argument
+    (they failed as a bare TypeError from a dict lookup or a slice); an int truncate_size reads the checkpoint."""
+    engine, _, _, _, _ = setup
+    for args, field in [((["model.norm.weight"],), "name"), ((NORM, "3"), "truncate_size"),
+                        ((NORM, 2.0), "truncate_size"), ((Q, None), "truncate_size")]:
+        with pytest.raises(ValueError, match=f"{field} must be"):
+            engine.get_weights_by_name(*args)
+    expected = read_state_dict(engine.model_path)[NORM][:3].tolist()
+    assert engine.get_weights_by_name(NORM, 3) == engine.get_weights_by_name(NORM, np.int64(3)) == expected
 
 
 def test_valid_update_still_works_after_refusals(setup, reference_outputs):

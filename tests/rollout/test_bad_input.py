@@ -56,6 +56,11 @@ BAD_CALLS = {
     "n zero": (dict(input_ids=PROMPT, sampling_params=_sp(n=0)), ValueError, "sampling param n"),
     "min_new_tokens above max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(min_new_tokens=9)),
                                             ValueError, "min_new_tokens=9"),
+    # An array has no truth value: these failed with numpy's / torch's "ambiguous" error, naming no field
+    "stop_token_ids as a numpy array": (dict(input_ids=PROMPT, sampling_params=_sp(stop_token_ids=np.array([7, 9]))),
+                                        ValueError, r"stop_token_ids must be .*\.tolist\(\)"),
+    "stop_token_ids as a tensor": (dict(input_ids=PROMPT, sampling_params=_sp(stop_token_ids=torch.tensor([7, 9]))),
+                                   ValueError, r"stop_token_ids must be .*\.tolist\(\)"),
     "stop not strings": (dict(input_ids=PROMPT, sampling_params=_sp(stop=[1, 2])), ValueError, "stop"),
     "stop empty string": (dict(input_ids=PROMPT, sampling_params=_sp(stop=[""])), ValueError, "stop"),
     "sampling_params not a dict": (dict(input_ids=PROMPT, sampling_params=[("temperature", 0)]), ValueError,
