@@ -69,6 +69,15 @@ class LoRAAPI:
         """Unload `lora_name`, after the requests in flight on it finish (refused while paused with such
         requests, or after `timeout_s` seconds of waiting; None waits as long as they run)."""
         what = f"unload_lora_adapter({lora_name!r})"
+        # Checked before the adapter is marked as unloading: a bad timeout raising after it would leave the
+        # adapter loaded but refused to every request, and an unhashable name would fail in the lookup.
+        if not isinstance(lora_name, str):
+            return LoRAUpdateOutput(False, f"{what} failed: lora_name must be a string, got {type(lora_name).__name__}",
+                                    self._loaded())
+        if timeout_s is not None and (not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool)
+                                      or not timeout_s >= 0):  # nan too
+            return LoRAUpdateOutput(False, f"{what} failed: timeout_s must be None or a number of seconds >= 0, "
+                                           f"got {timeout_s!r}", self._loaded())
         info = self.runner.lora_adapters().get(lora_name)
         if info is None:
             with self._cv:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from tests.lora_adapters import make_adapter
+import pytest
+import torch
+
+from tests.lora_adapters import make_adapter, peft_model
 from tests.server.conftest import start_server
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -62,6 +65,30 @@ def test_async_lora_load_and_unload_equal_the_sync_calls(make_engine, tiny_llama
     assert engine.load_lora_adapter("ad", str(adapter)).success
     via_sync = engine.generate(input_ids=PROMPT, sampling_params=GREEDY, lora_path="ad")["output_ids"]
     assert via_async == via_sync != base
+
+
+def test_unload_with_a_mistyped_argument_is_refused_and_the_adapter_keeps_serving(make_engine, tiny_llama, tmp_path):
+    """unload_lora_adapter with a timeout_s or a name of the wrong type returns success=False naming it, and the
+    adapter stays loaded and usable (a bad timeout_s raised TypeError after marking it as unloading, so every
+    later request on it was refused); then a plain unload still works."""
+    adapter = make_adapter(tiny_llama, tmp_path / "ad", r=8, seed=5)
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=8, lora_target_modules=["all"])
+    assert engine.load_lora_adapter("ad", str(adapter)).success
+    with torch.no_grad():  # the oracle: transformers + peft on the same adapter
+        n = GREEDY["max_new_tokens"]
+        want = peft_model(tiny_llama, adapter).generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n,
+                                                         do_sample=False)[0, len(PROMPT):].tolist()
+    assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY, lora_path="ad")["output_ids"] == want
+    for kwargs, field in [(dict(lora_name="ad", timeout_s="5"), "timeout_s"),
+                          (dict(lora_name="ad", timeout_s=float("nan")), "timeout_s"),
+                          (dict(lora_name=["ad"]), "lora_name")]:
+        out = engine.unload_lora_adapter(**kwargs)
+        assert not out.success and f"{field} must be" in out.error_message, out
+        assert out.loaded_adapters == {"ad": str(adapter)}
+        assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY, lora_path="ad")["output_ids"] == want
+    assert engine.unload_lora_adapter("ad", timeout_s=5).success
+    with pytest.raises(ValueError, match="'ad' is not loaded"):
+        engine.generate(input_ids=PROMPT, sampling_params=GREEDY, lora_path="ad")
 
 
 def test_generate_takes_sglangs_positional_order(make_engine, tiny_llama):
