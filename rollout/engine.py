@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 _NO_DEFAULT = object()  # _per_prompt: None is refused like any other wrong value
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+# Sequences (prompts x n) one generate call may ask for: far above an RL step's batch (1024 prompts x 64 samples
+# is 65,536), far below what one Req each would cost in host memory to build before anything else is checked.
+MAX_SEQUENCES_PER_CALL = 1 << 20
 
 
 
@@ -372,6 +375,9 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         starts, id_lists, original = self._logprob_options(ids_list, logprob_start_len, token_ids_logprob,
                                                            return_original_logprob)
         total = sum(sp.n for sp in sps)
+        if total > MAX_SEQUENCES_PER_CALL:  # before one Req each is built: n=10**9 would exhaust host memory
+            raise ValueError(f"this call asks for {total} sequences (prompts x sampling param n); one call takes at "
+                             f"most {MAX_SEQUENCES_PER_CALL} (split the batch)")
         rids = self._expand_rids(rid, num, total, single and sps[0].n == 1)
         reqs = []
         now = time.perf_counter()

@@ -54,6 +54,10 @@ BAD_CALLS = {
     "numpy bool n": (dict(input_ids=PROMPT, sampling_params=_sp(n=np.bool_(True))), ValueError, "sampling param n"),
     "infinite top_k": (dict(input_ids=PROMPT, sampling_params=_sp(top_k=float("inf"))), ValueError, "top_k"),
     "n zero": (dict(input_ids=PROMPT, sampling_params=_sp(n=0)), ValueError, "sampling param n"),
+    # one Req per sequence would be built first: 10**9 of them exhausted the host's memory
+    "n of a billion": (dict(input_ids=PROMPT, sampling_params=_sp(n=10**9)), ValueError, "at most 1048576"),
+    "prompts x n over the bound": (dict(input_ids=[PROMPT] * 2, sampling_params=_sp(n=2**19 + 1)), ValueError,
+                                   "asks for 1048578 sequences"),
     "min_new_tokens above max_new_tokens": (dict(input_ids=PROMPT, sampling_params=_sp(min_new_tokens=9)),
                                             ValueError, "min_new_tokens=9"),
     # An array has no truth value: these failed with numpy's / torch's "ambiguous" error, naming no field
