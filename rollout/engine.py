@@ -373,7 +373,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         check_bool("stream")(stream)
         lora_names = self._lora_names(lora_path, num)
         starts, id_lists, original = self._logprob_options(ids_list, logprob_start_len, token_ids_logprob,
-                                                           return_original_logprob)
+                                                           return_original_logprob, logprob_flags)
         total = sum(sp.n for sp in sps)
         if total > MAX_SEQUENCES_PER_CALL:  # before one Req each is built: n=10**9 would exhaust host memory
             raise ValueError(f"this call asks for {total} sequences (prompts x sampling param n); one call takes at "
@@ -408,19 +408,21 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         return reqs, single and sps[0].n == 1
 
     def _logprob_options(self, ids_list: list[list[int]], logprob_start_len, token_ids_logprob,
-                         return_original_logprob) -> tuple[list[int], list, bool]:
+                         return_original_logprob, logprob_flags: list[bool]) -> tuple[list[int], list, bool]:
         """SGLang's logprob arguments, validated: logprob_start_len (None/-1 = the last prompt token; an int
-        or one per prompt), token_ids_logprob (ids for every prompt, or one list per prompt), and which
+        or one per prompt; its range only checked where return_logprob is set, as SGLang ignores it
+        elsewhere), token_ids_logprob (ids for every prompt, or one list per prompt), and which
         distribution logprobs come from (None: the SGLANG_RETURN_ORIGINAL_LOGPROB environment variable)."""
         num, vocab = len(ids_list), self.runner.model_config.vocab_size
         starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * num
         if len(starts) != num:
             raise ValueError(f"logprob_start_len has {len(starts)} entries for {num} prompts")
         for i, (v, ids) in enumerate(zip(starts, ids_list)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not -1 <= v < len(ids)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)
+                                  or (logprob_flags[i] and not -1 <= v < len(ids))):
                 raise ValueError(f"logprob_start_len must be -1 (the last prompt token) or a prompt position in "
                                  f"[0, {len(ids)}) for prompt {i} of {len(ids)} tokens, got {v!r}")
-        starts = [-1 if v is None else v for v in starts]
+        starts = [-1 if v is None or not asked else v for v, asked in zip(starts, logprob_flags)]
 
         def is_ids(x) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)

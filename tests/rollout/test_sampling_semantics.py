@@ -133,6 +133,21 @@ def test_bad_new_params_are_refused_naming_them(env):
         engine.generate(input_ids=[5, 6], return_logprob=True, token_ids_logprob=[99999])
 
 
+def test_logprob_start_len_out_of_range_without_return_logprob_is_ignored(env):
+    """Without return_logprob, SGLang ignores logprob_start_len: an out-of-range one is not an error, and the
+    output equals leaving it out; a prompt of a batch that asks for logprobs still has its range checked."""
+    engine, _ = env
+    sp = dict(GREEDY, max_new_tokens=4)
+    want = engine.generate(input_ids=[5, 6, 7], sampling_params=sp)
+    got = engine.generate(input_ids=[5, 6, 7], sampling_params=sp, logprob_start_len=50)
+    assert got["output_ids"] == want["output_ids"] and "input_token_logprobs" not in got["meta_info"]
+    with pytest.raises(ValueError, match="logprob_start_len must be .* for prompt 1 of 2 tokens, got 5"):
+        engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=sp, return_logprob=[False, True],
+                        logprob_start_len=5)
+    with pytest.raises(ValueError, match="logprob_start_len"):  # the type is checked either way
+        engine.generate(input_ids=[5, 6, 7], sampling_params=sp, logprob_start_len="1")
+
+
 def test_empty_token_ids_logprob_asks_for_nothing(env):
     """token_ids_logprob=[] (for every prompt, or one prompt's entry) is SGLang's None: no *_token_ids_logprobs
     keys, and the same output and logprobs as leaving it out (which had given empty lists under those keys)."""
