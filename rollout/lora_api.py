@@ -12,11 +12,16 @@ requests naming it are refused meanwhile); with generation paused they could nev
 unload is refused instead, naming how many requests hold it. The adapter's prefix-cache entries are
 freed with it. Return values are SGLang's LoRAUpdateOutput: success, error_message, loaded_adapters
 (name -> path, "__tensor__" for tensor loads).
+
+With `max_loaded_loras` given and every slot taken, a load first unloads the least recently used unpinned
+adapter (last loaded or named by a request), as SGLang evicts; the new adapter is checked before, so a
+refused one evicts nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -38,6 +43,7 @@ class LoRAUpdateOutput:
 class LoRAAPI:
     _lora_unloading: set  # uids being unloaded (set in Engine.__init__)
     _reqs_lock: threading.Lock  # guards _reqs and _lora_unloading against submit (Engine.__init__)
+    _lora_clock: itertools.count  # with _lora_last_use (name -> tick of its last load or request): the LRU order
 
     def _loaded(self) -> dict[str, str]:
         return {name: a["path"] for name, a in self.runner.lora_adapters().items()}
@@ -52,18 +58,62 @@ class LoRAAPI:
             self._cv.notify_all()
             return LoRAUpdateOutput(True, None, self._loaded())
 
+    def _used_lora(self, name: str) -> None:
+        """Mark adapter `name` as just used (loaded, or named by a request): the LRU order of evictions."""
+        self._lora_last_use[name] = next(self._lora_clock)
+
+    def _make_room(self, what: str, check) -> LoRAUpdateOutput | None:
+        """SGLang's eviction at max_loaded_loras (only when given): while every slot is taken, unload the least
+        recently used unpinned adapter (waiting for its requests, as an unload does). `check()` (every check of
+        the new adapter but the free slot) runs first, so a refused adapter evicts nothing. -> a failure, or None."""
+        limit = getattr(self.args, "max_loaded_loras", None)
+        if limit is None or len(self.runner.lora_adapters()) < limit:
+            return None
+        try:
+            with self._cv:
+                check()
+        except Exception as e:
+            return LoRAUpdateOutput(False, f"{what} failed: {e}", self._loaded())
+        last_use = self._lora_last_use
+        while len(loaded := self.runner.lora_adapters()) >= limit:
+            unpinned = [n for n, a in loaded.items() if not a["pinned"]]  # load order: ties go to the oldest
+            if not unpinned:
+                return LoRAUpdateOutput(False, f"{what} failed: max_loaded_loras={limit} adapters are loaded, every "
+                                               f"one pinned: none can be evicted; unload one first", self._loaded())
+            victim = min(unpinned, key=lambda n: last_use.get(n, -1))
+            logger.info("%s: evicting the least recently used LoRA adapter %r (max_loaded_loras=%d)", what, victim,
+                        limit)
+            res = self.unload_lora_adapter(victim)
+            if not res.success:
+                return LoRAUpdateOutput(False, f"{what} failed: evicting the least recently used adapter {victim!r}: "
+                                               f"{res.error_message}", res.loaded_adapters)
+        return None
+
+    def _load_lora(self, what: str, lora_name: str, check, load) -> LoRAUpdateOutput:
+        failed = self._make_room(what, check)
+        if failed is not None:
+            return failed
+        res = self._lora_result(what, load)
+        if res.success:
+            self._used_lora(lora_name)
+        return res
+
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAUpdateOutput:
         """Load the PEFT adapter in directory `lora_path` as `lora_name` (SGLang's signature)."""
-        return self._lora_result(f"load_lora_adapter({lora_name!r})",
-                                 lambda: self.runner.load_lora_adapter(lora_name, str(lora_path), pinned=pinned))
+        return self._load_lora(
+            f"load_lora_adapter({lora_name!r})", lora_name,
+            lambda: self.runner.stage_lora_adapter(lora_name, str(lora_path), pinned=pinned, need_slot=False),
+            lambda: self.runner.load_lora_adapter(lora_name, str(lora_path), pinned=pinned))
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict, load_format: str | None = None,
                                        pinned: bool = False) -> LoRAUpdateOutput:
         """Load an adapter from PEFT-named tensors (a dict or pairs; load_format="flattened_bucket": weight_sync
         buckets) and its adapter_config dict."""
-        return self._lora_result(f"load_lora_adapter_from_tensors({lora_name!r})",
-                                 lambda: self.runner.load_lora_adapter(lora_name, None, tensors, config_dict,
-                                                                       load_format, pinned))
+        return self._load_lora(
+            f"load_lora_adapter_from_tensors({lora_name!r})", lora_name,
+            lambda: self.runner.stage_lora_adapter(lora_name, None, tensors, config_dict, load_format, pinned,
+                                                   need_slot=False),
+            lambda: self.runner.load_lora_adapter(lora_name, None, tensors, config_dict, load_format, pinned))
 
     def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> LoRAUpdateOutput:
         """Unload `lora_name`, after the requests in flight on it finish (refused while paused with such
@@ -144,3 +194,4 @@ class LoRAAPI:
         for r in reqs:
             if r.lora_name is not None:
                 r.lora_id = loaded[r.lora_name]["uid"]
+                self._used_lora(r.lora_name)

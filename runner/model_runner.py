@@ -435,7 +435,8 @@ class ModelRunner:
         return self.commit_lora_adapter(staged, uid)
 
     def stage_lora_adapter(self, lora_name: str, lora_path: str | None = None, tensors=None,
-                           config_dict: dict | None = None, load_format: str | None = None, pinned: bool = False):
+                           config_dict: dict | None = None, load_format: str | None = None, pinned: bool = False,
+                           need_slot: bool = True):
         """Every check of a load and its host buffers (runner/lora/manager.py StagedAdapter); writes nothing."""
         manager = self._require_lora()
         if tensors is not None:
@@ -447,7 +448,7 @@ class ModelRunner:
             tensors = dict(pairs)
         elif lora_path is None:
             raise ValueError("load_lora_adapter needs lora_path or tensors")
-        return manager.stage(lora_name, lora_path, tensors, config_dict, pinned)
+        return manager.stage(lora_name, lora_path, tensors, config_dict, pinned, need_slot)
 
     def commit_lora_adapter(self, staged, uid: int | None = None) -> int:
         manager = self._require_lora()

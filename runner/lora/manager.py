@@ -143,14 +143,15 @@ class LoRAManager:
         return adapter.uid
 
     def stage(self, name: str, path: str | None = None, tensors: dict | None = None,
-              config_dict: dict | None = None, pinned: bool = False) -> StagedAdapter:
+              config_dict: dict | None = None, pinned: bool = False, need_slot: bool = True) -> StagedAdapter:
         """Check a load from a PEFT directory (`path`) or from (`tensors`, `config_dict`) and build its host
-        buffers; ValueError/RuntimeError naming the problem. Writes nothing: `commit` does."""
+        buffers; ValueError/RuntimeError naming the problem. Writes nothing: `commit` does. need_slot=False
+        skips the free-slot check (the Engine checks an adapter before evicting one to make room)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first (or use a new name)")
-        if not self.free_slots:
+        if need_slot and not self.free_slots:
             raise ValueError(f"max_loaded_loras={self.num_slots} adapters are loaded ({sorted(self.adapters)}); "
                              f"unload one first")
         if not self.runner.memory_saver.is_resident("weights"):

@@ -130,6 +130,34 @@ def test_bad_adapters_are_refused_and_change_nothing(env, make_engine, tmp_path)
     _same(_gen(engine, None), refs[None])
 
 
+def test_max_loaded_loras_evicts_the_least_recently_used_unpinned_adapter(env, make_engine):
+    """With max_loaded_loras given, a load into full slots unloads the least recently used unpinned adapter."""
+    # SGLang's LRU eviction: use is a load or a request naming it; a refused adapter evicts nothing; pinned
+    # adapters are never evicted; without max_loaded_loras a full engine still refuses the load.
+    ckpt, a, b, refs = env
+    tensors, config = _files(a)
+    engine = _lora_engine(make_engine, ckpt, max_loras_per_batch=2, max_loaded_loras=3)
+    for i in range(5):
+        res = engine.load_lora_adapter_from_tensors(f"a{i}", tensors, config)
+        assert res.success, res.error_message
+    assert list(res.loaded_adapters) == ["a2", "a3", "a4"]
+    _same(_gen(engine, "a2"), refs["a"])  # a2 is now the most recently used: a3 goes next
+    res = engine.load_lora_adapter("b", str(b))
+    assert res.success and list(res.loaded_adapters) == ["a2", "a4", "b"], res
+    bad_tensors, bad_config, needle = _bad_cases(a)["nan"]
+    res = engine.load_lora_adapter_from_tensors("bad", bad_tensors, bad_config)
+    assert not res.success and needle in res.error_message and list(res.loaded_adapters) == ["a2", "a4", "b"]
+    _same(_gen(engine, "b"), refs["b"])
+    pinned = _lora_engine(make_engine, ckpt, max_loras_per_batch=1, max_loaded_loras=1)
+    assert pinned.load_lora_adapter("p", str(b), pinned=True).success
+    res = pinned.load_lora_adapter("q", str(a))
+    assert not res.success and "pinned" in res.error_message and res.loaded_adapters == {"p": str(b)}
+    default = _lora_engine(make_engine, ckpt, max_loras_per_batch=1)
+    assert default.load_lora_adapter("x", str(a)).success
+    res = default.load_lora_adapter("y", str(b))
+    assert not res.success and "unload one first" in res.error_message and res.loaded_adapters == {"x": str(a)}
+
+
 @pytest.mark.parametrize("segmented", [True, False])
 def test_an_adapter_that_overflows_its_own_rows_leaves_other_rows_alone(env, make_engine, segmented):
     """An adapter loaded with a huge but representable lora_alpha turns its own rows' activations inf/NaN;
