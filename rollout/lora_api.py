@@ -151,7 +151,10 @@ class LoRAAPI:
                 time.sleep(0.02)
             with self._cv:  # a step boundary; nothing can bind uid any more, and its last users are gone
                 self.scheduler.kv.drop_lora_cache(uid)
-                return self._lora_result(what, lambda: self.runner.unload_lora_adapter(lora_name))
+                res = self._lora_result(what, lambda: self.runner.unload_lora_adapter(lora_name))
+                if res.success:  # forget its use: a run loading a new name each step would grow the map
+                    self._lora_last_use.pop(lora_name, None)
+                return res
         finally:
             with self._reqs_lock:
                 self._lora_unloading.discard(uid)

@@ -147,6 +147,7 @@ def test_max_loaded_loras_evicts_the_least_recently_used_unpinned_adapter(env, m
     bad_tensors, bad_config, needle = _bad_cases(a)["nan"]
     res = engine.load_lora_adapter_from_tensors("bad", bad_tensors, bad_config)
     assert not res.success and needle in res.error_message and list(res.loaded_adapters) == ["a2", "a4", "b"]
+    assert set(engine._lora_last_use) == {"a2", "a4", "b"}  # evicted names are forgotten: the map stays bounded
     _same(_gen(engine, "b"), refs["b"])
     pinned = _lora_engine(make_engine, ckpt, max_loras_per_batch=1, max_loaded_loras=1)
     assert pinned.load_lora_adapter("p", str(b), pinned=True).success
