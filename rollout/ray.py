@@ -52,6 +52,21 @@ def _num_samples(sp) -> int:
     return 1 if n is None else int(n)
 
 
+# Engine.generate arguments that take one value for every prompt or a list with one per prompt.
+_PER_PROMPT_ARGS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "lora_path",
+                    "return_routed_experts")
+
+
+def _is_per_prompt(name: str, value) -> bool:
+    """Whether `value` of generate argument `name` is the one-per-prompt form (a list; for token_ids_logprob a
+    list of lists, a flat list of ids being the ids for every prompt)."""
+    if not isinstance(value, list):
+        return False
+    if name == "token_ids_logprob":
+        return not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return True
+
+
 def _check_abort_all(abort_all_requests) -> None:
     if not isinstance(abort_all_requests, bool):
         raise TypeError(f"abort_all_requests must be a bool, got {abort_all_requests!r}")
@@ -252,15 +267,18 @@ class EngineGroup:
         outputs come back in input order (one dict for a single prompt with n=1, else a list)."""
         if kwargs.get("stream"):
             raise ValueError("EngineGroup.generate does not stream; call an engine's generate for that")
-        if prompt is None and input_ids is None:
-            raise ValueError("pass prompt or input_ids")
         if input_ids is None:  # given both, input_ids are the prompt, as Engine.generate takes them
+            if prompt is None:
+                raise ValueError("pass prompt or input_ids")
             single = isinstance(prompt, str)
-            items = [prompt] if single else list(prompt)
+            items = [prompt] if single else prompt
+            if not isinstance(items, list) or not all(isinstance(p, str) for p in items):
+                raise ValueError("prompt must be a string or a list of strings")
             key = "prompt"
-        else:
-            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
-            items = [input_ids] if single else list(input_ids)
+        else:  # the Engine's own shape check: a malformed batch was split into prompts it never meant
+            from rollout.engine import prompt_token_ids
+
+            items, single = prompt_token_ids(None, None, input_ids)
             key = "input_ids"
         if not items:
             raise ValueError("empty batch: no prompts given (prompt or input_ids is an empty list)")
@@ -270,9 +288,20 @@ class EngineGroup:
             sps = sampling_params
         else:
             sps = [sampling_params] * len(items)
+        # Arguments given one per prompt are split with the prompts (each engine gets its prompts' entries).
+        per_prompt = {name: kwargs.pop(name) for name in _PER_PROMPT_ARGS if _is_per_prompt(name, kwargs.get(name))}
+        for name, values in per_prompt.items():
+            if len(values) != len(items):
+                raise ValueError(f"{name} has {len(values)} entries for {len(items)} prompts")
         rid = kwargs.pop("rid", None)
-        if rid is not None and not (isinstance(rid, list) and len(rid) == len(items)):
-            raise ValueError("rid on an EngineGroup must be a list with one id per prompt")
+        if rid is not None:
+            if not (isinstance(rid, list) and len(rid) == len(items)):
+                raise ValueError("rid on an EngineGroup must be a list with one id per prompt")
+            dups = sorted({repr(r) for r in rid if rid.count(r) > 1})
+            if dups:  # one engine refuses them; split over several, two requests would share an id
+                raise ValueError(f"request id(s) given twice in this call: {', '.join(dups)}")
+            if len({_num_samples(sp) for sp in sps}) > 1:  # as the Engine: each engine would expand its own
+                raise ValueError("a list of rids needs the same n for every prompt")
 
         # Least-loaded by samples: a prompt with n=8 weighs 8.
         loads = list(self._outstanding)
@@ -288,12 +317,16 @@ class EngineGroup:
                 continue
             call_kwargs = dict(kwargs, **{key: [items[i] for i in idx],
                                           "sampling_params": [sps[i] for i in idx]})
+            call_kwargs.update({name: [values[i] for i in idx] for name, values in per_prompt.items()})
             if rid is not None:
                 call_kwargs["rid"] = [rid[i] for i in idx]
             self._outstanding[e] += len(idx)
             refs[e] = self.handles[e].call.remote("generate", (), call_kwargs)
         try:
             per_engine = self._get(refs, "generate")
+        except EngineGroupError as e:  # an engine numbers the prompts it got from 0: say which ones they were
+            took = "; ".join(f"engine {j} took prompts {idx}" for j, idx in enumerate(assignment) if idx)
+            raise EngineGroupError(f"{e} (prompt numbers are each engine's own: {took})") from None
         finally:
             for e, idx in enumerate(assignment):
                 self._outstanding[e] -= len(idx)

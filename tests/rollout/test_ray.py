@@ -108,6 +108,43 @@ def test_n_samples_of_one_prompt_stay_on_one_engine(group):
     assert sorted(gained) == [0, 3 * (len(prompt) - 1)], gained
 
 
+def _close(a, b, atol=1e-5) -> bool:
+    """Same nesting, ids and Nones; floats within atol."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], atol) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_close(x, y, atol) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and abs(a - b) <= atol
+    return a == b
+
+
+def test_per_prompt_arguments_are_split_with_their_prompts(group, ckpt):
+    """Arguments given one per prompt (return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob) follow
+    their prompts to the engines, so the group answers as one Engine does; a list of the wrong length, a malformed
+    batch and duplicate rids are refused as one Engine refuses them (each engine got the whole list and raised, or a
+    short list was applied to each engine's share)."""
+    kw = dict(input_ids=PROMPTS[:4], sampling_params=GREEDY, return_logprob=[True, False, True, True],
+              logprob_start_len=[0, None, 2, 1], top_logprobs_num=[0, 0, 2, 1], token_ids_logprob=[[1], None, [2, 3], []])
+
+    def meta(outs):
+        keys = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_token_ids_logprobs")
+        return [(o["output_ids"], {k: o["meta_info"].get(k) for k in keys}) for o in outs]
+
+    with Engine(str(ckpt), **ENGINE_KW) as one:
+        want = meta(one.generate(**kw))
+    got = meta(group.generate(**kw))
+    assert _close(got, want), (got, want)
+    with pytest.raises(ValueError, match="return_logprob has 2 entries for 4 prompts"):
+        group.generate(input_ids=PROMPTS[:4], sampling_params=GREEDY, return_logprob=[True, False])
+    with pytest.raises(ValueError, match="input_ids must be a list of ints or a list of lists of ints"):
+        group.generate(input_ids=[PROMPTS[0], 3], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="given twice"):
+        group.generate(input_ids=PROMPTS[:3], sampling_params=GREEDY, rid=["a", "a", "b"])
+    with pytest.raises(ValueError, match="same n for every prompt"):
+        group.generate(input_ids=PROMPTS[:2], sampling_params=[{**GREEDY, "n": 2}, {**GREEDY, "n": 3}], rid=["a", "b"])
+
+
 def test_sync_reaches_every_engine(group, trainer, reference):
     """sync_weights into the group: both engines serve exactly a fresh engine on the trainer's weights."""
     model, path, want = trainer
