@@ -12,12 +12,15 @@ Each bucket is one atomic update on the engine side; a sync of several buckets i
 whole, so call it while the engine is idle or paused (the trainers do). On the first failed bucket
 it stops and returns (False, reason), the reason saying how many buckets were applied before it (the
 engine then holds a mix until a sync completes; `rollout.ray.EngineGroup` commits all or none). Duplicate
-names are refused before anything is sent.
+names are refused before anything is sent, and so is a source with no tensors (an empty state dict, or a
+name_map that drops every name): (False, reason), as the engine answers an empty update, never a
+success that changed nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -49,6 +52,10 @@ def sync_weights(source: Source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTE
         target = HttpEngine(target)
     if is_peft_model(source):
         return sync_lora_adapter(source, target, lora_name or weight_version)
+    source, empty = _peek_empty(source, name_map)
+    if empty:
+        return False, ("nothing to sync: the source holds no tensors" + (" after name_map" if name_map else "")
+                       + "; nothing was sent")
     if isinstance(target, list | tuple):
         return _sync_many(source, list(target), bucket_bytes, name_map, weight_version)
     if hasattr(target, "sync_from"):
@@ -69,6 +76,20 @@ def sync_weights(source: Source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTE
             num_buckets += 1
             num_tensors += len(bucket)
     return True, f"synced {num_tensors} tensors in {num_buckets} bucket(s)"
+
+
+def _peek_empty(source: Source, name_map) -> tuple[Source, bool]:
+    """(the source, whether it yields no tensor after name_map). A one-shot iterator is read up to its first kept
+    tensor and handed back whole (the items read, then the rest)."""
+    if isinstance(source, nn.Module | Mapping | list | tuple):
+        return source, next(iter_named_tensors(source, name_map), None) is None
+    it: Iterator = iter(source)
+    head = []
+    for item in it:
+        head.append(item)
+        if name_map is None or name_map(item[0]) is not None:
+            return itertools.chain(head, it), False
+    return iter(head), True
 
 
 def _check_names(source: Source, name_map) -> None:

@@ -165,6 +165,40 @@ def test_a_name_collision_is_refused_before_any_bucket_and_a_late_failure_names_
         assert_same(outputs(engine), want)
 
 
+def test_a_source_with_no_tensors_is_a_failure_not_a_success_that_changed_nothing(ckpt, trainer):
+    """A source with no tensors (empty dict, list, generator, a name_map dropping every name) fails, as the
+    engine's own update refuses an empty one, for every target kind; a generator's tensors still all arrive."""
+    model, want = trainer(4)
+
+    class Recorder:  # a transport with its own protocol: must not be asked to sync nothing
+        calls = 0
+
+        def sync_from(self, *args, **kwargs):
+            Recorder.calls += 1
+            return True, "synced"
+
+    with Engine(str(ckpt), **ENGINE_KW) as engine:
+        before, version = engine.get_weights_checksum()["checksum"], engine.weight_version
+        assert not engine.update_weights_from_tensor([])[0]  # the oracle: the engine refuses an empty update
+        empties = [lambda: {}, lambda: [], lambda: iter([]), lambda: nn.Module(),
+                   lambda: (p for p in model.named_parameters() if False)]
+        for make in empties:
+            for target in (engine, [engine, engine], Recorder()):
+                ok, msg = sync_weights(make(), target)
+                assert not ok and "nothing to sync" in msg, msg
+            ok, msg = sync_weights(model, engine, name_map=lambda name: None)
+            assert not ok and "after name_map" in msg, msg
+        assert Recorder.calls == 0
+        assert engine.get_weights_checksum()["checksum"] == before and engine.weight_version == version
+        skip_first = lambda name: None if name == "model.embed_tokens.weight" else name  # noqa: E731
+        ok, msg = sync_weights(iter(list(model.named_parameters())), engine, bucket_bytes=SMALL_BUCKET,
+                               name_map=skip_first)  # a generator read ahead past a dropped name loses nothing
+        assert ok and f"synced {len(list(model.parameters())) - 1} tensors" in msg, msg
+        ok, msg = sync_weights((p for p in model.named_parameters()), engine, bucket_bytes=SMALL_BUCKET)
+        assert ok, msg
+        assert_same(outputs(engine), want)
+
+
 # ---------------------------------------------------------------------------------------------
 # disk
 
