@@ -8,6 +8,7 @@ as detached 0-dim tensors; the caller decides when to `.item()` them). Per-token
 What this file deliberately does not do: run models, pick hyper-parameters, or log.
 """
 
+import operator
 from typing import Literal
 
 import torch
@@ -65,6 +66,13 @@ def group_advantages(
 
     rewards: [num_prompts * group_size], ordered group by group. Returns the same shape, float32+.
     """
+    try:
+        size = operator.index(group_size)  # an int (numpy's too), not a float
+    except TypeError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    group_size = size
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
         raise ValueError(
             f"rewards must be 1-D with length a multiple of group_size={group_size}, "

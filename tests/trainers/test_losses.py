@@ -101,6 +101,14 @@ def test_group_advantages_rejects_partial_group():
         group_advantages(torch.zeros(5), group_size=2)
 
 
+@pytest.mark.parametrize("group_size", [0, -1, -2, 2.0])
+def test_group_advantages_rejects_a_group_size_below_one_by_name(group_size):
+    """group_size 0, negative or not an int is a ValueError naming group_size (0 was a ZeroDivisionError, -2 a
+    view error, and -1 with 4 rewards gave a shape error from deep inside torch)."""
+    with pytest.raises(ValueError, match="group_size must be an int >= 1"):
+        group_advantages(torch.zeros(4), group_size=group_size)
+
+
 def naive_gae(rewards, values, lengths, gamma, lam):
     """Reference: A_t = sum_l (gamma*lam)^l delta_{t+l}, V past the end = 0, as a double loop."""
     advantages = torch.zeros_like(values)
