@@ -12,7 +12,8 @@ elements (weight_sync/delta_codec.py picks the cheapest code per tensor). Every 
 checksum of its base per tensor; an engine that holds anything else refuses it and changes nothing
 (the message contains "stale base"); `sync(model, fallback=True)` then sends a full sync and says so.
 Any other failure drops the baseline, so the next sync is full (after a half-applied list of engines
-the sender no longer knows what each one holds).
+the sender no longer knows what each one holds); so does an exception from a target (a dead RemoteEngine),
+which propagates.
 
 Transports, per target: `update_weights_from_tensor(delta, load_format="delta")` (an in-process Engine,
 a RemoteEngine through shared memory, `HttpEngine` over `/update_weights_from_tensor`), or the target's
@@ -97,7 +98,11 @@ class DeltaSync:
         updates = _split(encoded, self.bucket_bytes, ties)
         encode_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
-        ok, msg, applied = send_deltas(self.target, updates, weight_version)
+        try:
+            ok, msg, applied = send_deltas(self.target, updates, weight_version)
+        except BaseException:  # a dead engine (RemoteEngine raises): what each engine holds is unknown now
+            self.reset()
+            raise
         apply_ms = (time.perf_counter() - t1) * 1e3
         for update in updates[:applied]:
             for e in update.entries:
@@ -139,8 +144,12 @@ class DeltaSync:
     def _full(self, cast: dict, t0: float, weight_version: str | None, why: str) -> tuple[bool, str]:
         encode_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
-        ok, msg = sync_weights(list(cast.items()), self.target, bucket_bytes=self.bucket_bytes,
-                               weight_version=weight_version)
+        try:
+            ok, msg = sync_weights(list(cast.items()), self.target, bucket_bytes=self.bucket_bytes,
+                                   weight_version=weight_version)
+        except BaseException:
+            self.reset()
+            raise
         apply_ms = (time.perf_counter() - t1) * 1e3
         total = _nbytes(cast)
         self.last = {"mode": "full", "bytes_sent": total, "bytes_full": total,
@@ -157,6 +166,7 @@ class DeltaSync:
         """The engine's weight dtype: from an in-process runner, else get_server_info()['weights_dtype']."""
         t = self.target
         candidates = [t[0] if isinstance(t, list | tuple) and t else t, getattr(t, "engine", None)]
+        failed = ""
         for c in candidates:
             runner = getattr(c, "runner", None)
             if isinstance(getattr(runner, "dtype", None), torch.dtype):
@@ -165,13 +175,14 @@ class DeltaSync:
             if c is not None and hasattr(c, "get_server_info"):
                 try:
                     info = c.get_server_info()
-                except Exception:  # an old engine or a dead one: the caller can still pass dtype=
+                except Exception as e:  # an old engine or a dead one: the caller can still pass dtype=
+                    failed = f" (its get_server_info() raised {type(e).__name__}: {e})"
                     continue
                 info = info[0] if isinstance(info, list) and info else info
                 if isinstance(info, dict) and info.get("weights_dtype"):
                     self.dtype = _as_dtype(info["weights_dtype"])
                     return self.dtype
-        raise ValueError(f"DeltaSync: cannot tell the weight dtype of {type(t).__name__}; pass dtype= "
+        raise ValueError(f"DeltaSync: cannot tell the weight dtype of {type(t).__name__}{failed}; pass dtype= "
                          f"(the engine's, e.g. torch.bfloat16)")
 
 

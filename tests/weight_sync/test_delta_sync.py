@@ -204,3 +204,38 @@ def test_a_later_part_refused_says_the_earlier_ones_landed(engines, tiny_llama):
     ok, msg = ds.sync(trainer.model)
     assert ok and ds.last["mode"] == "full", msg
     assert_equals_full_update(engine, ref, trainer)
+
+
+def test_an_engine_that_raises_mid_delta_drops_the_baseline_and_a_dead_one_is_named(engines, tiny_llama):
+    """A list target whose second engine raises (a dead RemoteEngine) after the first applied the delta: the
+    exception propagates and the next sync is a full one (the docstring's "any other failure drops the
+    baseline"; it stayed, and the next delta was refused as a stale base); a dtype probe of a dead engine names
+    its error, not only "pass dtype="."""
+    engine, ref = engines
+    trainer = Trainer(tiny_llama, 1e-3, seed=6)
+
+    class Dead:
+        def __init__(self):
+            self.alive = True
+
+        def update_weights_from_tensor(self, *args, **kwargs):
+            if not self.alive:
+                raise RuntimeError("remote engine: engine process exited (exit code -9)")
+            return True, "ok"
+
+        def get_server_info(self):
+            raise RuntimeError("remote engine: engine process exited (exit code -9)")
+
+    dead = Dead()
+    ds = DeltaSync([engine, dead], dtype=torch.bfloat16)
+    assert ds.sync(trainer.model)[0] and ds.last["mode"] == "full"
+    trainer.step()
+    dead.alive = False
+    with pytest.raises(RuntimeError, match="engine process exited"):
+        ds.sync(trainer.model)
+    ds.target = engine  # the caller drops the dead engine and syncs the live one again
+    ok, msg = ds.sync(trainer.model)
+    assert ok and ds.last["mode"] == "full", msg
+    assert_equals_full_update(engine, ref, trainer)
+    with pytest.raises(ValueError, match="get_server_info.*RuntimeError: remote engine: engine process exited"):
+        DeltaSync(Dead()).sync(trainer.model)
