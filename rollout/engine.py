@@ -380,7 +380,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         if total > MAX_SEQUENCES_PER_CALL:  # before one Req each is built: n=10**9 would exhaust host memory
             raise ValueError(f"this call asks for {total} sequences (prompts x sampling param n); one call takes at "
                              f"most {MAX_SEQUENCES_PER_CALL} (split the batch)")
-        rids = self._expand_rids(rid, num, total, single and sps[0].n == 1)
+        rids = self._expand_rids(rid, [sp.n for sp in sps], single and sps[0].n == 1)
         reqs = []
         now = time.perf_counter()
         for i, (ids, sp) in enumerate(zip(ids_list, sps)):
@@ -450,9 +450,11 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         return starts, [list(ids) if ids else None for ids in id_lists], return_original_logprob
 
     @staticmethod
-    def _expand_rids(rid, num_prompts: int, total: int, is_single: bool) -> list[str]:
-        """SGLang's rid rules: None -> fresh ids; a string names a single request, or on a batch (or n > 1)
-        expands to f"{rid}_{i}" over every sequence; a list gives one per prompt (f"{rid}_{j}" with n > 1)."""
+    def _expand_rids(rid, ns: list[int], is_single: bool) -> list[str]:
+        """SGLang's rid rules, for prompts asking for ns[i] sequences each: None -> fresh ids; a string names a
+        single request, or on a batch (or n > 1) expands to f"{rid}_{i}" over every sequence; a list gives one
+        per prompt (f"{rid}_{j}" with n > 1, the same n for every prompt)."""
+        num_prompts, total = len(ns), sum(ns)
         if rid is None or rid == "":
             return [uuid.uuid4().hex for _ in range(total)]
         if isinstance(rid, str):
@@ -461,12 +463,11 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             raise ValueError(f"rid must be a string or a list of non-empty strings, got {rid!r}")
         if len(rid) != num_prompts:
             raise ValueError(f"rid has {len(rid)} entries for {num_prompts} prompts")
-        if total == num_prompts:
+        if any(n != ns[0] for n in ns):  # (n 1 and 3 over two prompts once passed as two each)
+            raise ValueError(f"a list of rids needs the same n for every prompt, got n={ns}")
+        if ns[0] == 1:
             return list(rid)
-        per_prompt = total // num_prompts if total % num_prompts == 0 else None
-        if per_prompt is None:  # different n per prompt
-            raise ValueError("a list of rids needs the same n for every prompt")
-        return [f"{r}_{j}" for r in rid for j in range(per_prompt)]
+        return [f"{r}_{j}" for r in rid for j in range(ns[0])]
 
     def _submit(self, reqs: list[Req], sink) -> None:
         """Queue reqs for the scheduler thread without waiting for the step lock (the checks read flags

@@ -137,7 +137,7 @@ async def stream_choices(request: Request, prompts: list, sampling: dict, num_to
         base = uuid.uuid4().hex
         rids = [f"{base}-{k}" for k in range(num)]
     else:
-        rids = Engine._expand_rids(rid, len(prompts), num, num == 1)
+        rids = Engine._expand_rids(rid, [n] * len(prompts), num == 1)
     streams, finished = [], set()
 
     async def abort_unfinished():

@@ -222,6 +222,22 @@ def test_per_prompt_logprob_lists_and_rid_expansion(engine, refs):
     assert "output_token_logprobs" not in outs[1]["meta_info"] and "output_token_logprobs" not in outs[3]["meta_info"]
 
 
+def test_rid_list_names_each_prompts_samples_and_needs_one_n(engine):
+    """A rid list names prompt i's samples f"{rid[i]}_{j}" (n > 1) or rid[i] (n = 1); different n per prompt
+    with a rid list is refused naming n, even where the total divides evenly (n 1 and 3 had named the second
+    prompt's first sample after the first prompt)."""
+    sp = {"temperature": 0.8, "max_new_tokens": 2, "ignore_eos": True, "seed": 5}
+    outs = engine.generate(input_ids=PROMPTS[:2], sampling_params={**sp, "n": 2}, rid=["a", "b"])
+    assert [o["meta_info"]["id"] for o in outs] == ["a_0", "a_1", "b_0", "b_1"]
+    outs = engine.generate(input_ids=PROMPTS[:2], sampling_params=sp, rid=["a", "b"])
+    assert [o["meta_info"]["id"] for o in outs] == ["a", "b"]
+    for ns in ([1, 3], [2, 1, 1, 2]):
+        with pytest.raises(ValueError, match=r"same n for every prompt, got n=\[" + ", ".join(map(str, ns))):
+            engine.generate(input_ids=PROMPTS[:len(ns)], sampling_params=[{**sp, "n": n} for n in ns],
+                            rid=[f"r{i}" for i in range(len(ns))])
+    assert engine.get_server_info()["num_in_flight"] == 0
+
+
 def test_streaming_a_batch_with_n_gives_indexed_chunks(engine):
     """stream=True on two prompts with n=2: every chunk carries "index"; per index the chunks grow one token
     at a time and the last equals the non-streamed output of the same call."""
