@@ -42,6 +42,7 @@ from weight_sync.delta_codec import (
     encode_tensor,
     tensor_hash,
 )
+from weight_sync.lora import is_peft_model
 from weight_sync.sync import DEFAULT_BUCKET_BYTES, sync_weights
 
 
@@ -75,6 +76,9 @@ class DeltaSync:
              full: bool = False) -> tuple[bool, str]:
         """Send `model`'s weights (a module, a state dict or (name, tensor) pairs): a delta when a baseline
         exists and matches, else (or with `full=True`) everything. Returns (ok, message)."""
+        if is_peft_model(model):
+            raise TypeError("DeltaSync sends a model's full weights; a PEFT model's adapter goes by "
+                            "sync_weights(model, target, lora_name=...) (or merge it first: merge_and_unload())")
         t0 = time.perf_counter()
         dtype = self.dtype or self._probe_dtype()
         with torch.no_grad():

@@ -37,12 +37,19 @@ def sync_lora_adapter(model, target, lora_name: str, adapter_name: str | None = 
     """Load `model`'s adapter into `target` as `lora_name`. Returns (ok, message); nothing is unloaded."""
     if not lora_name:
         raise ValueError("sync of a PEFT model needs lora_name: the name of the adapter version it creates")
+    targets = list(target) if isinstance(target, list | tuple) else [target]
+    if not targets:
+        raise ValueError("sync of a PEFT model: empty list of targets")
+    bad = [type(t).__name__ for t in targets if not hasattr(t, "load_lora_adapter_from_tensors")]
+    if bad:
+        raise TypeError(f"cannot load a LoRA adapter into {bad[0]}: it has no load_lora_adapter_from_tensors (an "
+                        f"adapter-only sync of a PEFT model needs an Engine, RemoteEngine, EngineGroup or server "
+                        f"URL; merge the adapter, e.g. merge_and_unload(), to sync full weights)")
     tensors, config = adapter_payload(model, adapter_name)
     with torch.no_grad():
         bucket = FlattenedTensorBucket(named_tensors=tensors)
     payload = bucket.to_dict()
     nbytes = bucket.flattened_tensor.numel() * bucket.flattened_tensor.element_size()
-    targets = list(target) if isinstance(target, list | tuple) else [target]
     for i, t in enumerate(targets):
         res = t.load_lora_adapter_from_tensors(lora_name, payload, config, load_format="flattened_bucket")
         ok, msg = lora_result(res)

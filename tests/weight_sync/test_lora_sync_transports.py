@@ -4,6 +4,7 @@ generate with the same adapter (a PeftModel on an adapter peft itself wrote)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.lora_adapters import make_adapter, peft_model
@@ -72,3 +73,28 @@ def test_the_trainers_lora_versions_publish_through_a_server(ckpt_factory, tmp_p
             assert _served(served.engine, "policy-step-2") == want
         finally:
             http.close()
+
+
+def test_a_peft_model_into_no_engine_or_a_full_weight_transport_is_refused_by_name(ckpt_factory, tmp_path):
+    """A PEFT model synced into an empty list is a ValueError (it answered success having loaded nothing, where a
+    plain model's empty list is refused), into a DiskTarget a TypeError naming it (an AttributeError before), and
+    into DeltaSync a TypeError pointing at the adapter sync (a refusal of 'base_model.model...' names before);
+    the engine's adapters are unchanged, and the same model then loads and serves as peft generates."""
+    from rollout import Engine
+    from weight_sync import DeltaSync, DiskTarget, sync_weights
+
+    ckpt = ckpt_factory("llama")
+    model = peft_model(ckpt, make_adapter(ckpt, tmp_path / "a", r=8, seed=3))
+    with Engine(str(ckpt), **LORA_KW) as engine:
+        with pytest.raises(ValueError, match="empty list of targets"):
+            sync_weights(torch.nn.Linear(2, 2), [])  # the plain model's answer, the oracle
+        with pytest.raises(ValueError, match="empty list of targets"):
+            sync_weights(model, [], lora_name="v1")
+        with pytest.raises(TypeError, match="DiskTarget.*load_lora_adapter_from_tensors"):
+            sync_weights(model, DiskTarget(engine, tmp_path / "out", ckpt / "config.json"), lora_name="v1")
+        with pytest.raises(TypeError, match="lora_name"):
+            DeltaSync(engine).sync(model)
+        assert not engine.runner.lora_adapters()
+        ok, msg = sync_weights(model, [engine], lora_name="v1")
+        assert ok, msg
+        assert _served(engine, "v1") == _peft_greedy(model)
