@@ -136,7 +136,8 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles, the deprecated "function" (a function call's result) included, as SGLang and vLLM take it
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
 
 

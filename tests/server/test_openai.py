@@ -197,6 +197,19 @@ def _chat_on_plain_template(server, oai):
     assert streamed == c.message.content
 
 
+def test_chat_function_role_message(server):
+    """A message with OpenAI's deprecated role "function" is served as SGLang and vLLM serve it: rendered by the
+    template under that role (the hand-written plain prompt, generated as the Engine does on it)."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "function", "name": "f", "content": "42"}]
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with start_server(server.path, engine=server.engine, chat_template="plain") as s, s.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+    want = _engine(server, "user: Hi\nfunction: 42\nassistant:", max_new_tokens=5, temperature=0, ignore_eos=True)
+    assert r.json()["choices"][0]["message"]["content"] == want["text"]
+    assert r.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+
+
 def test_chat_template_kwargs_and_continue_final_message(server):
     """SGLang's chat_template_kwargs reach the template and continue_final_message leaves the last message open (the
     hand-written prompt, generated as the Engine does on it); a kwarg naming one of the server's own is a 400."""
