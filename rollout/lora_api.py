@@ -62,18 +62,9 @@ class LoRAAPI:
         """Mark adapter `name` as just used (loaded, or named by a request): the LRU order of evictions."""
         self._lora_last_use[name] = next(self._lora_clock)
 
-    def _make_room(self, what: str, check) -> LoRAUpdateOutput | None:
-        """SGLang's eviction at max_loaded_loras (only when given): while every slot is taken, unload the least
-        recently used unpinned adapter (waiting for its requests, as an unload does). `check()` (every check of
-        the new adapter but the free slot) runs first, so a refused adapter evicts nothing. -> a failure, or None."""
-        limit = getattr(self.args, "max_loaded_loras", None)
-        if limit is None or len(self.runner.lora_adapters()) < limit:
-            return None
-        try:
-            with self._cv:
-                check()
-        except Exception as e:
-            return LoRAUpdateOutput(False, f"{what} failed: {e}", self._loaded())
+    def _make_room(self, what: str, limit: int) -> LoRAUpdateOutput | None:
+        """SGLang's eviction at max_loaded_loras: while every slot is taken, unload the least recently used
+        unpinned adapter (waiting for its requests, as an unload does). -> a failure, or None."""
         last_use = self._lora_last_use
         while len(loaded := self.runner.lora_adapters()) >= limit:
             unpinned = [n for n, a in loaded.items() if not a["pinned"]]  # load order: ties go to the oldest
@@ -89,31 +80,36 @@ class LoRAAPI:
                                                f"{res.error_message}", res.loaded_adapters)
         return None
 
-    def _load_lora(self, what: str, lora_name: str, check, load) -> LoRAUpdateOutput:
-        failed = self._make_room(what, check)
-        if failed is not None:
+    def _load_lora(self, what: str, lora_name: str, stage) -> LoRAUpdateOutput:
+        """`stage(need_slot)` checks the adapter and builds its host buffers once; with max_loaded_loras given a
+        full engine then evicts (`_make_room`) instead of refusing, and only after the checks passed, so a
+        refused adapter evicts nothing; the staged adapter is then written (every rank, on tensor parallelism)."""
+        limit = getattr(self.args, "max_loaded_loras", None)
+        staged = []
+        failed = self._lora_result(what, lambda: staged.append(stage(limit is None)))
+        if not failed.success:
             return failed
-        res = self._lora_result(what, load)
+        if limit is not None:
+            failed = self._make_room(what, limit)
+            if failed is not None:
+                return failed
+        res = self._lora_result(what, lambda: self.runner.load_staged_lora_adapter(staged[0]))
         if res.success:
             self._used_lora(lora_name)
         return res
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAUpdateOutput:
         """Load the PEFT adapter in directory `lora_path` as `lora_name` (SGLang's signature)."""
-        return self._load_lora(
-            f"load_lora_adapter({lora_name!r})", lora_name,
-            lambda: self.runner.stage_lora_adapter(lora_name, str(lora_path), pinned=pinned, need_slot=False),
-            lambda: self.runner.load_lora_adapter(lora_name, str(lora_path), pinned=pinned))
+        return self._load_lora(f"load_lora_adapter({lora_name!r})", lora_name, lambda need_slot: (
+            self.runner.stage_lora_adapter(lora_name, str(lora_path), pinned=pinned, need_slot=need_slot)))
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict, load_format: str | None = None,
                                        pinned: bool = False) -> LoRAUpdateOutput:
         """Load an adapter from PEFT-named tensors (a dict or pairs; load_format="flattened_bucket": weight_sync
         buckets) and its adapter_config dict."""
-        return self._load_lora(
-            f"load_lora_adapter_from_tensors({lora_name!r})", lora_name,
-            lambda: self.runner.stage_lora_adapter(lora_name, None, tensors, config_dict, load_format, pinned,
-                                                   need_slot=False),
-            lambda: self.runner.load_lora_adapter(lora_name, None, tensors, config_dict, load_format, pinned))
+        return self._load_lora(f"load_lora_adapter_from_tensors({lora_name!r})", lora_name, lambda need_slot: (
+            self.runner.stage_lora_adapter(lora_name, None, tensors, config_dict, load_format, pinned,
+                                           need_slot=need_slot)))
 
     def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> LoRAUpdateOutput:
         """Unload `lora_name`, after the requests in flight on it finish (refused while paused with such

@@ -434,6 +434,10 @@ class ModelRunner:
         staged = self.stage_lora_adapter(lora_name, lora_path, tensors, config_dict, load_format, pinned)
         return self.commit_lora_adapter(staged, uid)
 
+    def load_staged_lora_adapter(self, staged) -> int:
+        """Write an adapter `stage_lora_adapter` checked (re-checked for what changed since): its uid."""
+        return self.commit_lora_adapter(staged)
+
     def stage_lora_adapter(self, lora_name: str, lora_path: str | None = None, tensors=None,
                            config_dict: dict | None = None, load_format: str | None = None, pinned: bool = False,
                            need_slot: bool = True):

@@ -314,7 +314,11 @@ class TPModelRunner:
         """ModelRunner's, on every rank: rank 0 checks first (a refusal sends nothing), then sends the adapter's
         tensors (read once, here) and its uid; each rank re-checks and stages its own A/B slices, and all
         commit or none does."""
-        staged = self.local.stage_lora_adapter(lora_name, lora_path, tensors, config_dict, load_format, pinned)
+        return self.load_staged_lora_adapter(
+            self.local.stage_lora_adapter(lora_name, lora_path, tensors, config_dict, load_format, pinned))
+
+    def load_staged_lora_adapter(self, staged) -> int:
+        """ModelRunner's, on every rank, for an adapter rank 0 staged (stage_lora_adapter is rank 0's)."""
         return self._load_staged_lora(staged, new_uid(), list(staged.tensors.items()))
 
     def _load_staged_lora(self, staged, uid: int, named: list[tuple[str, torch.Tensor]]) -> int:
