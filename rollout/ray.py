@@ -24,6 +24,7 @@ imported only when this module is used.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Sequence
@@ -265,6 +266,8 @@ class EngineGroup:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, **kwargs):
         """Like Engine.generate. Each prompt (with all its n samples) goes to the least-loaded engine;
         outputs come back in input order (one dict for a single prompt with n=1, else a list)."""
+        from rollout.engine import Engine, prompt_token_ids
+
         if kwargs.get("stream"):
             raise ValueError("EngineGroup.generate does not stream; call an engine's generate for that")
         if input_ids is None:  # given both, input_ids are the prompt, as Engine.generate takes them
@@ -276,8 +279,6 @@ class EngineGroup:
                 raise ValueError("prompt must be a string or a list of strings")
             key = "prompt"
         else:  # the Engine's own shape check: a malformed batch was split into prompts it never meant
-            from rollout.engine import prompt_token_ids
-
             items, single = prompt_token_ids(None, None, input_ids)
             key = "input_ids"
         if not items:
@@ -297,11 +298,11 @@ class EngineGroup:
         if rid is not None:
             if not (isinstance(rid, list) and len(rid) == len(items)):
                 raise ValueError("rid on an EngineGroup must be a list with one id per prompt")
-            dups = sorted({repr(r) for r in rid if rid.count(r) > 1})
+            dups = sorted(repr(r) for r, k in collections.Counter(rid).items() if k > 1)
             if dups:  # one engine refuses them; split over several, two requests would share an id
                 raise ValueError(f"request id(s) given twice in this call: {', '.join(dups)}")
-            if len({_num_samples(sp) for sp in sps}) > 1:  # as the Engine: each engine would expand its own
-                raise ValueError("a list of rids needs the same n for every prompt")
+            # The Engine's rid rules (one n for every prompt) checked before the prompts are split between engines.
+            Engine._expand_rids(rid, [_num_samples(sp) for sp in sps], is_single=False)
 
         # Least-loaded by samples: a prompt with n=8 weighs 8.
         loads = list(self._outstanding)
