@@ -26,7 +26,6 @@ import os
 import random
 import threading
 import time
-import uuid
 from collections import deque
 
 from tqdm.auto import tqdm
@@ -38,6 +37,7 @@ from rollout.outputs import AsyncSink, AsyncStream, SyncSink, SyncStream, build_
 from rollout.pause_watchdog import PauseWatchdog, timeout_from_env
 from rollout.profiler import ProfilerAPI, StepProfiler
 from rollout.request import FinishReason, Req
+from rollout.rids import new_rid
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.scheduler_loop import run_scheduler_loop
@@ -456,7 +456,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         per prompt (f"{rid}_{j}" with n > 1, the same n for every prompt)."""
         num_prompts, total = len(ns), sum(ns)
         if rid is None or rid == "":
-            return [uuid.uuid4().hex for _ in range(total)]
+            return [new_rid() for _ in range(total)]
         if isinstance(rid, str):
             return [rid] if is_single else [f"{rid}_{i}" for i in range(total)]
         if not isinstance(rid, list) or not all(isinstance(r, str) and r for r in rid):
