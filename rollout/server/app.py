@@ -181,6 +181,8 @@ def create_app(engine, server_args: ServerArgs | None = None) -> FastAPI:
                                   f"{body_parse_problem(cause)}", 400, param="body")
         return error_response(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
+    # /generate first: a plain route (native.py says why), matched before the routers are searched.
+    app.router.routes.insert(0, native.GENERATE_ROUTE)
     app.include_router(native.router)
     app.include_router(native_control.router)
     app.include_router(native_weights.router)

@@ -29,7 +29,8 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
+from starlette.routing import Route
 
 from rollout.sampling_params import as_int
 from rollout.server import limits
@@ -39,9 +40,11 @@ from rollout.server.common import (
     dumpb,
     engine_error,
     error_response,
+    read_json_body,
     run_blocking,
     run_on_engine,
 )
+from rollout.server.sse_response import SSEResponse
 from rollout.sglang_generate_args import UNIMPLEMENTED
 
 logger = logging.getLogger(__name__)
@@ -142,12 +145,14 @@ class GenerateReqInput(Body):
         return out if isinstance(self.sampling_params, list) else out[0]
 
     def passthrough(self) -> dict:
-        # The Engine's own options, then every SGLang argument it takes only at a neutral value (it words refusals).
-        names = ("logprob_start_len", "token_ids_logprob", "lora_path", "return_routed_experts",
-                 *(n for n in UNIMPLEMENTED if n in type(self).model_fields))
         # `is not`, not `in (None, False)`: 0 == False, and logprob_start_len=0 (score the whole prompt)
         # must go through.
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None and getattr(self, n) is not False}
+        return {n: v for n in _PASSTHROUGH if (v := getattr(self, n)) is not None and v is not False}
+
+
+# The Engine's own options, then every SGLang argument it takes only at a neutral value (it words refusals).
+_PASSTHROUGH = ("logprob_start_len", "token_ids_logprob", "lora_path", "return_routed_experts",
+                *(n for n in UNIMPLEMENTED if n in GenerateReqInput.model_fields))
 
 
 def num_sequences(prompts: int, sampling_params) -> int:
@@ -232,8 +237,11 @@ async def sse(chunks, post=lambda c: c):
         await chunks.aclose()
 
 
-@router.api_route("/generate", methods=["POST", "PUT"])
-async def generate(obj: GenerateReqInput, request: Request):
+async def generate(request: Request):
+    """POST/PUT /generate: a plain Starlette route (GENERATE_ROUTE, which app.py puts first in the routing
+    table), the body read and validated here: the same model and 400s as a FastAPI body parameter, without
+    ~60 us of FastAPI's dependency solving and routing per request, the hot path of every rollout."""
+    obj = GenerateReqInput.model_validate(await read_json_body(request))  # a ValidationError: the app's 400
     engine = request.app.state.engine
     if obj.text is None and obj.input_ids is None and obj.input_embeds is not None:
         return error_response("input_embeds are not supported: pass text or input_ids", 400, param="input_embeds")
@@ -280,7 +288,10 @@ async def generate(obj: GenerateReqInput, request: Request):
         return await limits.json_response_off_loop(
             request, lambda: [post(o) for o in out] if isinstance(out, list) else post(out))
 
-    return StreamingResponse(sse(chunks, post), media_type="text/event-stream")
+    return SSEResponse(sse(chunks, post), is_last=lambda: chunks.done)
+
+
+GENERATE_ROUTE = Route("/generate", generate, methods=["POST", "PUT"])
 
 
 # ---- health and info --------------------------------------------------------------------------

@@ -20,13 +20,14 @@ import uuid
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from rollout.engine import Engine, sample_seed
 from rollout.server import limits
 from rollout.server.common import dumps, engine_error, error_response, run_blocking
 from rollout.server.lora import lora_of_model
 from rollout.server.native import await_unless_disconnected
+from rollout.server.sse_response import SSEResponse
 
 
 def openai_names(max_tokens_field: str = "max_tokens") -> dict[str, str]:
@@ -263,7 +264,7 @@ async def choice_texts(first, merged, stop, num_choices: int, finals: dict[int, 
         item = await anext(merged, None)
 
 
-def sse_response(gen) -> StreamingResponse:
+def sse_response(gen) -> SSEResponse:
     async def body():
         try:
             async for item in gen:
@@ -274,7 +275,7 @@ def sse_response(gen) -> StreamingResponse:
             await gen.aclose()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return SSEResponse(body())
 
 
 async def closing(gen, inner):

@@ -176,3 +176,23 @@ def test_sampling_param_error_names_the_param_field(client):
     """An Engine refusal of a sampling param carries `param` = sampling_params.<name>, not null."""
     r = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"temperature": -1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.temperature", r.text
+
+
+@pytest.mark.parametrize("body", [b'{"rid": ', b"[1, 2]", b'{"rid": "\xff"}', b"[" * 100_000 + b"]" * 100_000, b"nul",
+                                  b'{"rid": "a\\ud800"}'], ids=["cut", "array", "utf8", "deep", "nul", "surrogate"])
+def test_generate_reads_its_body_as_the_fastapi_routes_do(client, body):
+    """/generate parses its own body (a plain route): every broken body gets the status and message a FastAPI
+    body route (/abort_request) gives the same bytes, its path aside."""
+    headers = {"content-type": "application/json"}
+    ours, theirs = client.post("/generate", content=body, headers=headers), client.post("/abort_request", content=body,
+                                                                                        headers=headers)
+    assert ours.status_code == theirs.status_code and ours.status_code in (400, 413), (ours.text, theirs.text)
+    if ours.status_code == 400:
+        assert ours.json()["error"]["message"] == theirs.json()["error"]["message"].replace("/abort_request", "/generate")
+    assert client.post("/generate", json=GOOD).status_code == 200
+
+
+def test_generate_with_no_body_says_the_object_is_missing(client):
+    """An empty /generate body is a 400 saying the body must be a JSON object (what FastAPI's missing body read as)."""
+    r = client.post("/generate", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "request body must be a JSON object, got null"
