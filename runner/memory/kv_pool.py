@@ -84,10 +84,14 @@ class TokenToKVPool:
         out, self.free_slots = self.free_slots[:num_tokens], self.free_slots[num_tokens:]
         return out
 
-    def free(self, locs: torch.Tensor) -> None:
+    def free(self, locs: torch.Tensor, owned: bool = False) -> None:
+        """Return slots to the pool. `owned`: the caller hands `locs` over and never writes it again (the radix
+        tree's evicted entries), so a CPU int64 tensor is kept as it is; otherwise it is copied, since callers
+        pass views of req_to_token rows, which get reused."""
         if locs.numel():
-            # A copy: callers pass views of req_to_token rows, which get reused.
-            self._freed.append(locs.to("cpu", torch.int64, copy=True))
+            if not (owned and locs.device.type == "cpu" and locs.dtype == torch.int64):
+                locs = locs.to("cpu", torch.int64, copy=True)
+            self._freed.append(locs)
             self._num_freed += locs.numel()
 
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -152,3 +152,44 @@ def test_flush_is_refused_while_a_row_is_held():
     kv.release(req)
     assert kv.flush() is True
     assert kv.tree.total_size() == 0 and _counts(kv) == (NUM_SLOTS, 0, 0) and kv.is_idle()
+
+
+def test_eviction_frees_ahead_in_lru_order_and_never_a_locked_entry():
+    """Once the cache fills the pool, a one-slot shortfall evicts at least evict_ahead slots (1/32 of the pool),
+    oldest entries first; the entry a running request locks stays, and slots are conserved throughout."""
+    size = 640  # evict_ahead 20
+    req_pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu")
+    kv_pool = TokenToKVPool(size, torch.float32, num_layers=1, num_kv_heads=1, head_dim=2, device="cpu")
+    kv = KVManager(req_pool, kv_pool, "cpu", enable_radix_cache=True, stats={"num_evicted_tokens": 0})
+    assert kv.evict_ahead == 20
+    prompts = [[1000 * (i + 1) + j for j in range(8)] for i in range(80)]  # 80 cached 8-token entries: all 640
+    for i, p in enumerate(prompts):
+        r = _req(p, f"r{i}")
+        kv.admit(r)
+        _prefill(kv, r)
+        kv.release(r)
+    assert _counts(kv) == (0, size, 0)
+    keep = _req(prompts[0] + [7], "keep")  # touches and locks the oldest entry
+    kv.admit(keep)
+    assert keep.num_cached == 8
+    new = _req([5, 6], "new")
+    kv.admit(new)
+    kv.alloc_extend(new, 1)  # short by one slot
+    evicted = kv.stats["num_evicted_tokens"]
+    assert evicted == 24  # whole 8-token entries until >= 20: entries 1, 2, 3 (0 is locked and newest now)
+    assert _counts(kv) == (evicted - 1, size - 8 - evicted, 8)
+    for i, p in enumerate(prompts[:6]):
+        assert kv.cached_prefix_len(_req(p + [1])) == (0 if 1 <= i <= 3 else 8), i
+
+
+def test_pool_free_copies_a_borrowed_tensor_and_keeps_an_owned_one():
+    """free() copies slots it is lent (the caller's row is reused), and keeps a handed-over CPU int64 tensor as is."""
+    pool = TokenToKVPool(8, torch.float32, num_layers=1, num_kv_heads=1, head_dim=2, device="cpu")
+    first = pool.alloc(8)
+    row = first[:4].clone()
+    pool.free(row)
+    row.fill_(99)  # the caller reuses its row: the pool's copy is unchanged
+    owned = first[4:].clone()
+    pool.free(owned, owned=True)
+    assert any(t is owned for t in pool._freed)
+    assert sorted(pool.alloc(8).tolist()) == sorted(first.tolist())
