@@ -22,6 +22,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import numbers
 import os
 import random
 import threading
@@ -97,6 +98,11 @@ def sample_seed(base_seed: int, j: int) -> int:
     """The seed of sample j of a request seeded `base_seed`: the n samples differ from each other but are
     reproducible, and sample 0 is the n=1 request (a caller that splits n into n=1 requests uses this too)."""
     return base_seed if j == 0 else hash((base_seed, j)) & ((1 << 63) - 1)
+
+
+def _is_integer(v) -> bool:
+    """An int or a numpy integer scalar (what RL code computing from arrays passes), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # numpy's bool is no Integral
 
 
 class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, ScoreAPI):
@@ -361,12 +367,12 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             return check
 
         def check_top(v):
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= vocab:
+            if not _is_integer(v) or not 0 <= v <= vocab:
                 raise ValueError(f"top_logprobs_num must be an int in [0, {vocab}] (the vocabulary size), "
                                  f"got {v!r}")
 
         logprob_flags = self._per_prompt("return_logprob", return_logprob, num, check_bool("return_logprob"), False)
-        tops = self._per_prompt("top_logprobs_num", top_logprobs_num, num, check_top, 0)
+        tops = [int(v) for v in self._per_prompt("top_logprobs_num", top_logprobs_num, num, check_top, 0)]
         routed_flags = self._per_prompt("return_routed_experts", return_routed_experts, num,
                                         check_bool("return_routed_experts"), False)
         if any(routed_flags) and not self.args.enable_return_routed_experts:
@@ -420,11 +426,10 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         if len(starts) != num:
             raise ValueError(f"logprob_start_len has {len(starts)} entries for {num} prompts")
         for i, (v, ids) in enumerate(zip(starts, ids_list)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)
-                                  or (logprob_flags[i] and not -1 <= v < len(ids))):
+            if v is not None and (not _is_integer(v) or (logprob_flags[i] and not -1 <= v < len(ids))):
                 raise ValueError(f"logprob_start_len must be -1 (the last prompt token) or a prompt position in "
                                  f"[0, {len(ids)}) for prompt {i} of {len(ids)} tokens, got {v!r}")
-        starts = [-1 if v is None or not asked else v for v, asked in zip(starts, logprob_flags)]
+        starts = [-1 if v is None or not asked else int(v) for v, asked in zip(starts, logprob_flags)]
 
         def is_ids(x) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)

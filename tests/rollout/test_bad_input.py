@@ -156,6 +156,27 @@ def test_numpy_logit_bias_reads_as_the_plain_dict(env):
     assert outs[0]["meta_info"]["output_token_logprobs"] == outs[1]["meta_info"]["output_token_logprobs"]
 
 
+def test_numpy_integer_logprob_options_read_as_plain_ints(env):
+    """top_logprobs_num and logprob_start_len as numpy integers (numbers read off arrays) give exactly the output of
+    the same call with plain ints; a numpy bool or a float there is still refused by name."""
+    engine, _ = env
+    kw = dict(input_ids=PROMPT, sampling_params=_sp(temperature=0, max_new_tokens=3), return_logprob=True)
+    plain = engine.generate(**kw, top_logprobs_num=2, logprob_start_len=1)
+    numpy = engine.generate(**kw, top_logprobs_num=np.int64(2), logprob_start_len=np.int32(1))
+    assert numpy["output_ids"] == plain["output_ids"]
+    keys = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs")
+    for key in keys:
+        assert numpy["meta_info"][key] == plain["meta_info"][key], key
+    batch = dict(input_ids=[PROMPT, PROMPT], sampling_params=_sp(temperature=0, max_new_tokens=3), return_logprob=True)
+    plains = engine.generate(**batch, top_logprobs_num=[2, 0], logprob_start_len=[1, -1])
+    numpys = engine.generate(**batch, top_logprobs_num=[np.int64(2), 0], logprob_start_len=[np.int64(1), -1])
+    assert [[o["meta_info"].get(k) for k in keys] for o in numpys] == [[o["meta_info"].get(k) for k in keys]
+                                                                     for o in plains]
+    for bad in (dict(top_logprobs_num=np.bool_(True)), dict(top_logprobs_num=2.0), dict(logprob_start_len=1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            engine.generate(**kw, **bad)
+
+
 def test_null_sampling_params_take_their_defaults(env):
     """None for a field SGLang reads as its default (what /generate's null and a client copying OpenAI fields
     send) is that default: the same tokens and logprobs as leaving the fields out (each was refused)."""
