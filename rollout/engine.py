@@ -22,7 +22,6 @@ import asyncio
 import functools
 import itertools
 import logging
-import numbers
 import os
 import random
 import threading
@@ -39,7 +38,7 @@ from rollout.pause_watchdog import PauseWatchdog, timeout_from_env
 from rollout.profiler import ProfilerAPI, StepProfiler
 from rollout.request import FinishReason, Req
 from rollout.rids import new_rid
-from rollout.sampling_params import SamplingParams
+from rollout.sampling_params import SamplingParams, is_integer
 from rollout.scheduler import Scheduler
 from rollout.scheduler_loop import run_scheduler_loop
 from rollout.score_api import ScoreAPI
@@ -98,11 +97,6 @@ def sample_seed(base_seed: int, j: int) -> int:
     """The seed of sample j of a request seeded `base_seed`: the n samples differ from each other but are
     reproducible, and sample 0 is the n=1 request (a caller that splits n into n=1 requests uses this too)."""
     return base_seed if j == 0 else hash((base_seed, j)) & ((1 << 63) - 1)
-
-
-def _is_integer(v) -> bool:
-    """An int or a numpy integer scalar (what RL code computing from arrays passes), not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # numpy's bool is no Integral
 
 
 class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, ScoreAPI):
@@ -367,7 +361,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             return check
 
         def check_top(v):
-            if not _is_integer(v) or not 0 <= v <= vocab:
+            if not is_integer(v) or not 0 <= v <= vocab:
                 raise ValueError(f"top_logprobs_num must be an int in [0, {vocab}] (the vocabulary size), "
                                  f"got {v!r}")
 
@@ -426,7 +420,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         if len(starts) != num:
             raise ValueError(f"logprob_start_len has {len(starts)} entries for {num} prompts")
         for i, (v, ids) in enumerate(zip(starts, ids_list)):
-            if v is not None and (not _is_integer(v) or (logprob_flags[i] and not -1 <= v < len(ids))):
+            if v is not None and (not is_integer(v) or (logprob_flags[i] and not -1 <= v < len(ids))):
                 raise ValueError(f"logprob_start_len must be -1 (the last prompt token) or a prompt position in "
                                  f"[0, {len(ids)}) for prompt {i} of {len(ids)} tokens, got {v!r}")
         starts = [-1 if v is None or not asked else int(v) for v, asked in zip(starts, logprob_flags)]

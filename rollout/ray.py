@@ -326,7 +326,7 @@ class EngineGroup:
         try:
             per_engine = self._get(refs, "generate")
         except EngineGroupError as e:  # an engine numbers the prompts it got from 0: say which ones they were
-            took = "; ".join(f"engine {j} took prompts {idx[:8]}"[:-1] + (", ...]" if len(idx) > 8 else "]")
+            took = "; ".join(f"engine {j} took prompts [{', '.join(map(str, idx[:8]))}{', ...' if len(idx) > 8 else ''}]"
                              for j, idx in enumerate(assignment) if idx)
             raise EngineGroupError(f"{e} (prompt numbers are each engine's own: {took})") from None
         finally:

@@ -43,6 +43,12 @@ def as_int(x) -> int | None:
     return int(x) if _is_int_like(x) else None
 
 
+def is_integer(x) -> bool:
+    """An int or a numpy integer scalar, not a bool (numpy's bool is no numbers.Integral) and not a float: the
+    options that take no integral float (top_logprobs_num, logprob_start_len, truncate_size)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _is_number(x) -> bool:
     """A real number, numpy scalars included; not a bool (numpy's bool is not a numbers.Real either)."""
     t = type(x)

@@ -19,10 +19,10 @@ resuming a resident one raises RuntimeError, as SGLang does.
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import stat
 
+from rollout.sampling_params import is_integer
 from runner.weights.loader import WeightUpdateError
 
 logger = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class WeightsAPI:
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         if not isinstance(name, str):  # else an unhashable name fails in a dict lookup, naming nothing
             raise ValueError(f"get_weights_by_name: name must be a string, got {name!r}")
-        if not isinstance(truncate_size, numbers.Integral) or isinstance(truncate_size, bool):
+        if not is_integer(truncate_size):
             raise ValueError(f"get_weights_by_name: truncate_size must be an int, got {truncate_size!r}")
         truncate_size = int(truncate_size)
         with self._cv:
