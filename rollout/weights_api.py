@@ -259,14 +259,19 @@ class WeightsAPI:
             return False, f"destroy_weights_update_group failed: {type(e).__name__}: {e}"
         return True, f"destroyed weight update group {group_name!r}"
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, *, max_values: int | None = None):
+        """SGLang's: the first `truncate_size` rows (elements of a 1-D weight) of an HF-named weight, as
+        lists of floats. `max_values` (ours; the HTTP server passes --max-response-entries) refuses a slice
+        of more values with a ValueError naming truncate_size, before any list is built."""
         if not isinstance(name, str):  # else an unhashable name fails in a dict lookup, naming nothing
             raise ValueError(f"get_weights_by_name: name must be a string, got {name!r}")
         if not is_integer(truncate_size):
             raise ValueError(f"get_weights_by_name: truncate_size must be an int, got {truncate_size!r}")
+        if max_values is not None and (not is_integer(max_values) or max_values < 0):
+            raise ValueError(f"get_weights_by_name: max_values must be None or an int >= 0, got {max_values!r}")
         truncate_size = int(truncate_size)
         with self._cv:
-            return self.runner.get_weights_by_name(name, truncate_size)
+            return self.runner.get_weights_by_name(name, truncate_size, None if max_values is None else int(max_values))
 
 
 def weight_version_problem(version) -> str | None:

@@ -413,10 +413,10 @@ class ModelRunner:
         """Leave `group_name` and free the name; waits for a receive in progress on it to end."""
         self.update_groups.destroy(group_name)
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, max_values: int | None = None) -> list:
         """The first `truncate_size` rows (elements for 1-D) of an HF-named weight; a tied
-        lm_head.weight reads as the embedding it shares."""
-        return routes.get_weights_by_name(self, name, truncate_size)
+        lm_head.weight reads as the embedding it shares. max_values: refuse (ValueError) more values."""
+        return routes.get_weights_by_name(self, name, truncate_size, max_values)
 
     # ---- LoRA adapters (runner/lora/) ----------------------------------------------------------
     def _require_lora(self):

@@ -29,8 +29,10 @@ from rollout.server.common import (
     run_on_engine,
     truncate,
 )
+from rollout.server.limits import json_response_off_loop
 from rollout.server.native import Body
 from rollout.server.tensor_codec import PayloadError, decode_and_update, only_if_set
+from runner.weights.routes import TooManyValues
 
 router = APIRouter()
 
@@ -211,12 +213,18 @@ class GetWeightsByNameReqInput(Body):
 @router.api_route("/get_weights_by_name", methods=["GET", "POST"])
 async def get_weights_by_name(obj: GetWeightsByNameReqInput, request: Request):
     try:
-        out = await run_blocking(request, request.app.state.engine.get_weights_by_name, obj.name, obj.truncate_size)
+        # As a generate response, bounded by --max-response-entries: a whole embedding as JSON is gigabytes.
+        limit = request.app.state.server_args.max_response_entries
+        out = await run_blocking(request, request.app.state.engine.get_weights_by_name, obj.name, obj.truncate_size,
+                                 max_values=limit)
+    except TooManyValues as e:
+        return error_response(f"{e} (this server's limit is --max-response-entries {limit})", 400,
+                              param="truncate_size")
     except Exception as e:
         return engine_error(e)
     if out is None:
         return error_response(f"Get parameter by name failed: no weight {obj.name!r}", 400, param="name")
-    return JSONResponse(out.tolist() if hasattr(out, "tolist") else out)
+    return await json_response_off_loop(request, lambda: out)  # up to --max-response-entries floats: off the loop
 
 
 @router.api_route("/get_weights_checksum", methods=["GET", "POST"])

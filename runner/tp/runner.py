@@ -35,7 +35,7 @@ from runner.tp.rank_runner import TPRankRunner, encode_batch
 from runner.tp.worker import worker_main
 from runner.weights import delta
 from runner.weights.loader import WeightUpdateError
-from runner.weights.routes import unpack_named_tensors
+from runner.weights.routes import truncated_values, unpack_named_tensors
 from weight_sync.delta_codec import combine
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective or a reply that takes longer means a rank is stuck
@@ -345,7 +345,7 @@ class TPModelRunner:
         own = parameters_sha256(self.local.model)
         return [own] + [(reply["checksum"], reply["num_tensors"]) for _, reply in self._replies("checksum")]
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, max_values: int | None = None) -> list:
         """The full HF tensor, assembled from every rank's slice, truncated as ModelRunner does."""
         try:
             shard, spec = self.local.weight_shard(name)
@@ -357,7 +357,7 @@ class TPModelRunner:
                     f"gate_proj/up_proj) instead, which come back whole") from None
             raise
         if spec is None:
-            return self.local.get_weights_by_name(name, truncate_size)
+            return self.local.get_weights_by_name(name, truncate_size, max_values)
         self.local.get_weights_by_name(name, 1)  # its checks (invalid weights) first
         self._send({"cmd": "get_shard", "name": name})
         parts = [(spec, shard)]
@@ -372,8 +372,7 @@ class TPModelRunner:
         whole = torch.zeros(shape, dtype=shard.dtype)
         for (d, start, size, _), part in parts:
             whole.narrow(d, start, size).copy_(part.narrow(d, 0, size).to("cpu"))
-        return whole.reshape(-1)[:truncate_size].float().tolist() if whole.dim() == 1 else \
-            whole[: max(1, truncate_size)].float().tolist()
+        return truncated_values(whole, truncate_size, max_values, name)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def shutdown(self) -> None:

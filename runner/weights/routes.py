@@ -215,7 +215,23 @@ def check_checkpoint_config(runner, index: CheckpointIndex) -> None:
                                 + ", ".join(f"{k} {a!r} != {b!r}" for k, (a, b) in diff.items()))
 
 
-def get_weights_by_name(runner, name: str, truncate_size: int = 100) -> list:
+class TooManyValues(ValueError):
+    """get_weights_by_name's slice holds more values than its `max_values` allows."""
+
+
+def truncated_values(t: torch.Tensor, truncate_size: int, max_values: int | None = None,
+                     name: str = "") -> list:
+    """The first `truncate_size` elements (1-D) or rows (else) of t, as lists of floats. `max_values`
+    bounds how many values that may be: over it, a TooManyValues (ValueError) naming truncate_size before any list is
+    built (a whole embedding as Python floats is gigabytes, built while the step lock is held)."""
+    part = t.reshape(-1)[:truncate_size] if t.dim() == 1 else t[: max(1, truncate_size)]
+    if max_values is not None and part.numel() > max_values:
+        raise TooManyValues(f"get_weights_by_name: the first {truncate_size} rows of {name!r} hold {part.numel()} "
+                            f"values, over max_values={max_values}: ask for a smaller truncate_size")
+    return part.float().cpu().tolist()
+
+
+def get_weights_by_name(runner, name: str, truncate_size: int = 100, max_values: int | None = None) -> list:
     """See ModelRunner.get_weights_by_name."""
     require_weights_resident(runner)
     try:
@@ -233,8 +249,7 @@ def get_weights_by_name(runner, name: str, truncate_size: int = 100) -> list:
         if target.hf_name in runner.invalid_weights:
             raise WeightUpdateError(f"weight {name!r} is invalid ({runner.invalid_weights_message()})")
         view = target.view()
-    return view.reshape(-1)[:truncate_size].float().cpu().tolist() if view.dim() == 1 else \
-        view[: max(1, truncate_size)].float().cpu().tolist()
+    return truncated_values(view, truncate_size, max_values, name)
 
 
 def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:

@@ -432,6 +432,24 @@ def test_get_weights_by_name_with_a_mistyped_argument_is_a_clear_error(setup):
     assert engine.get_weights_by_name(NORM, 3) == engine.get_weights_by_name(NORM, np.int64(3)) == expected
 
 
+def test_get_weights_by_name_max_values_bounds_the_slice(setup):
+    """max_values refuses a slice of more values (ValueError naming truncate_size and the count) and reads one
+    of at most that many as without it; a bad max_values is named."""
+    engine, _, _, _, _ = setup
+    q = read_state_dict(engine.model_path)[Q]  # [rows, cols]
+    cols = q.shape[1]
+    assert engine.get_weights_by_name(Q, 2, max_values=2 * cols) == q[:2].tolist()
+    with pytest.raises(ValueError, match=f"first 3 rows of '{Q}' hold {3 * cols} values.*truncate_size"):
+        engine.get_weights_by_name(Q, 3, max_values=2 * cols)
+    with pytest.raises(ValueError, match=f"hold {q.numel()} values"):
+        engine.get_weights_by_name(Q, 10**9, max_values=q.numel() - 1)
+    assert engine.get_weights_by_name(NORM, 10**9, max_values=q.numel()) == \
+        read_state_dict(engine.model_path)[NORM].tolist()
+    for bad in (-1, 2.5, "7"):
+        with pytest.raises(ValueError, match="max_values must be"):
+            engine.get_weights_by_name(Q, 2, max_values=bad)
+
+
 def test_valid_update_still_works_after_refusals(setup, reference_outputs):
     """After every refusal above, a valid update loads and equals a fresh engine on B (runs last)."""
     engine, b, _, _, _ = setup

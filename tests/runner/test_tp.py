@@ -78,6 +78,12 @@ def test_tp2_get_weights_by_name_is_the_full_tensor(tp_engine, ckpts):
         got = torch.tensor(tp_engine.get_weights_by_name(name, truncate_size=1000))
         want = hf[name][:1000] if hf[name].dim() > 1 else hf[name].reshape(-1)[:1000]
         assert torch.equal(got, want.float()), name
+    # max_values bounds the assembled slice as at tp_size=1 (the ranks' replies are read either way)
+    k = hf["model.layers.0.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match=f"hold {3 * k.shape[1]} values"):
+        tp_engine.get_weights_by_name("model.layers.0.self_attn.k_proj.weight", 3, max_values=2 * k.shape[1])
+    got = tp_engine.get_weights_by_name("model.layers.0.self_attn.k_proj.weight", 2, max_values=2 * k.shape[1])
+    assert torch.equal(torch.tensor(got), k[:2].float())
 
 
 def test_tp2_fused_parameter_name_is_refused_naming_the_hf_tensors(tp_engine):

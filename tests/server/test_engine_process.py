@@ -470,3 +470,16 @@ from tests.server.test_weights import (  # noqa: E402, F401  (collected last, se
     test_update_from_tensor_plain_and_bucketed,
     wclient,
 )
+
+
+def test_get_weights_by_name_bound_crosses_the_pipe(split):
+    """max_values reaches the engine process: over it, the ValueError naming truncate_size comes back as
+    raised there (its class kept, so the HTTP route names its flag); within it, the same rows as without."""
+    from runner.weights.routes import TooManyValues
+
+    name = "model.embed_tokens.weight"
+    rows = split.engine.get_weights_by_name(name, 4)
+    cols = len(rows[0])
+    assert split.engine.get_weights_by_name(name, 4, max_values=4 * cols) == rows
+    with pytest.raises(TooManyValues, match=f"first 5 rows of '{name}' hold {5 * cols} values"):
+        split.engine.get_weights_by_name(name, 5, max_values=4 * cols)

@@ -199,6 +199,27 @@ def test_response_entries_are_bounded(server, client):
     assert client.post("/v1/completions", json=completion).status_code == 200
 
 
+def test_get_weights_by_name_is_bounded_by_max_response_entries(server):
+    """A slice of more values than --max-response-entries is 400 naming truncate_size, the count and the flag;
+    a slice within the limit equals the in-process Engine's read, and the engine serves on."""
+    name = "model.embed_tokens.weight"
+    whole = server.engine.get_weights_by_name(name, 10**9)  # in-process, no bound: every row
+    rows, cols = len(whole), len(whole[0])
+    assert rows > 3
+    with start_server(server.path, engine=server.engine, max_response_entries=3 * cols) as s, s.client() as c:
+        r = c.post("/get_weights_by_name", json={"name": name, "truncate_size": 3})
+        assert r.status_code == 200 and r.json() == whole[:3]
+        for size in (4, 10**9):
+            r = c.post("/get_weights_by_name", json={"name": name, "truncate_size": size})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "truncate_size", r.text
+            count = min(size, rows) * cols
+            assert f"hold {count} values" in err["message"] and f"--max-response-entries {3 * cols}" in err["message"]
+        r = c.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 10**9})
+        assert r.status_code == 200 and r.json() == server.engine.get_weights_by_name("model.norm.weight", 10**9)
+        assert c.post("/generate", json=GOOD).status_code == 200
+
+
 def test_n_as_a_float_counts_toward_max_n(server, client):
     """n=257.0 is 257 sequences to the --max-n limit (256 by default), not one: 400 naming the flag."""
     limit = ServerArgs().max_n
