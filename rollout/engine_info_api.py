@@ -41,9 +41,11 @@ def _version() -> str:
 
 
 class EngineInfoAPI:
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> tuple[bool, str]:
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> tuple[bool, str]:
         """SGLang's update_weight_version: relabel the weights being served (no weight changes), after
-        aborting every request in flight when `abort_all_requests` (their outputs carry the old version)."""
+        aborting every request in flight when `abort_all_requests` (their outputs carry the old version).
+        True by default, as SGLang's UpdateWeightVersionReqInput; False relabels under running requests, whose
+        outputs then carry both versions (meta_info["weight_versions"])."""
         if not isinstance(new_version, str) or not isinstance(abort_all_requests, bool):
             raise TypeError(f"update_weight_version takes new_version: str and abort_all_requests: bool, "
                             f"got {new_version!r}, {abort_all_requests!r}")

@@ -194,7 +194,7 @@ async def get_weight_version(request: Request):
 
 class UpdateWeightVersionReqInput(Body):
     new_version: str
-    abort_all_requests: bool = False
+    abort_all_requests: bool = True  # SGLang's default
 
 
 @router.post("/update_weight_version")

@@ -78,7 +78,7 @@ def _controller(engine: Engine, paths: list, end: float, out: dict) -> None:
             elif op == "flush":
                 engine.flush_cache()
             else:
-                engine.update_weight_version(f"v{rng.randint(0, 9)}")
+                engine.update_weight_version(f"v{rng.randint(0, 9)}", abort_all_requests=rng.random() < 0.5)
         except Exception as e:  # noqa: BLE001 - control calls document no exceptions here
             out["errors"].append(f"{op}: {e!r}")
 

@@ -343,8 +343,8 @@ def test_which_logits_each_logprob_mode_reports(env, tiny_llama, module_engines,
 
 
 def test_update_weight_version_and_checksum(tiny_llama, make_engine):
-    """update_weight_version changes the reported version (aborting in-flight requests when asked);
-    get_weights_checksum is equal for equal weights and changes when one weight changes."""
+    """update_weight_version changes the reported version, aborting in-flight requests unless told not to
+    (SGLang's default); get_weights_checksum is equal for equal weights and changes when one weight changes."""
     engine = make_engine(tiny_llama)
     a = engine.get_weights_checksum()
     assert a == engine.get_weights_checksum() | {"weight_version": a["weight_version"]}
@@ -361,10 +361,15 @@ def test_update_weight_version_and_checksum(tiny_llama, make_engine):
     stream = engine.generate(input_ids=[5, 6], sampling_params=dict(max_new_tokens=None, ignore_eos=True),
                              stream=True)
     next(stream)
-    engine.update_weight_version("v8", abort_all_requests=True)
+    engine.update_weight_version("v8")  # abort_all_requests=True by default
     chunks = list(stream)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert engine.weight_version == "v8"
+    stream = engine.generate(input_ids=[5, 6], sampling_params=dict(max_new_tokens=6, ignore_eos=True), stream=True)
+    next(stream)
+    engine.update_weight_version("v9", abort_all_requests=False)
+    last = list(stream)[-1]["meta_info"]
+    assert last["finish_reason"]["type"] == "length" and engine.weight_version == "v9"
 
 
 def test_checksum_of_freed_weights_is_refused_by_name(tiny_llama, make_engine):

@@ -85,7 +85,7 @@ def test_a_request_spanning_a_version_change_does_not_seed_the_new_namespace(mak
     finishes normally, and its KV (cached when it finishes) is not matched by a request admitted under "b"."""
     engine = make_engine(tiny_llama, enable_weight_version_kv_isolation=True)
     engine.update_weight_version("a")
-    state = at_step(engine, 2, lambda: engine.update_weight_version("b"))
+    state = at_step(engine, 2, lambda: engine.update_weight_version("b", abort_all_requests=False))
     _, spanning = _cached(engine, max_new_tokens=8)
     assert state["done"].is_set() and "error" not in state
     meta = spanning["meta_info"]

@@ -27,7 +27,7 @@ def test_a_version_change_mid_request_splits_at_the_known_token(make_engine, tin
     """update_weight_version after the 3rd step (prefill + 2 decodes: 3 tokens) splits the spans at 3;
     the runs are contiguous, cover completion_tokens, and the last one is meta_info's weight_version."""
     engine = make_engine(tiny_llama, weight_version="a")
-    state = at_step(engine, 3, lambda: engine.update_weight_version("b"))
+    state = at_step(engine, 3, lambda: engine.update_weight_version("b", abort_all_requests=False))
     out = engine.generate(input_ids=PROMPT, sampling_params=SP)
     assert state["done"].is_set() and "error" not in state
     assert _spans(out) == [(0, 3, "a"), (3, 10, "b")]

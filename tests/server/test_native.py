@@ -173,6 +173,23 @@ def test_pause_continue_abort_flush(server, client):
     assert client.post("/generate", json=dict(input_ids=PROMPTS[1], sampling_params=GREEDY)).status_code == 200
 
 
+def test_update_weight_version_aborts_in_flight_unless_told_not_to(server, client):
+    """/update_weight_version aborts the requests in flight by default (SGLang's abort_all_requests=True);
+    with abort_all_requests false a running request finishes, its last chunk under the new version."""
+    old = server.engine.weight_version
+    try:
+        def relabel():
+            assert client.post("/update_weight_version", json={"new_version": "v-abort"}).status_code == 200
+
+        _abort_while_running(server, client, relabel)
+        keep = {"new_version": "v-keep", "abort_all_requests": False}
+        last = _long_stream(server, lambda: client.post("/update_weight_version", json=keep).raise_for_status())
+        assert last["meta_info"]["finish_reason"]["type"] == "length"
+        assert last["meta_info"]["weight_version"] == "v-keep"
+    finally:
+        client.post("/update_weight_version", json={"new_version": old, "abort_all_requests": False})
+
+
 @pytest.mark.parametrize("mode,pause_body", [
     ("retract", {"mode": "retract"}), ("in_place", {"mode": "in_place"}),
     # older SGLang clients' flags (SGLang's test_update_weights_from_tensor posts the first)

@@ -40,7 +40,7 @@ def test_weight_version_start_and_end_bracket_an_update_mid_request(server):
     weight_version_start "a", weight_version_end "b" (= weight_version); an untouched one reports "b" twice."""
     engine = server.engine
     engine.update_weight_version("a")
-    state = at_step(engine, 3, lambda: engine.update_weight_version("b"))
+    state = at_step(engine, 3, lambda: engine.update_weight_version("b", abort_all_requests=False))
     out = engine.generate(input_ids=PROMPT, sampling_params=dict(temperature=0, max_new_tokens=8, ignore_eos=True))
     assert state["done"].is_set() and "error" not in state
     meta = out["meta_info"]
