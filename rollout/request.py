@@ -17,7 +17,7 @@ from rollout.sampling_params import SamplingParams
 @dataclass
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
-    matched: int | str | None = None  # the stop token id or string; for "length", the limit reached
+    matched: int | str | None = None  # the stop token id or string; for "length", max_new_tokens (clipped to the room)
     message: str | None = None
 
     def to_dict(self) -> dict:

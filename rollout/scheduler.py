@@ -752,10 +752,12 @@ class Scheduler:
                 return FinishReason("stop", matched)
         if sp.max_new_tokens is not None and num_out >= sp.max_new_tokens:
             return FinishReason("length", sp.max_new_tokens)
+        # Out of room: SGLang clips max_new_tokens to the room left, so its "length" is the number of tokens
+        # generated; so is this one.
         if req.seq_len >= self.runner.context_len:
-            return FinishReason("length", self.runner.context_len)
+            return FinishReason("length", num_out)
         # SGLang clips max_new_tokens to what the pool can hold for the request alone: it ends as length, not
         # as an abort once the pool is full (RL clients resubmit an aborted sample, which would fail again).
         if req.seq_len >= self.kv.kv_pool.size:
-            return FinishReason("length", self.kv.kv_pool.size)
+            return FinishReason("length", num_out)
         return None

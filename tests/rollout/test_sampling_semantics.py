@@ -183,11 +183,14 @@ def test_extreme_temperature_and_penalty_within_bounds_keep_logprobs_finite(env)
 
 
 def test_max_new_tokens_none_runs_to_the_context(tiny_llama, make_engine):
-    """max_new_tokens=None generates until the context is full: finish_reason length at context_length."""
+    """max_new_tokens=None generates until the context is full: finish_reason length, with SGLang's "length" the
+    tokens generated (its max_new_tokens clipped to the room), not the context length."""
     engine = make_engine(tiny_llama, context_length=40)
     out = engine.generate(input_ids=[5, 6, 7], sampling_params=dict(GREEDY, max_new_tokens=None))
     assert len(out["output_ids"]) == 37
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 37}
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params=dict(GREEDY, max_new_tokens=100))
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 37}
 
 
 def _check_prompt_logprobs(meta, prompt, start, ref, top_k=0, ids=None):
