@@ -595,14 +595,17 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
 
         return TokenizerManagerView(self)
 
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
+    def abort_request(self, rid: str = "", abort_all: bool = False, abort_message: str | None = None) -> int:
         """Abort requests in flight; each returns what it generated so far with finish_reason
-        {"type": "abort", "message": ...}. As SGLang: `abort_all=True` aborts every request in flight;
+        {"type": "abort", "message": ...}, the message `abort_message` when given (SGLang's AbortReq field).
+        As SGLang: `abort_all=True` aborts every request in flight;
         otherwise, if `rid` is the id of a request in flight, every request in flight whose id starts
         with `rid` is aborted (SGLang matches by prefix once the id is known), and an unknown or finished
         id is a no-op. Returns how many requests were aborted (0: nothing was in flight under that id)."""
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
             raise TypeError(f"abort_request takes rid: str and abort_all: bool, got {rid!r}, {abort_all!r}")
+        if abort_message is not None and not isinstance(abort_message, str):
+            raise TypeError(f"abort_request: abort_message must be a string or None, got {abort_message!r}")
         with self._cv:
             in_flight = self._in_flight()
             if abort_all:
@@ -611,11 +614,11 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
                 victims = [r for r in in_flight if r.rid.startswith(rid)]
             else:
                 return 0
-            message = "aborted by abort_request" + (" (abort_all)" if abort_all else "")
+            message = abort_message or "aborted by abort_request" + (" (abort_all)" if abort_all else "")
             # SGLang's wording for a request that was not running (never admitted, or retracted back to
             # the queue, its partial output kept): clients tell the two apart by it.
             waiting = [r for r in victims if self.scheduler.is_waiting(r) or r in self._inbox]
-            return (self._abort_reqs(waiting, WAITING_ABORT_MESSAGE)
+            return (self._abort_reqs(waiting, abort_message or WAITING_ABORT_MESSAGE)
                     + self._abort_reqs([r for r in victims if not any(r is w for w in waiting)], message))
 
     def pause_generation(self, mode: str = "abort") -> None:

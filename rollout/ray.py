@@ -512,12 +512,12 @@ class EngineGroup:
                 msg = f"{msg}; aborting the requests in flight failed: {e}"
         return ok, msg
 
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
+    def abort_request(self, rid: str = "", abort_all: bool = False, abort_message: str | None = None) -> int:
         """Engine.abort_request on every engine (a rid lives on one of them; the others find nothing).
         Returns how many requests were aborted in all."""
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
             raise TypeError(f"abort_request takes rid: str and abort_all: bool, got {rid!r}, {abort_all!r}")
-        return sum(self._all("abort_request", rid, abort_all))
+        return sum(self._all("abort_request", rid, abort_all, abort_message))
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "gloo",

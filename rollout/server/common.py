@@ -94,6 +94,13 @@ class Body(BaseModel):
         return data
 
 
+class SGLangReqBody(Body):
+    """The body of one of SGLang's control requests: `rid`, which every SGLang request class carries
+    (BaseReq), is accepted; nothing here routes a control call by it."""
+
+    rid: str | list[str] | None = None
+
+
 def _finite(x):
     """Replace NaN/inf (e.g. a -inf top logprob) with None: strict JSON has no such numbers."""
     if isinstance(x, float) and not math.isfinite(x):

@@ -15,8 +15,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from rollout.server.common import error_response, run_blocking, run_on_engine
-from rollout.server.native import Body
+from rollout.server.common import SGLangReqBody, error_response, run_blocking, run_on_engine
 from rollout.server.tensor_codec import PayloadError, decode_buckets, decode_named_tensors
 
 router = APIRouter()
@@ -26,18 +25,18 @@ def _answer(res) -> JSONResponse:
     return JSONResponse(res.to_dict(), status_code=200 if res.success else 400)
 
 
-class LoadLoRAAdapterReqInput(Body):
+class LoadLoRAAdapterReqInput(SGLangReqBody):
     path_fields = ("lora_path",)
     lora_name: str
     lora_path: str
     pinned: bool = False
 
 
-class UnloadLoRAAdapterReqInput(Body):
+class UnloadLoRAAdapterReqInput(SGLangReqBody):
     lora_name: str
 
 
-class LoadLoRAAdapterFromTensorsReqInput(Body):
+class LoadLoRAAdapterFromTensorsReqInput(SGLangReqBody):
     lora_name: str
     config_dict: dict[str, Any]
     serialized_tensors: str

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
 from rollout.server import security
-from rollout.server.common import JSONResponse, engine_error, error_response, run_blocking
+from rollout.server.common import JSONResponse, SGLangReqBody, engine_error, error_response, run_blocking
 from rollout.server.gc_freeze import freeze_heap
 from rollout.server.native import Body
 
@@ -47,7 +47,7 @@ async def freeze_gc(request: Request):
     return Response("Garbage collection frozen.\n", status_code=200)
 
 
-class PauseGenerationReqInput(Body):
+class PauseGenerationReqInput(SGLangReqBody):
     mode: Literal["abort", "retract", "in_place"] | None = None  # None: from the flags below, else "abort"
     # Older SGLang clients' spelling of the mode: retract_all -> "retract", abort_all -> "abort", only
     # false ones -> "in_place" (nothing aborted or retracted).
@@ -126,19 +126,25 @@ async def drain(request: Request):
 class AbortReq(Body):
     rid: str = ""
     abort_all: bool = False
+    # SGLang's: abort_message becomes the aborted requests' finish_reason message; finished_reason (what
+    # SGLang's tokenizer manager reports for a request aborted before it was scheduled) is accepted, and
+    # the finish reason here is always {"type": "abort", "message"}.
+    abort_message: str | None = None
+    finished_reason: dict[str, Any] | None = None
 
 
 @router.post("/abort_request")
 async def abort_request(obj: AbortReq, request: Request):
     try:
-        await run_blocking(request, request.app.state.engine.abort_request, rid=obj.rid, abort_all=obj.abort_all)
+        await run_blocking(request, request.app.state.engine.abort_request, rid=obj.rid, abort_all=obj.abort_all,
+                           **({} if obj.abort_message is None else {"abort_message": obj.abort_message}))
     except Exception as e:
         return engine_error(e)
     return Response(status_code=200)
 
 
 # ---- memory -----------------------------------------------------------------------------------
-class MemoryOccupationReqInput(Body):
+class MemoryOccupationReqInput(SGLangReqBody):
     tags: list[str] | None = None
     # verl posts it with every release (and SGLang's bodies ignore keys they do not know): there is no KV
     # connector here to reset, so it changes nothing.
@@ -203,7 +209,7 @@ async def dump_expert_distribution_record(request: Request):
 
 
 # ---- torch profiler (SGLang's paths) ------------------------------------------------------------
-class ProfileReqInput(Body):
+class ProfileReqInput(SGLangReqBody):
     path_fields = ("output_dir",)
     output_dir: str | None = None
     start_step: int | None = None

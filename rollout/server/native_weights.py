@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import Literal
+from typing import Any, Literal
 
+import torch
 from fastapi import APIRouter, Request
 
 from rollout.server import security
 from rollout.server.common import (
     JSONResponse,
+    SGLangReqBody,
     engine_error,
     error_body,
     error_response,
@@ -30,7 +32,6 @@ from rollout.server.common import (
     truncate,
 )
 from rollout.server.limits import json_response_off_loop
-from rollout.server.native import Body
 from rollout.server.tensor_codec import PayloadError, decode_and_update, only_if_set
 from runner.weights.routes import TooManyValues
 
@@ -47,7 +48,7 @@ def _result(res) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ok else 400)
 
 
-class UpdateWeightFromDiskReqInput(Body):
+class UpdateWeightFromDiskReqInput(SGLangReqBody):
     path_fields = ("model_path",)
     model_path: str
     load_format: str | None = None
@@ -57,28 +58,51 @@ class UpdateWeightFromDiskReqInput(Body):
     # True: requests in flight are retracted and go on under the new weights (no pause needed);
     # False: an update with requests running and generation not paused is refused (400).
     online: bool = False
+    # SGLang's other fields, accepted (README "SGLang's request fields"): the load is done when the reply
+    # comes, async or not; an update never changes the pause state; captured decode steps read the weights in
+    # place, so there is nothing to recapture; token_step is not reported. torch_empty_cache is honoured.
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    manifest: dict[str, Any] | None = None  # refused when given: what it would select is not implemented
 
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: Request):
     engine = request.app.state.engine
     refused = security.disk_path_refusal(obj.model_path, request.app.state.server_args.allowed_disk_roots)
+    if refused is None and obj.manifest is not None:
+        refused = "manifest: loading by a tensor manifest is not supported here; load the checkpoint without one"
     if refused is not None:
         return JSONResponse({"success": False, "message": refused, "num_paused_requests": 0}, status_code=400)
     res = await run_blocking(request, engine.update_weights_from_disk, obj.model_path, load_format=obj.load_format,
                              weight_version=obj.weight_version, flush_cache=obj.flush_cache,
                              **only_if_set(online=obj.online, abort_all_requests=obj.abort_all_requests))
+    if obj.torch_empty_cache:
+        await run_on_engine(request, empty_device_cache)
     # SGLang always reports how many requests were paused across the update.
     return _result(res if len(res) > 2 else (*res, 0))
 
 
-class UpdateWeightsFromTensorReqInput(Body):
+class UpdateWeightsFromTensorReqInput(SGLangReqBody):
     serialized_named_tensors: list[str]
-    load_format: Literal["flattened_bucket", "cuda_ipc", "delta"] | None = None
+    # "direct": the tensors are named as the runner's parameters (fused qkv_proj ...), as in-process
+    load_format: Literal["flattened_bucket", "cuda_ipc", "delta", "direct"] | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
     force: bool = False  # as /update_weights_from_disk's `online`: update now, retracting requests in flight
+    torch_empty_cache: bool = False  # SGLang's: honoured
+    disable_draft_model: bool = False  # SGLang's: there is no draft model to leave out
+
+
+def empty_device_cache(engine) -> None:
+    """SGLang's torch_empty_cache after an update: the CUDA caching allocator's free blocks go back to the
+    driver (run where the engine lives; nothing on the CPU)."""
+    if getattr(getattr(engine.runner, "device", None), "type", "cpu") == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _refused(message: str, param: str) -> JSONResponse:
@@ -110,10 +134,12 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
                                   obj.flush_cache, obj.weight_version, obj.abort_all_requests, obj.force)
     except PayloadError as e:
         return _refused(str(e), "serialized_named_tensors")
+    if obj.torch_empty_cache:
+        await run_on_engine(request, empty_device_cache)
     return _result(res)
 
 
-class InitWeightsUpdateGroupReqInput(Body):
+class InitWeightsUpdateGroupReqInput(SGLangReqBody):
     master_address: str
     master_port: int | str  # SGLang's clients often send "29500"; the engine parses and names a bad one
     rank_offset: int
@@ -146,7 +172,7 @@ async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput, request
     return _result(res)
 
 
-class UpdateWeightsFromDistributedReqInput(Body):
+class UpdateWeightsFromDistributedReqInput(SGLangReqBody):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -155,6 +181,7 @@ class UpdateWeightsFromDistributedReqInput(Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    torch_empty_cache: bool = False  # SGLang's: honoured
 
 
 @router.post("/update_weights_from_distributed")
@@ -171,10 +198,12 @@ async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqIn
                                  **kwargs, **only_if_set(abort_all_requests=obj.abort_all_requests))
     except Exception as e:
         return engine_error(e)
+    if obj.torch_empty_cache:
+        await run_on_engine(request, empty_device_cache)
     return _result(res)
 
 
-class DestroyWeightsUpdateGroupReqInput(Body):
+class DestroyWeightsUpdateGroupReqInput(SGLangReqBody):
     group_name: str = "weight_update_group"
 
 
@@ -192,7 +221,7 @@ async def get_weight_version(request: Request):
     return JSONResponse({"weight_version": request.app.state.engine.weight_version})
 
 
-class UpdateWeightVersionReqInput(Body):
+class UpdateWeightVersionReqInput(SGLangReqBody):
     new_version: str
     abort_all_requests: bool = True  # SGLang's default
 
@@ -205,7 +234,7 @@ async def update_weight_version(obj: UpdateWeightVersionReqInput, request: Reque
                          "new_version": obj.new_version})
 
 
-class GetWeightsByNameReqInput(Body):
+class GetWeightsByNameReqInput(SGLangReqBody):
     name: str
     truncate_size: int = 100
 
@@ -239,7 +268,7 @@ async def get_weights_checksum(request: Request):
 
 
 # ---- weight checker and post-processing (slime's check-weight-update mode) ----------------------
-class PostProcessWeightsReqInput(Body):
+class PostProcessWeightsReqInput(SGLangReqBody):
     restore_weights_before_load: bool = False
     post_process_quantization: bool = False
 
@@ -253,7 +282,7 @@ async def post_process_weights(obj: PostProcessWeightsReqInput, request: Request
     return _result(res)
 
 
-class WeightsCheckerReqInput(Body):
+class WeightsCheckerReqInput(SGLangReqBody):
     action: str  # "snapshot" | "reset_tensors" | "compare" | "checksum"; the engine names the valid ones otherwise
 
 

@@ -173,6 +173,17 @@ def test_pause_continue_abort_flush(server, client):
     assert client.post("/generate", json=dict(input_ids=PROMPTS[1], sampling_params=GREEDY)).status_code == 200
 
 
+def test_abort_request_takes_sglang_abort_message(server, client):
+    """/abort_request with SGLang's abort_message (and finished_reason, accepted) ends the running request
+    as abort with that message; without one the message is ours."""
+    body = {"abort_all": True, "abort_message": "rollout step over", "finished_reason": {"type": "abort"}}
+    last = _long_stream(server, lambda: client.post("/abort_request", json=body).raise_for_status())
+    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "rollout step over"}
+    last = _long_stream(server, lambda: client.post("/abort_request", json={"abort_all": True}).raise_for_status())
+    assert last["meta_info"]["finish_reason"]["message"] == "aborted by abort_request (abort_all)"
+    assert client.post("/abort_request", json={"abort_all": True, "abort_message": 5}).status_code == 400
+
+
 def test_update_weight_version_aborts_in_flight_unless_told_not_to(server, client):
     """/update_weight_version aborts the requests in flight by default (SGLang's abort_all_requests=True);
     with abort_all_requests false a running request finishes, its last chunk under the new version."""

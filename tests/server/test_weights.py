@@ -248,3 +248,34 @@ def test_abort_all_requests_aborts_only_when_the_update_succeeds(wserver, wclien
         reason = finals[0]["meta_info"]["finish_reason"]["type"]
         assert reason == ("abort" if ok else "length"), finals[0]["meta_info"]
     assert _observe(wclient) == expected[1]
+
+
+def test_sglang_request_fields_are_accepted(wclient, wserver, ckpts, expected):
+    """The fields of SGLang's own request classes are accepted on the weight routes (they were 400 "unknown
+    field"): the update lands as without them; a `manifest` is refused by name and changes nothing; a field
+    SGLang does not define is still refused."""
+    sglang_disk = dict(rid="r1", is_async=True, torch_empty_cache=True, keep_pause=False, recapture_cuda_graph=True,
+                       token_step=3, abort_all_requests=False, flush_cache=True, load_format=None)
+    r = wclient.post("/update_weights_from_disk", json={"model_path": str(ckpts[1]), **sglang_disk})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert _observe(wclient) == expected[1]
+    r = wclient.post("/update_weights_from_disk", json={"model_path": str(ckpts[0]), "manifest": {"a": 1}})
+    assert r.status_code == 400 and "manifest" in r.json()["message"]
+    assert _observe(wclient) == expected[1]
+    sd = read_state_dict(ckpts[0])
+    r = wclient.post("/update_weights_from_tensor", json={"serialized_named_tensors": [encode_named_tensors(sd)],
+                                                          "rid": "r2", "torch_empty_cache": True,
+                                                          "disable_draft_model": True})
+    assert r.status_code == 200, r.text
+    assert _observe(wclient) == expected[0]
+    # load_format "direct" (runner parameter names) over HTTP as in-process: B's norm into A's weights
+    norm = read_state_dict(ckpts[1])["model.norm.weight"]
+    r = wclient.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": [encode_named_tensors({"model.norm.weight": norm})], "load_format": "direct"})
+    assert r.status_code == 200, r.text
+    assert wclient.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 10**6,
+                                                      "rid": "r3"}).json() == norm.float().tolist()
+    r = wclient.post("/update_weights_from_disk", json={"model_path": str(ckpts[0]), "flush_cahce": False})
+    assert r.status_code == 400 and "flush_cahce" in r.text
+    r = wclient.post("/update_weight_version", json={"new_version": "v-rid", "rid": "r4"})
+    assert r.status_code == 200 and wclient.get("/get_weight_version").json()["weight_version"] == "v-rid"
