@@ -59,7 +59,7 @@ def _load(blob: bytes, what: str) -> dict[str, torch.Tensor]:
         # two bytes as a pickle's PROTO opcode (0x80, 2-5).
         if len(blob) > 1 and blob[0] == 0x80 and 2 <= blob[1] <= 5:
             # What SGLang's MultiprocessingSerializer sends (slime's and verl's colocated sync): refused by name.
-            raise ValueError(f"{what} is a pickle (SGLang's MultiprocessingSerializer), which this server never "
+            raise ValueError(f"{what} is a pickle (SGLang's MultiprocessingSerializer), which this engine never "
                              "unpickles: send base64 safetensors blobs (weight_sync.wire.encode_named_tensors / "
                              "encode_bucket), or update in process or through a torch.distributed group") from None
         raise ValueError(f"{what} is not a valid safetensors blob: {e}") from None
