@@ -13,12 +13,13 @@ What it does not do: generate or report (native.py), or touch weights (native_we
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from rollout.server import security
 from rollout.server.common import JSONResponse, SGLangReqBody, engine_error, error_response, run_blocking
@@ -100,6 +101,13 @@ async def continue_generation(request: Request):
 class DrainReqInput(Body):
     model_config = {**Body.model_config, "strict": False}  # timeout: JSON 5 and 5.0 alike
     timeout: float | None = None
+
+    @field_validator("timeout")
+    @classmethod
+    def _a_number(cls, v):
+        if v is not None and math.isnan(v):  # NaN compares false to every deadline: it would read as 0
+            raise ValueError("must be a number of seconds or null, not NaN")
+        return v
 
 
 @router.post("/drain")  # POST only, as SGLang
@@ -230,7 +238,8 @@ async def start_profile(request: Request):
         return error_response(f"start_profile refused: output_dir is not under --allowed-disk-roots {list(roots)}",
                               400, param="output_dir")
     try:
-        message = await run_blocking(request, request.app.state.engine.start_profile, **obj.model_dump())
+        message = await run_blocking(request, request.app.state.engine.start_profile,
+                                     **obj.model_dump(exclude={"rid"}))
     except Exception as e:
         return engine_error(e)
     return JSONResponse({"success": True, "message": message})

@@ -160,7 +160,7 @@ async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput, request
     if state.num_joins >= limit:
         return error_response(f"{state.num_joins} weight update group joins are already in progress; this server "
                               f"runs at most --max-concurrent-weight-group-joins {limit} at once: retry later", 503)
-    kwargs = obj.model_dump(exclude_none=True)
+    kwargs = obj.model_dump(exclude_none=True, exclude={"rid"})
     kwargs["timeout_s"] = obj.timeout_s or state.server_args.weight_group_join_timeout_s
     state.num_joins += 1  # only the event loop touches it
     try:

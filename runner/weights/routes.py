@@ -221,10 +221,11 @@ class TooManyValues(ValueError):
 
 def truncated_values(t: torch.Tensor, truncate_size: int, max_values: int | None = None,
                      name: str = "") -> list:
-    """The first `truncate_size` elements (1-D) or rows (else) of t, as lists of floats. `max_values`
+    """The first `truncate_size` elements (1-D) or rows (else) of t, as lists of floats, sliced as a Python
+    list is (SGLang's `[:truncate_size]`: 0 is none, -1 all but the last). `max_values`
     bounds how many values that may be: over it, a TooManyValues (ValueError) naming truncate_size before any list is
     built (a whole embedding as Python floats is gigabytes, built while the step lock is held)."""
-    part = t.reshape(-1)[:truncate_size] if t.dim() == 1 else t[: max(1, truncate_size)]
+    part = t.reshape(-1)[:truncate_size] if t.dim() == 1 else t[:truncate_size]
     if max_values is not None and part.numel() > max_values:
         raise TooManyValues(f"get_weights_by_name: the first {truncate_size} rows of {name!r} hold {part.numel()} "
                             f"values, over max_values={max_values}: ask for a smaller truncate_size")

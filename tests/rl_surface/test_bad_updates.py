@@ -450,6 +450,17 @@ def test_get_weights_by_name_max_values_bounds_the_slice(setup):
             engine.get_weights_by_name(Q, 2, max_values=bad)
 
 
+def test_get_weights_by_name_truncates_as_a_python_slice(setup):
+    """truncate_size slices the rows of a 2-D weight and the elements of a 1-D one as a list slice does (SGLang's
+    [:truncate_size]): 0 is empty and -1 all but the last, the same rule for both (2-D read 0 and -1 as one row)."""
+    engine, _, _, _, _ = setup
+    sd = read_state_dict(engine.model_path)
+    for name in (Q, NORM):
+        rows = sd[name].tolist()
+        for k in (0, -1, -3, 2, 10**9):
+            assert engine.get_weights_by_name(name, k) == rows[:k], (name, k)
+
+
 def test_valid_update_still_works_after_refusals(setup, reference_outputs):
     """After every refusal above, a valid update loads and equals a fresh engine on B (runs last)."""
     engine, b, _, _, _ = setup

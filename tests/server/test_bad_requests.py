@@ -46,6 +46,7 @@ CASES = [
     ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/\u0000"}, "lora_path: a path cannot hold a NUL"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1"}, "master_port"),
     ("/pause_generation", {"mode": "sideways"}, "mode"),
+    ("/drain", b'{"timeout": NaN}', "timeout: Value error, must be a number of seconds"),  # read as 0 before
     # JSON's lone-surrogate escape decodes to a str no tokenizer, path or /metrics label can encode
     ("/generate", b'{"text": "a\\ud800b"}', "text: a string holds a lone UTF-16 surrogate"),
     ("/v1/completions", b'{"model": "tiny", "prompt": ["ok", "\\udfff"]}', "prompt[1]"),

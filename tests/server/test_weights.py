@@ -279,3 +279,11 @@ def test_sglang_request_fields_are_accepted(wclient, wserver, ckpts, expected):
     assert r.status_code == 400 and "flush_cahce" in r.text
     r = wclient.post("/update_weight_version", json={"new_version": "v-rid", "rid": "r4"})
     assert r.status_code == 200 and wclient.get("/get_weight_version").json()["weight_version"] == "v-rid"
+    # routes that pass their whole body on as keyword arguments leave rid out (it reached the engine as one)
+    r = wclient.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                         "rank_offset": 1, "world_size": 2, "rid": "r5",
+                                                         "timeout_s": 0.5})
+    assert "rid" not in r.text, r.text
+    r = wclient.post("/start_profile", json={"rid": "r6", "num_steps": 1})
+    assert r.status_code == 200 and "rid" not in r.text, r.text
+    wclient.post("/generate", json=BODY)  # the profiled step ends the trace
