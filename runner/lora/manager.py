@@ -31,6 +31,9 @@ TENSOR_PATH = "__tensor__"  # SGLang's lora_path of an adapter loaded from tenso
 
 _uids = itertools.count(1)
 
+MAX_LORA_NAME_CHARS = 256  # vLLM and SGLang set none; a name is an id, echoed in every listing
+
+
 
 def new_uid() -> int:
     """A load uid never handed out before in this process."""
@@ -149,6 +152,11 @@ class LoRAManager:
         skips the free-slot check (the Engine checks an adapter before evicting one to make room)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
+        # A name is echoed in every "loaded: [...]" message, log line and metric label, and is an OpenAI `model`.
+        if len(name) > MAX_LORA_NAME_CHARS or not name.isprintable():
+            raise ValueError(f"lora_name must be at most {MAX_LORA_NAME_CHARS} printable characters (no control "
+                             f"characters such as NUL or newline), got {name[:80]!r}"
+                             + (f"... ({len(name)} characters)" if len(name) > 80 else ""))
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first (or use a new name)")
         if need_slot and not self.free_slots:

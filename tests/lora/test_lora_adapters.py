@@ -123,6 +123,11 @@ def test_bad_adapters_are_refused_and_change_nothing(env, make_engine, tmp_path)
         assert res.loaded_adapters == {"b": str(b)}, case
     dup = engine.load_lora_adapter("b", str(a))
     assert not dup.success and "already loaded" in dup.error_message
+    for name in ("h\x00", "two\nlines", "x" * 257):  # a NUL or newline in a listing, a 10k-char id
+        res = engine.load_lora_adapter(name, str(a))
+        assert not res.success and "printable characters" in res.error_message, (name[:10], res.error_message)
+        assert res.loaded_adapters == {"b": str(b)}
+    assert engine.load_lora_adapter("x" * 256, str(a)).success and engine.unload_lora_adapter("x" * 256).success
     qv = make_engine(ckpt, enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"])
     res = qv.load_lora_adapter("a", str(a))
     assert not res.success and "lora_target_modules" in res.error_message
