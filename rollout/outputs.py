@@ -84,21 +84,69 @@ def logprob_meta(req: Req, tok: TokenizerWrapper, final: bool) -> dict:
 
     prompt_pos = range(req.logprob_start_len, len(req.prompt_ids))
     scored = [req.input_logprobs.get(p) for p in prompt_pos]  # None where not scored (the first)
+    # A chunk's output entries (no text) come from the request's cache, built once per position; the final
+    # output's (with text) are built whole, once.
+    cache = None if final else req.chunk_cache
+    out_ids = req.output_ids
     meta = {
-        "input_token_logprobs": [(e[0] if e else None, req.prompt_ids[p], text(req.prompt_ids[p]))
-                                 for p, e in zip(prompt_pos, scored)],
-        "output_token_logprobs": entries(zip(req.output_logprobs, req.output_ids)),
+        "input_token_logprobs": _prompt_entries(
+            cache, "in_lp", scored, lambda: [(e[0] if e else None, req.prompt_ids[p], text(req.prompt_ids[p]))
+                                             for p, e in zip(prompt_pos, scored)]),
+        "output_token_logprobs": _entries_per_position(
+            cache, "lp", req.output_logprobs, lambda i, lp: (lp, out_ids[i], None),
+            lambda: entries(zip(req.output_logprobs, out_ids))),
     }
     if req.top_logprobs_num:
-        meta["input_top_logprobs"] = [entries(e[1]) if e else None for e in scored]
-        meta["output_top_logprobs"] = [entries(step) for step in req.output_top_logprobs]
+        meta["input_top_logprobs"] = _prompt_entries(
+            cache, "in_top", scored, lambda: [entries(e[1]) if e else None for e in scored], nested=True)
+        meta["output_top_logprobs"] = _entries_per_position(
+            cache, "top", req.output_top_logprobs, lambda i, step: entries(step),
+            lambda: [entries(step) for step in req.output_top_logprobs], nested=True)
     ids = req.token_ids_logprob
     if ids is not None:
-        meta["input_token_ids_logprobs"] = [entries(zip(e[2], ids)) if e and ids else ([] if e else None)
-                                            for e in scored]
-        steps = req.output_token_ids_logprobs if ids else [[]] * len(req.output_ids)
-        meta["output_token_ids_logprobs"] = [entries(zip(step, ids)) for step in steps]
+        meta["input_token_ids_logprobs"] = _prompt_entries(
+            cache, "in_ids", scored, lambda: [entries(zip(e[2], ids)) if e and ids else ([] if e else None)
+                                              for e in scored], nested=True)
+        if ids:
+            meta["output_token_ids_logprobs"] = _entries_per_position(
+                cache, "ids", req.output_token_ids_logprobs, lambda i, step: entries(zip(step, ids)),
+                lambda: [entries(zip(step, ids)) for step in req.output_token_ids_logprobs], nested=True)
+        else:
+            meta["output_token_ids_logprobs"] = [[] for _ in out_ids]
     return meta
+
+
+def _prompt_entries(cache: dict | None, key: str, scored: list, whole, nested: bool = False) -> list:
+    """A chunk's prompt entries: built once while the prompt's scored records are the same objects (they
+    change only when a retraction recomputes the prompt), else anew; a new list (`nested`: inner lists
+    copied too) either way. No cache (a final output): `whole()`."""
+    if cache is None:
+        return whole()
+    hit = cache.get(key)
+    if hit is None or len(hit[0]) != len(scored) or any(a is not b for a, b in zip(hit[0], scored)):
+        hit = cache[key] = (scored, whole())
+    return [None if e is None else list(e) for e in hit[1]] if nested else list(hit[1])
+
+
+def _entries_per_position(cache: dict | None, key: str, src: list, one, whole, nested: bool = False) -> list:
+    """The entries of `src` (`one(i, src[i])` each), as a new list: `whole()` when there is no cache (a final
+    output); else the cached entries of the positions seen before, and only the new positions built. A
+    chunk is a cumulative snapshot, so building every position each time made a stream of L tokens cost
+    O(L^2) entries (seconds of the server's event loop for long streams with top logprobs). The cache holds
+    while `src` only grew: its item at the last cached position must be the same object (a step taken back
+    cuts the list and appends new objects, so a cut is seen and everything is built anew). `nested`:
+    each position's entry is a list, copied so a caller's change to a chunk never reaches the next one."""
+    if cache is None:
+        return whole()
+    built, last = cache.get(key, ((), None))
+    k = len(built)
+    if not (k <= len(src) and (k == 0 or src[k - 1] is last)):
+        built, k = [], 0
+    elif not isinstance(built, list):
+        built = []
+    built.extend(one(i, src[i]) for i in range(k, len(src)))
+    cache[key] = (built, src[-1] if src else None)
+    return [list(e) for e in built] if nested else list(built)
 
 
 class SyncSink:

@@ -111,6 +111,9 @@ class Req:
     finished_time: float = 0.0  # ... when the final output was delivered
     first_token_time: float = 0.0  # ... when the first output token was sampled (0: none yet)
     last_token_time: float = 0.0  # ... when the latest output token was sampled
+    # Stream chunks' logprob entries, built once per output position (rollout.outputs.logprob_meta); shared
+    # with this request's snapshots (a shallow copy), so each chunk builds only the positions new since the last.
+    chunk_cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.logprob_start_len < 0:  # SGLang's default: only the last prompt token (its logprob None)

@@ -86,6 +86,10 @@ class TokenizerWrapper:
         self._byte_alphabet = _unicode_to_byte() if '"ByteLevel"' in decoder else None
         self._metaspace = '"Metaspace"' in decoder
         self.special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", None) or ())
+        # token id -> its text alone: a logprob entry's text, looked up per top logprob of every position of
+        # a final output (a tokenizer decode each was seconds for a long output with many top logprobs).
+        # At most one entry per vocabulary id.
+        self._token_texts: dict[int, str] = {}
 
     def stable_len(self, ids: list[int]) -> int:
         """How many of `ids` a stream chunk shows: all but a trailing run of byte pieces, whose text a later
@@ -179,7 +183,12 @@ class TokenizerWrapper:
         return self.decode(ids, req)
 
     def token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:  # a decode of one id depends on nothing else: the same text every time
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's own bytes (OpenAI's chat logprobs `bytes`), also for a token holding part of a character,

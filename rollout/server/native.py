@@ -170,8 +170,11 @@ def check_n(request: Request, total: int) -> JSONResponse | None:
 
 
 def _strip_logprob_text(out: dict) -> dict:
-    """SGLang puts token text in logprob entries only when return_text_in_logprobs is set."""
+    """SGLang puts token text in logprob entries only when return_text_in_logprobs is set. Only a final
+    output's entries carry text (rollout.outputs.logprob_meta): a stream chunk passes as it is."""
     meta = out["meta_info"]
+    if meta.get("finish_reason") is None:
+        return out
     for key in ("input_token_logprobs", "output_token_logprobs"):
         if key in meta:
             meta[key] = [(lp, t, None) for lp, t, _ in meta[key]]

@@ -188,3 +188,17 @@ def test_token_bytes_join_into_the_texts_utf8(kind, tok_dir, llama2_like_ckpt):
             if "\ufffd" not in w.token_text(t):
                 assert w.token_bytes(t) == list(w.token_text(t).encode())
     assert any("\ufffd" in w.token_text(t) for t in w.tokenizer.encode("\u20ac", add_special_tokens=False))
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_token_text_is_the_tokenizers_decode_of_the_id_decoded_once(kind, tok_dir, llama2_like_ckpt, monkeypatch):
+    """token_text(id) (a logprob entry's text) is HF's decode([id]) for every id of the vocabulary, and a second
+    look-up of an id calls no decode (a final output's top logprobs asked for it per entry)."""
+    path = tok_dir if kind == "byte_level" else llama2_like_ckpt
+    w = TokenizerWrapper(str(path), False)
+    vocab = range(len(w.tokenizer))
+    assert [w.token_text(t) for t in vocab] == [w.tokenizer.decode([t]) for t in vocab]
+    calls = []
+    real = w.tokenizer.decode
+    monkeypatch.setattr(w.tokenizer, "decode", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert [w.token_text(t) for t in vocab] == [real([t]) for t in vocab] and not calls
