@@ -105,7 +105,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         pause_timeout_s = timeout_from_env()  # before anything is built: a bad value leaks nothing
         logging.getLogger("rollout").setLevel(self.args.log_level.upper())
         self.runner = create_model_runner(self.args.runner_config())
-        self.tokenizer = TokenizerWrapper(self.args.model_path, self.args.skip_tokenizer_init)
+        self.tokenizer = TokenizerWrapper(self.args.tokenizer_path or self.args.model_path, self.args.skip_tokenizer_init)
         # The checkpoint being served: the launch path until an update_weights_from_disk succeeds.
         self.model_path = self.tokenizer_path = self.args.model_path
         mc = self.runner.model_config

@@ -45,8 +45,12 @@ class FrontendConfig:
     # SGLang's --stream-output: a streamed request's chunks carry only the output_ids new since its previous chunk
     # (disjoint segments that join up to the whole output); text, logprobs and meta_info stay cumulative, as there.
     stream_output: bool = False
+    # SGLang's --tokenizer-path: the tokenizer's files somewhere else than the checkpoint (None: model_path).
+    tokenizer_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tokenizer_path is not None and not isinstance(self.tokenizer_path, str):
+            raise ValueError(f"tokenizer_path={self.tokenizer_path!r} must be a path (str) or None")
         if not isinstance(self.stream_output, bool):
             raise ValueError(f"stream_output={self.stream_output!r} must be a bool")
         if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) or self.stream_interval < 1:
@@ -112,6 +116,7 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
                                        "then tokens N+1, 2N+1, ..., and the final output"),
     "stream_output": ("bool", "a streamed request's chunks carry only the output_ids new since its previous "
                       "chunk (text and logprobs stay cumulative)"),
+    "tokenizer_path": ("None or a directory", "where the tokenizer's files are (None: model_path)"),
     "base_gpu_id": ("int >= 0; 0 when tp_size > 1 on CUDA", "device='cuda' runs on cuda:{base_gpu_id}; "
                     "no-op on the CPU"),
     "weight_version": ("str", "weight_version before the first update"),
@@ -150,6 +155,17 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
     "decode_log_interval": ("int >= 1", "no-op: no periodic decode-throughput log line (/metrics has the figures)"),
     "log_requests": ("bool", "no-op: requests are not logged (the access log is the server's --access-log)"),
     "sampling_backend": ("None, 'pytorch', 'flashinfer'", "no-op: one sampler, chosen per device"),
+    "dist_timeout": ("None or a number of seconds > 0", "no-op: tensor-parallel ranks rendezvous with their own "
+                     "bounded wait"),
+    "watchdog_timeout": ("a number of seconds > 0", "no-op: no watchdog kills a slow step (a step that fails "
+                         "fails its requests only)"),
+    "enable_torch_compile": ("bool", "no-op: the captured decode step is cuda_graph_bs (compiled on the CPU, "
+                             "a CUDA graph on CUDA)"),
+    "speculative_algorithm": ("None", "no speculative decoding"),
+    "disaggregation_mode": ("'null'", "no prefill/decode disaggregation"),
+    "is_embedding": ("False", "generation models only"),
+    "allow_auto_truncate": ("False", "a prompt is never cut: one that leaves no room for a new token is refused "
+                            "by name, and an output is already cut at the context"),
     "max_prefill_tokens": ("int >= 1", "the prefill tokens of a step when chunked_prefill_size=-1; otherwise "
                            "chunked_prefill_size bounds them"),
     # The HTTP server's own flags (rollout.launch_server); an in-process Engine drops them.
@@ -195,10 +211,18 @@ class SGLangCompatConfig:
     log_requests: bool = False
     sampling_backend: str | None = None
     max_prefill_tokens: int = 16384
+    dist_timeout: int | float | None = None
+    watchdog_timeout: int | float = 300
+    enable_torch_compile: bool = False
+    speculative_algorithm: str | None = None
+    disaggregation_mode: str = "null"
+    is_embedding: bool = False
+    allow_auto_truncate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("trust_remote_code", "skip_server_warmup", "disable_piecewise_cuda_graph",
-                     "enable_draft_weights_cpu_backup", "enable_metrics", "enable_dp_attention"):
+                     "enable_draft_weights_cpu_backup", "enable_metrics", "enable_dp_attention",
+                     "enable_torch_compile", "is_embedding", "allow_auto_truncate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         for name, why in (("dp_size", "one Engine is one data-parallel rank; start several with "
@@ -227,6 +251,21 @@ class SGLangCompatConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        for name, value in (("dist_timeout", self.dist_timeout), ("watchdog_timeout", self.watchdog_timeout)):
+            if value is None and name == "dist_timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name}={value!r} must be a number of seconds > 0")
+        if self.speculative_algorithm is not None:
+            raise _refuse("speculative_algorithm", self.speculative_algorithm, "None", "no speculative decoding")
+        if self.disaggregation_mode != "null":
+            raise _refuse("disaggregation_mode", self.disaggregation_mode, "'null'",
+                          "no prefill/decode disaggregation")
+        if self.is_embedding:
+            raise _refuse("is_embedding", True, "False", "generation models only")
+        if self.allow_auto_truncate:
+            raise _refuse("allow_auto_truncate", True, "False", "a prompt is never cut: one that leaves no room for "
+                          "a new token is refused by name; an output is cut at the context already")
         if self.sampling_backend not in (None, "pytorch", "flashinfer"):
             raise _refuse("sampling_backend", self.sampling_backend, "None, 'pytorch' or 'flashinfer'",
                           "SGLang's two sampling backends; one sampler runs here either way")

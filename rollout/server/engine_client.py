@@ -82,7 +82,7 @@ class EngineClient(RemoteGeneration):
         self.engine_num_threads = info["num_threads"]
         self._state = info["state"]
         self.runner = _RunnerView(self, info["context_len"])
-        self.tokenizer = TokenizerWrapper(self.args.model_path, self.args.skip_tokenizer_init)
+        self.tokenizer = TokenizerWrapper(self.args.tokenizer_path or self.args.model_path, self.args.skip_tokenizer_init)
         self._load = {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
         self._finish_observers: list = []
         self._ids = itertools.count()

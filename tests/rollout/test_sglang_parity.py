@@ -7,12 +7,14 @@ expected checkpoint, the checkpoint read with safetensors, or a plain engine bui
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
 
 from rollout import Engine
 from rollout.engine_args import SERVER_ONLY_OPTIONS, SGLANG_OPTIONS, EngineArgs
+from rollout.tokenizer import _TOKENIZER_FILES
 from runner.layers.linear import shard_view
 from tests.rl_surface.conftest import (
     assert_same_tensors,
@@ -72,6 +74,9 @@ FRAMEWORK_KWARGS = dict(
     enable_dp_attention=True, schedule_policy="fcfs",
     port=30000, host="127.0.0.1", max_running_requests=None, dtype=None, load_format="auto",
     random_seed=42, enable_memory_saver=True, mem_fraction_static=0.6, enable_weights_cpu_backup=False,
+    # verl's AsyncEngine(**args) always passes dist_timeout; the rest at SGLang's defaults (ServerArgs fields)
+    dist_timeout=1800, watchdog_timeout=300, enable_torch_compile=True, speculative_algorithm=None,
+    disaggregation_mode="null", is_embedding=False, allow_auto_truncate=False, tokenizer_path=None,
 )
 
 
@@ -84,6 +89,24 @@ def test_framework_constructor_names_are_accepted_and_change_nothing(ckpt_pair, 
         assert engine.args.trust_remote_code and engine.args.dp_size == 1
         assert engine.runner.config.max_running_requests == 512  # None = SGLang's "choose for me"
         assert run(engine) == reference_outputs(a)
+
+
+def test_tokenizer_path_loads_the_tokenizer_from_elsewhere(tiny_llama, tmp_path):
+    """tokenizer_path (SGLang's): a checkpoint without tokenizer files takes text prompts with the tokenizer
+    found there, and generates what the engine on the full checkpoint does."""
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    for f in tiny_llama.iterdir():
+        if f.name not in _TOKENIZER_FILES and f.is_file():
+            shutil.copy(f, weights_only / f.name)
+    greedy = dict(temperature=0, max_new_tokens=6, ignore_eos=True)
+    with Engine(str(tiny_llama), show_progress=False) as full:
+        want = full.generate(prompt="hello there", sampling_params=greedy)
+    with Engine(str(weights_only), tokenizer_path=str(tiny_llama), show_progress=False) as engine:
+        got = engine.generate(prompt="hello there", sampling_params=greedy)
+    assert (got["output_ids"], got["text"]) == (want["output_ids"], want["text"])
+    with Engine(str(weights_only), show_progress=False) as engine, pytest.raises(ValueError, match="tokenizer"):
+        engine.generate(prompt="hello there", sampling_params=greedy)
 
 
 def test_every_name_in_the_table_is_an_option():
@@ -100,6 +123,9 @@ def test_every_name_in_the_table_is_an_option():
     ("gpu_id_step", 0, "an int >= 1"), ("base_gpu_id", -1, "an int >= 0"),
     ("load_format", "remote_instance", "'auto', 'safetensors' or 'dummy'"),
     ("cpu_offload_gb", -1, ">= 0"),
+    ("speculative_algorithm", "EAGLE", "supported: None"), ("disaggregation_mode", "prefill", "supported: 'null'"),
+    ("is_embedding", True, "supported: False"), ("allow_auto_truncate", True, "supported: False"),
+    ("dist_timeout", 0, "seconds > 0"), ("watchdog_timeout", "5", "seconds > 0"),
 ])
 def test_unsupported_values_are_refused_naming_option_and_supported_values(tiny_llama, name, value, supported):
     """A value that would mean something this engine does not do is refused before anything is built,
