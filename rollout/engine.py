@@ -75,6 +75,18 @@ def prompt_token_ids(tokenizer: TokenizerWrapper, prompt, input_ids) -> tuple[li
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompt must be a string or a list of strings")
         return [tokenizer.encode(p) for p in prompts], single
+    ids_list, single = _ids_lists(input_ids)
+    if ids_list is None:  # not plain ints: numpy / torch integers are read as ints (a copy), anything else refused
+        ids_list, single = _ids_lists(_plain_ints(input_ids))
+    if ids_list is None:
+        got = "" if isinstance(input_ids, list) else f", got {type(input_ids).__name__}"
+        raise ValueError(f"input_ids must be a list of ints or a list of lists of ints (numpy or torch integers "
+                         f"too){got}")
+    return ids_list, single
+
+
+def _ids_lists(input_ids) -> tuple[list[list[int]] | None, bool]:
+    """(token ids per prompt, single prompt) if input_ids is a list of ints or of lists of ints, else (None, _)."""
     # isinstance first: a tensor or an array has no truth value (its own "ambiguous" error, naming nothing)
     single = isinstance(input_ids, list) and bool(input_ids) and all(isinstance(t, int) for t in input_ids)
     ids_list = [input_ids] if single else input_ids
@@ -82,10 +94,23 @@ def prompt_token_ids(tokenizer: TokenizerWrapper, prompt, input_ids) -> tuple[li
         isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
         for ids in ids_list
     ):
-        got = "" if isinstance(input_ids, list) else f", got {type(input_ids).__name__}" + (
-            " (convert it with .tolist())" if hasattr(input_ids, "tolist") else "")
-        raise ValueError(f"input_ids must be a list of ints or a list of lists of ints{got}")
+        return None, single
     return ids_list, single
+
+
+def _plain_ints(x):
+    """numpy / torch integer arrays and scalars (verl's prompt_token_ids) as Python ints, nested lists kept;
+    anything else (floats, bools, strings) left as it is, for the check to refuse."""
+    if isinstance(x, list | tuple):
+        return [_plain_ints(v) for v in x] if isinstance(x, list) else x
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not hasattr(x, "tolist"):
+        return x
+    kind = getattr(dtype, "kind", None)  # numpy: "i"/"u" integers, "b" bool
+    is_int = kind in ("i", "u") if kind is not None else (not getattr(dtype, "is_floating_point", True)
+                                                           and not getattr(dtype, "is_complex", True)
+                                                           and str(dtype) != "torch.bool")
+    return x.tolist() if is_int else x
 
 
 

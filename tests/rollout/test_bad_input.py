@@ -75,7 +75,9 @@ BAD_CALLS = {
     "negative token id": (dict(input_ids=[-1] + PROMPT), ValueError, "vocabulary"),
     "token id not an int": (dict(input_ids=[1.0, 2.0]), ValueError, "input_ids"),
     "bool token id": (dict(input_ids=[True, 5]), ValueError, "input_ids"),
-    "input_ids as a tensor": (dict(input_ids=torch.tensor(PROMPT)), ValueError, "input_ids must be .* got Tensor"),
+    "input_ids as a float tensor": (dict(input_ids=torch.tensor(PROMPT, dtype=torch.float32)), ValueError,
+                                    "input_ids must be .* got Tensor"),
+    "input_ids as numpy bools": (dict(input_ids=list(np.array([True, False]))), ValueError, "input_ids must be"),
     "prompt with a lone surrogate": (dict(prompt="ok \ud800"), ValueError, r"lone surrogate U\+D800 at character 3"),
     "empty prompt": (dict(input_ids=[[]]), ValueError, "empty"),
     "empty batch": (dict(input_ids=[]), ValueError, "input_ids is an empty list"),
@@ -175,6 +177,21 @@ def test_numpy_integer_logprob_options_read_as_plain_ints(env):
     for bad in (dict(top_logprobs_num=np.bool_(True)), dict(top_logprobs_num=2.0), dict(logprob_start_len=1.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             engine.generate(**kw, **bad)
+
+
+def test_numpy_and_torch_integer_input_ids_read_as_plain_ints(env):
+    """input_ids given as numpy / torch integers (verl's list(np.ndarray) of np.int64, lists of arrays, a 2-D
+    array, a 1-D tensor) generate exactly what the same prompts as plain int lists do."""
+    engine, _ = env
+    sp = _sp(temperature=0, max_new_tokens=3)
+    other = [t + 1 for t in PROMPT]
+    single = engine.generate(input_ids=PROMPT, sampling_params=sp)["output_ids"]
+    pair = [o["output_ids"] for o in engine.generate(input_ids=[PROMPT, other], sampling_params=sp)]
+    for given in (list(np.array(PROMPT)), torch.tensor(PROMPT), np.array(PROMPT, dtype=np.int32)):
+        assert engine.generate(input_ids=given, sampling_params=sp)["output_ids"] == single, type(given)
+    for given in ([np.array(PROMPT), np.array(other)], np.array([PROMPT, other]), [list(np.array(PROMPT)), other],
+                  [torch.tensor(PROMPT), torch.tensor(other)]):
+        assert [o["output_ids"] for o in engine.generate(input_ids=given, sampling_params=sp)] == pair
 
 
 def test_null_sampling_params_take_their_defaults(env):
