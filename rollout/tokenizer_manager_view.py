@@ -20,6 +20,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+# GenerateReqInput's fields that Engine.async_generate takes (by these names; `text` becomes `prompt`).
+GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                   "token_ids_logprob", "lora_path", "rid", "return_routed_experts", "return_hidden_states",
+                   "image_data", "audio_data", "video_data", "custom_logit_processor", "return_text_in_logprobs",
+                   "return_original_logprob")
+
 
 def _fields(obj, names: tuple[str, ...]) -> dict[str, Any]:
     """The `names` that `obj` (a request object or a dict) sets, by attribute or key; None counts as unset."""
@@ -48,6 +54,34 @@ class TokenizerManagerView:
     @property
     def server_args(self):
         return self._engine.server_args
+
+    @property
+    def model_path(self) -> str:
+        return self._engine.args.model_path
+
+    @property
+    def is_generation(self) -> bool:
+        return True  # generation models only (is_embedding is refused)
+
+    async def generate_request(self, obj, request=None):
+        """SGLang's: an async generator of one generate call's outputs (verl's server adapter awaits its first item
+        or iterates it). `obj` is a GenerateReqInput or a dict of its fields (`text` is the Engine's `prompt`);
+        with `stream` every chunk as it comes (a batch's carry "index"), else the output once (a list for a
+        batch), exactly what Engine.async_generate returns for the same arguments."""
+        kwargs = _fields(obj, GENERATE_FIELDS)
+        if "text" in kwargs:
+            kwargs["prompt"] = kwargs.pop("text")
+        if _fields(obj, ("stream",)).get("stream"):
+            async for chunk in await self._base("async_generate")(**kwargs, stream=True):
+                yield chunk
+        else:
+            yield await self._base("async_generate")(**kwargs)
+
+    async def start_profile(self, **kwargs):
+        return await self._run(self._base("start_profile"), **kwargs)
+
+    async def stop_profile(self):
+        return await self._run(self._base("stop_profile"))
 
     async def _run(self, fn, **kwargs):
         return await asyncio.to_thread(fn, **kwargs)

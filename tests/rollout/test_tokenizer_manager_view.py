@@ -83,3 +83,34 @@ def test_verl_async_engine_releases_updates_resumes_flushes_and_aborts(engines):
         assert not ok and "serialized_named_tensors" in msg
     finally:
         loop.close()
+
+
+def test_generate_request_yields_what_async_generate_returns(engines):
+    """tokenizer_manager.generate_request (verl's server adapter awaits its first item, or iterates a stream) with
+    a GenerateReqInput-shaped object: non-streamed, the Engine's output once (greedy tokens = HF's); streamed,
+    its chunks, the last equal to that output; `text` reads as the Engine's `prompt`; model_path and
+    is_generation are there."""
+    engine, a, _ = engines
+    hf = load_hf_model(a)
+    prompt = random_prompts([6], seed=5)[0]
+    tm = engine.tokenizer_manager
+
+    async def collect(obj):
+        return [o async for o in tm.generate_request(obj, None)]
+
+    loop = asyncio.new_event_loop()
+    try:
+        run = loop.run_until_complete
+        obj = SimpleNamespace(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, stream=False)
+        outs = run(collect(obj))
+        assert len(outs) == 1 and outs[0]["output_ids"] == hf_generate(hf, prompt, 8)[0]
+        assert len(outs[0]["meta_info"]["output_token_logprobs"]) == 8
+        chunks = run(collect({"input_ids": prompt, "sampling_params": GREEDY, "stream": True}))
+        assert len(chunks) > 1 and chunks[-1]["output_ids"] == outs[0]["output_ids"]
+        text = run(collect({"text": "a b c", "sampling_params": GREEDY}))[0]
+        assert text == Engine.generate(engine, prompt="a b c", sampling_params=GREEDY) | {"meta_info": text["meta_info"]}
+        batch = run(collect({"input_ids": [prompt, prompt[:3]], "sampling_params": GREEDY}))[0]
+        assert [o["output_ids"] for o in batch] == [hf_generate(hf, p, 8)[0] for p in (prompt, prompt[:3])]
+        assert tm.model_path == str(a) and tm.is_generation is True
+    finally:
+        loop.close()
