@@ -656,6 +656,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         whatever is still in flight (see WeightsAPI)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_generation mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._require_not_shut_down("pause_generation")
         with self._cv:
             self._paused = True
             self._pause_watchdog.arm()
@@ -665,6 +666,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
                 self.scheduler.retract_all()
 
     def continue_generation(self) -> None:
+        self._require_not_shut_down("continue_generation")
         self._pause_watchdog.disarm()
         self._continue("continue_generation()")
 

@@ -52,6 +52,7 @@ class EngineInfoAPI:
         problem = weight_version_problem(new_version)
         if problem:
             raise ValueError(f"update_weight_version: {problem}")
+        self._require_not_shut_down("update_weight_version")  # a label on freed weights would claim a success
         with self._cv:
             if abort_all_requests:
                 self._abort_reqs(self._in_flight(), "aborted by update_weight_version(abort_all_requests=True)")
@@ -107,6 +108,7 @@ class EngineInfoAPI:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                     or not timeout >= 0):
             raise ValueError(f"drain timeout must be None or a number of seconds >= 0, got {timeout!r}")
+        self._require_not_shut_down("drain")
         deadline = None if timeout is None else time.monotonic() + timeout
         # No step lock: waiting under it would stop the very steps that finish the requests.
         while (remaining := len(self._in_flight())) and self._thread.is_alive():

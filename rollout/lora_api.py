@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -100,6 +101,9 @@ class LoRAAPI:
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAUpdateOutput:
         """Load the PEFT adapter in directory `lora_path` as `lora_name` (SGLang's signature)."""
+        if not isinstance(lora_path, str | os.PathLike):  # str(None) would be a directory named "None"
+            return LoRAUpdateOutput(False, f"load_lora_adapter({lora_name!r}) failed: lora_path must be a directory "
+                                           f"path, got {type(lora_path).__name__}", self._loaded())
         return self._load_lora(f"load_lora_adapter({lora_name!r})", lora_name, lambda need_slot: (
             self.runner.stage_lora_adapter(lora_name, str(lora_path), pinned=pinned, need_slot=need_slot)))
 

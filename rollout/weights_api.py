@@ -233,7 +233,8 @@ class WeightsAPI:
         # load_format="delta": one uint8 tensor, a delta blob (weight_sync/delta_codec.py), sent as a
         # checked bucket (header, CRC per tensor) and applied as a delta.
         delta = load_format == "delta"
-        if delta and (list(names) != ["delta_blob"] or list(dtypes) != ["uint8"] or len(shapes) != 1):
+        if delta and not (all(isinstance(x, list | tuple) for x in (names, dtypes, shapes)) and list(names) == [
+                "delta_blob"] and list(dtypes) == ["uint8"] and len(shapes) == 1):
             return False, f"{what} failed: load_format='delta' takes names=['delta_blob'], dtypes=['uint8'], one shape"
 
         def load(named) -> int:

@@ -35,6 +35,9 @@ def check_memory_tags(tags: str | list[str] | tuple[str, ...] | None) -> list[st
         return list(MEMORY_TAGS)
     if isinstance(tags, str):
         tags = [tags]
+    if not isinstance(tags, list | tuple) or not all(isinstance(t, str) for t in tags):
+        raise ValueError(f"tags must be None, a tag name or a list of tag names from {list(MEMORY_TAGS)}, "
+                         f"got {tags!r}")
     bad = [t for t in tags if t not in MEMORY_TAGS]
     if bad:
         raise ValueError(f"unknown memory tags {bad}; valid tags: {list(MEMORY_TAGS)}")

@@ -238,3 +238,36 @@ def test_outputs_aborted_by_failed_step_or_shutdown_report_current_weight_versio
     reason = final["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and reason["message"] == "engine shut down"
     assert final["meta_info"]["weight_version"] == "v7"
+
+
+def test_control_calls_after_shutdown_refuse_instead_of_claiming_success(tiny_llama, make_engine):
+    """After shutdown(), pause/continue_generation, update_weight_version and drain raise naming the shut-down
+    engine (they returned as if done, and the version label moved on freed weights), as the weight and memory
+    calls already do."""
+    engine = make_engine(tiny_llama)
+    engine.generate(input_ids=[5, 6, 7], sampling_params=dict(max_new_tokens=2))
+    version = engine.weight_version
+    engine.shutdown()
+    for name, call in (("pause_generation", engine.pause_generation),
+                       ("continue_generation", engine.continue_generation),
+                       ("update_weight_version", lambda: engine.update_weight_version("x")),
+                       ("drain", lambda: engine.drain(1))):
+        with pytest.raises(RuntimeError, match=f"{name}: the engine was shut down"):
+            call()
+    assert engine.weight_version == version
+
+
+def test_mistyped_control_arguments_are_named(tiny_llama, make_engine):
+    """release/resume_memory_occupation(tags=5) and update_weights_from_distributed(None, ...) with
+    load_format="delta" say what is wrong by name (they failed with "'int' object is not iterable" and a
+    TypeError from list(None)); load_lora_adapter(name, None) never reads a directory called "None"."""
+    engine = make_engine(tiny_llama, enable_memory_saver=True)
+    for call in (engine.release_memory_occupation, engine.resume_memory_occupation):
+        with pytest.raises(ValueError, match="tags must be None, a tag name or a list of tag names"):
+            call(5)
+    ok, msg = engine.update_weights_from_distributed(None, None, None, load_format="delta")
+    assert not ok and "load_format='delta' takes names=['delta_blob']" in msg
+    lora = make_engine(tiny_llama, enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj"])
+    res = lora.load_lora_adapter("c", None)
+    assert not res.success and "lora_path must be a directory path, got NoneType" in res.error_message
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params=dict(max_new_tokens=2))["output_ids"]
