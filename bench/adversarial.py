@@ -10,7 +10,8 @@ peer, same run, same machine) and their ratios, with the load average. Adversari
 - `regex`: a backtracking stop_regex over a forced all-'a' output (finishes as abort);
 - `logprobs`: n=256 x 120 tokens x the whole vocabulary as top logprobs (refused by
   --max-response-entries), then the largest such request the default limit admits (served);
-- `joins`: eight /init_weights_update_group calls to ports nobody listens on (two run, six get 503).
+- `joins`: eight /init_weights_update_group calls to ports nobody listens on (two run, six get 503);
+- `stream_logprobs`: the largest admitted logprobs request, streamed (every event a cumulative snapshot).
 
 It measures stalls, not throughput (bench/serve.py does that).
 
@@ -83,6 +84,11 @@ def attacks(url: str, engine: Engine) -> dict:
             codes = list(pool.map(one, range(8)))
         return f"codes {sorted(codes)}"
 
+    def streamed(body):
+        with c.stream("POST", "/generate", json=body) as r:
+            size = sum(len(b) for b in r.iter_bytes())
+        return f"{r.status_code}, {size / 1e6:.0f} MB streamed"
+
     admitted_n = max(1, (1 << 21) // (120 * (vocab + 3)))
     return {
         "none": lambda: "idle probe",
@@ -98,6 +104,10 @@ def attacks(url: str, engine: Engine) -> dict:
             "input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": vocab, "sampling_params": {
                 "n": admitted_n, "max_new_tokens": 120, "ignore_eos": True}})),
         "joins": joins,
+        # a stream's events are cumulative snapshots: each carries every earlier position's top logprobs again
+        f"stream_logprobs_n{admitted_n}": lambda: streamed(dict(input_ids=[5, 6, 7], return_logprob=True,
+                                                                top_logprobs_num=vocab, stream=True, sampling_params=dict(
+            n=admitted_n, max_new_tokens=120, ignore_eos=True))),
     }
 
 
