@@ -91,6 +91,13 @@ class TokenizerWrapper:
         # At most one entry per vocabulary id.
         self._token_texts: dict[int, str] = {}
 
+    @property
+    def cleans_up_spaces(self) -> bool:
+        """Whether decoding applies the tokenizer's clean-up of tokenization spaces (" ," -> ","), which
+        rewrites a text's tail once the next token comes (the Rust decoder is used only where it does not)."""
+        return (self.tokenizer is not None and self._rust is None
+                and bool(getattr(self.tokenizer, "clean_up_tokenization_spaces", False)))
+
     def stable_len(self, ids: list[int]) -> int:
         """How many of `ids` a stream chunk shows: all but a trailing run of byte pieces, whose text a later
         byte may still rewrite (see _byte_fallback_ids), so every chunk stays a prefix of the final text."""

@@ -50,6 +50,7 @@ from rollout.server.openai_engine import (
     metadata_of,
     openai_names,
     prepare,
+    rewritten_tail,
     sse_response,
     start_stream,
     token_text,
@@ -186,7 +187,8 @@ async def completions(req: CompletionRequest, request: Request):
     async def events():
         finals: dict[int, dict] = {}
         unechoed = set(range(len(prompts) * req.n)) if echoed is not None else set()
-        async with aclosing(choice_texts(first, merged, req.stop, len(prompts) * req.n, finals)) as items:
+        async with aclosing(choice_texts(first, merged, req.stop, len(prompts) * req.n, finals,
+                                         rewritten_tail(engine))) as items:
             async for i, chunk, final, text, d in items:
                 prompt_pairs = []
                 if i in unechoed:  # echo: the choice's first chunk starts with its prompt (and its logprobs)
@@ -379,7 +381,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         finals: dict[int, dict] = {}
-        async with aclosing(choice_texts(first, merged, req.stop, req.n, finals)) as items:
+        async with aclosing(choice_texts(first, merged, req.stop, req.n, finals, rewritten_tail(engine))) as items:
             async for i, c, final, text, d in items:
                 lp = _chat_logprobs(engine, d.new_logprobs(c["meta_info"])) if num_top is not None else None
                 if text or final or (lp and lp["content"]):

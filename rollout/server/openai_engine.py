@@ -80,7 +80,8 @@ def usage_of(outs: list[dict], n: int, cache_report: bool = False) -> dict:
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if cache_report:
-        usage["prompt_tokens_details"] = {"cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs)}
+        # per prompt, as its prompt_tokens (SGLang counts its first choice's): never more than prompt_tokens
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs[::n])}
     return usage
 
 
@@ -218,14 +219,26 @@ def logprob_pairs(meta: dict, prompt: bool = False) -> list:
     return pairs
 
 
-class TextDelta:
-    """Turns cumulative stream text into deltas. Holds back a trailing partial UTF-8 character and, when
-    stop strings are set, the last len(longest stop) - 1 characters (they may become a stop match that
-    the final text trims)."""
+# A tokenizer that cleans up tokenization spaces rewrites the text's tail when the next token comes (" ," becomes
+# ",", " n't" becomes "n't"): a stream holds back this many characters, the longest such rewrite less one.
+CLEAN_UP_TAIL = len(" n't") - 1
 
-    def __init__(self, stop) -> None:
+
+def rewritten_tail(engine) -> int:
+    """TextDelta's `tail` for this engine's tokenizer."""
+    return CLEAN_UP_TAIL if getattr(engine.tokenizer, "cleans_up_spaces", False) else 0
+
+
+class TextDelta:
+    """Turns cumulative stream text into deltas. Holds back a trailing partial UTF-8 character, when
+    stop strings are set the last len(longest stop) - 1 characters (they may become a stop match that
+    the final text trims), and `tail` characters a later token may rewrite (CLEAN_UP_TAIL). A text that
+    still rewrote what was sent goes on from the same length (as SGLang's incremental detokenizer does),
+    rather than sending nothing more."""
+
+    def __init__(self, stop, tail: int = 0) -> None:
         stops = [stop] if isinstance(stop, str) else (stop or [])
-        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.hold = max(max((len(s) for s in stops), default=1) - 1, tail)
         self.sent = ""
         self.num_tokens = 0
         self.text_offset = 0  # /v1/completions logprobs: where the next token's text starts
@@ -236,7 +249,7 @@ class TextDelta:
         if not final:
             text = text.rstrip("\ufffd")
             text = text[: max(0, len(text) - self.hold)]
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+        if len(text) <= len(self.sent):
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
@@ -249,10 +262,11 @@ class TextDelta:
         return new
 
 
-async def choice_texts(first, merged, stop, num_choices: int, finals: dict[int, dict]):
+async def choice_texts(first, merged, stop, num_choices: int, finals: dict[int, dict], tail: int = 0):
     """Yield (choice index, chunk, is_final, new text, the choice's TextDelta) for `first` and every later
-    item of the merged stream (`start_stream`); each choice's final chunk is also kept in `finals`."""
-    deltas = [TextDelta(stop) for _ in range(num_choices)]
+    item of the merged stream (`start_stream`); each choice's final chunk is also kept in `finals`. `tail`:
+    TextDelta's, for a tokenizer that rewrites the text's tail."""
+    deltas = [TextDelta(stop, tail) for _ in range(num_choices)]
     item = first
     while item is not None:
         i, chunk, final = item

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -519,3 +520,47 @@ def test_echoed_token_id_prompt_follows_skip_special_tokens(server, oai, skip):
     assert all(c.text[o:].startswith(t) for t, o in zip(c.logprobs.tokens, c.logprobs.text_offset)
                if t not in special)
     assert _streamed_tokens_and_offsets(oai, kw) == (c.logprobs.tokens, c.logprobs.text_offset)
+
+
+def test_text_delta_holds_back_a_tail_the_next_token_may_rewrite():
+    """A tokenizer's clean-up rewrites the text's tail (" ," -> ","): with the tail held back the joined deltas
+    equal the final text; a rewrite of what was already sent never stops the stream (later text still goes
+    out, from the same length, as SGLang's incremental detokenizer does)."""
+    from rollout.server.openai_engine import CLEAN_UP_TAIL, TextDelta
+
+    texts = ["a", "a ", "a,", "a,a", "a,a b", "a,a b,", "a,a b, n", "a,a b,n't"]
+    held = TextDelta(None, CLEAN_UP_TAIL)
+    joined = "".join(held.step(t, False) for t in texts) + held.step(texts[-1] + "!", True)
+    assert joined == texts[-1] + "!"
+    bare = TextDelta(None)
+    parts = [bare.step(t, False) for t in texts] + [bare.step(texts[-1] + "!", True)]
+    assert parts[-1] and "".join(parts).endswith("!")  # it went on after the rewrite
+
+
+def test_streamed_text_equals_the_final_text_with_a_clean_up_tokenizer(tmp_path):
+    """On a tokenizer that cleans up tokenization spaces (transformers' flag), a stream of spaces and commas
+    joins to exactly the non-streamed text on both OpenAI routes (it stopped at the first rewrite)."""
+    import shutil
+
+    model = tmp_path / "cleanup"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "assets" / "demo-model", model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.update(clean_up_tokenization_spaces=True,  # transformers 5 applies it to BPE only with its opt-in
+               clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with start_server(model, chat_template="plain") as s, s.client() as c:
+        assert s.engine.tokenizer.cleans_up_spaces
+        bias = {str(t): 30 for t in s.engine.tokenizer.tokenizer.convert_tokens_to_ids([" ", ",", "a"])}
+        for route, extra in (("/v1/completions", {"prompt": "x"}),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            for seed in range(4):
+                body = {"model": "tiny", "max_tokens": 12, "logit_bias": bias, "seed": seed, **extra}
+                choice = c.post(route, json=body).json()["choices"][0]
+                final = choice["text"] if "text" in choice else choice["message"]["content"]
+                streamed = ""
+                with c.stream("POST", route, json={**body, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            for ch in json.loads(line[6:])["choices"]:
+                                streamed += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                assert streamed == final, (route, seed, streamed, final)

@@ -226,6 +226,14 @@ def test_sglang_serving_tests_expectations(tiny_llama):
         assert first.status_code == 200, first.text
         again = c.post("/v1/chat/completions", json=chat).json()["usage"]
         assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
+        # n choices of one prompt: its cached tokens counted once, as its prompt_tokens (were summed over choices)
+        for stream in (False, True):
+            many = {**chat, "n": 4, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+            r = c.post("/v1/chat/completions", json=many)
+            usage = r.json()["usage"] if not stream else next(
+                json.loads(line[6:])["usage"] for line in reversed(r.text.splitlines())
+                if line.startswith("data: {") and json.loads(line[6:]).get("usage"))
+            assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, (stream, usage)
         long = c.post("/generate", json={"input_ids": [5] * 5000, "sampling_params": {"max_new_tokens": 1}})
         assert long.status_code == 400 and "longer than the model's maximum context length" in long.json()["message"]
 
