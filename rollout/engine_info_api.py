@@ -146,6 +146,17 @@ class EngineInfoAPI:
             dump = self._expert_recorder("dump_expert_distribution_record").dump_record(output_dir)
         return _json_ready(dump)
 
+    def fatal_problem(self) -> str:
+        """Why this engine can never generate again ("" if it can): shut down, its scheduler thread gone, or a
+        tensor-parallel rank dead. Takes no lock (a health check must not wait for a step). Released memory or
+        paused generation are not fatal: a resume or a continue ends them."""
+        if self.runner.is_shut_down:
+            return "the engine was shut down"
+        if not self._thread.is_alive():
+            return "the engine's scheduler thread is not running"
+        check = getattr(self.runner, "fatal_problem", None)
+        return check() if check is not None else ""
+
     def get_server_info(self) -> dict:
         """SGLang's keys where they can be computed: every server arg (this engine's options, flat), the
         scheduler info (`max_total_num_tokens`, `max_req_input_len`), `internal_states` (one dict per

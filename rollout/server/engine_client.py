@@ -325,6 +325,7 @@ class EngineClient(RemoteGeneration):
     def remove_finish_observer(self, fn) -> None:
         self._finish_observers = [f for f in self._finish_observers if f is not fn]
 
+    fatal_problem = _remote("fatal_problem")
     abort_request = _remote("abort_request")
     pause_generation = _remote("pause_generation")
     continue_generation = _remote("continue_generation")

@@ -304,27 +304,51 @@ def engine_alive(request: Request) -> bool:
     return not request.app.state.engine_shut_down and (is_alive is None or is_alive())
 
 
+async def engine_fatal(request: Request) -> str:
+    """Why the engine can never generate again, "" if it can: its process gone, or the engine's own fatal_problem
+    (a dead tensor-parallel rank), asked without the engine lock and bounded in time, in a thread of its own
+    (not the control pool, which weight updates may fill: a busy server is not an unhealthy one)."""
+    if not engine_alive(request):
+        return "the engine is gone"
+    check = getattr(request.app.state.engine, "fatal_problem", None)
+    if check is None:
+        return ""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(check), HEALTH_CHECK_TIMEOUT_S) or ""
+    except Exception as e:  # noqa: BLE001 - an engine that cannot answer this is not healthy
+        return f"{type(e).__name__}: {e}"
+
+
 @router.get("/health")
 async def health(request: Request):
-    if not engine_alive(request):
+    problem = await engine_fatal(request)
+    if problem:
+        logger.warning("health: %s", problem)
         return Response(status_code=503)
     return Response(status_code=200)
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
-    """200 once the engine produced a token (or is busy producing others'); 503 otherwise."""
+    """200 once the engine produced a token (or is busy producing others'); 503 otherwise, and for a probe that
+    ended as abort (a step failed: the engine answered, but could not generate)."""
     engine = request.app.state.engine
-    if not engine_alive(request):
+    problem = await engine_fatal(request)
+    if problem:
+        logger.warning("health_generate: %s", problem)
         return Response(status_code=503)
     load = await run_blocking(request, engine.get_server_info)
     if load["num_in_flight"] and not load.get("paused"):
         return Response(status_code=200)
     try:
-        await asyncio.wait_for(engine.async_generate(input_ids=[0], sampling_params={
+        out = await asyncio.wait_for(engine.async_generate(input_ids=[0], sampling_params={
             "max_new_tokens": 1, "temperature": 0.0}), HEALTH_CHECK_TIMEOUT_S)
     except Exception as e:  # timeout, released memory, shut down: unhealthy, with the reason logged
         logger.warning("health_generate failed: %s: %s", type(e).__name__, e)
+        return Response(status_code=503)
+    reason = out["meta_info"]["finish_reason"] or {}
+    if reason.get("type") == "abort":
+        logger.warning("health_generate: the probe ended as abort: %s", reason.get("message"))
         return Response(status_code=503)
     return Response(status_code=200)
 

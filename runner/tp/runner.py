@@ -117,6 +117,16 @@ class TPModelRunner:
     def invalid_weights_message(self) -> str:
         return self.dead_message or self.local.invalid_weights_message()
 
+    def fatal_problem(self) -> str:
+        """Why this runner can never run the model again (a rank died or stopped answering), else "". Cheap and
+        lock-free (a process-liveness check per rank), for health checks between steps and while idle."""
+        if not self.dead_message:
+            for rank, proc in enumerate(self.procs, start=1):
+                if not proc.is_alive():
+                    self._mark_dead(rank, proc)
+                    break
+        return self.dead_message
+
     # ---- the channel ------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self.dead_message:

@@ -247,7 +247,9 @@ def test_control_calls_after_shutdown_refuse_instead_of_claiming_success(tiny_ll
     engine = make_engine(tiny_llama)
     engine.generate(input_ids=[5, 6, 7], sampling_params=dict(max_new_tokens=2))
     version = engine.weight_version
+    assert engine.fatal_problem() == ""
     engine.shutdown()
+    assert engine.fatal_problem() == "the engine was shut down"  # what /health reads
     for name, call in (("pause_generation", engine.pause_generation),
                        ("continue_generation", engine.continue_generation),
                        ("update_weight_version", lambda: engine.update_weight_version("x")),

@@ -310,3 +310,33 @@ def test_stream_dropped_while_paused_is_aborted_before_generation_continues(serv
         finally:
             assert c.post("/continue_generation", json={}).status_code == 200
         assert c.post("/generate", json=GOOD).status_code == 200
+
+
+def test_health_fails_once_a_tensor_parallel_rank_died(tiny_llama):
+    """A tp_size=2 server whose rank 1 was killed answers 503 on /health and /health_generate at once, while idle
+    and without a request having failed first (it stayed 200: only the engine process was checked, and the
+    first probe's abort counted as a token); before the kill both are 200."""
+    with start_server(tiny_llama, engine_kw={"tp_size": 2}) as s, s.client() as c:
+        assert c.get("/health").status_code == 200 and c.get("/health_generate").status_code == 200
+        assert s.engine.fatal_problem() == ""
+        proc = s.engine.runner.procs[0]
+        proc.kill()
+        proc.join(timeout=10)
+        assert c.get("/health").status_code == 503
+        assert c.get("/health_generate").status_code == 503
+        assert "tensor-parallel rank 1 died" in s.engine.fatal_problem()
+
+
+def test_health_generate_fails_when_its_probe_ends_as_abort(server, client, monkeypatch):
+    """/health_generate's probe that comes back aborted (a step failed before anything reported why: the first
+    probe after a tensor-parallel rank died) is a 503, not a token; a probe that finishes is a 200."""
+    real = server.engine.async_generate
+
+    async def aborted(**kw):
+        out = await real(**kw)
+        out["meta_info"]["finish_reason"] = {"type": "abort", "message": "a scheduler step failed"}
+        return out
+
+    assert client.get("/health_generate").status_code == 200
+    monkeypatch.setattr(server.engine, "async_generate", aborted)
+    assert client.get("/health_generate").status_code == 503
