@@ -295,9 +295,18 @@ class EngineGroup:
             if len(values) != len(items):
                 raise ValueError(f"{name} has {len(values)} entries for {len(items)} prompts")
         rid = kwargs.pop("rid", None)
+        if isinstance(rid, str) and rid:  # the Engine's string rule, as the per-prompt list that gives the same ids
+            ns = [_num_samples(sp) for sp in sps]
+            if len(items) == 1:
+                rid = [rid]  # one prompt: rid itself, or rid_j over its n samples
+            elif all(n == 1 for n in ns):
+                rid = [f"{rid}_{i}" for i in range(len(items))]
+            else:
+                raise ValueError("a string rid over several prompts with n > 1 names every sequence rid_i, which an "
+                                 "EngineGroup cannot split between engines: give a list with one id per prompt")
         if rid is not None:
             if not (isinstance(rid, list) and len(rid) == len(items)):
-                raise ValueError("rid on an EngineGroup must be a list with one id per prompt")
+                raise ValueError("rid on an EngineGroup must be a string or a list with one id per prompt")
             dups = sorted(repr(r) for r, k in collections.Counter(rid).items() if k > 1)
             if dups:  # one engine refuses them; split over several, two requests would share an id
                 raise ValueError(f"request id(s) given twice in this call: {', '.join(dups)}")

@@ -143,6 +143,16 @@ def test_per_prompt_arguments_are_split_with_their_prompts(group, ckpt):
         group.generate(input_ids=PROMPTS[:3], sampling_params=GREEDY, rid=["a", "a", "b"])
     with pytest.raises(ValueError, match="same n for every prompt"):
         group.generate(input_ids=PROMPTS[:2], sampling_params=[{**GREEDY, "n": 2}, {**GREEDY, "n": 3}], rid=["a", "b"])
+    # a string rid names requests as one Engine names them (it was refused: "must be a list")
+    with Engine(str(ckpt), **ENGINE_KW) as one:
+        for call in (dict(input_ids=PROMPTS[0], rid="solo"), dict(input_ids=PROMPTS[:3], rid="batch"),
+                     dict(input_ids=PROMPTS[0], rid="nsamp", sampling_params={**GREEDY, "n": 3})):
+            call = {"sampling_params": GREEDY, **call}
+            want, got = one.generate(**call), group.generate(**call)
+            ids = [o["meta_info"]["id"] for o in (want if isinstance(want, list) else [want])]
+            assert ids == [o["meta_info"]["id"] for o in (got if isinstance(got, list) else [got])], call
+    with pytest.raises(ValueError, match="give a list with one id per prompt"):
+        group.generate(input_ids=PROMPTS[:2], sampling_params={**GREEDY, "n": 2}, rid="x")
 
 
 def test_sync_reaches_every_engine(group, trainer, reference):
