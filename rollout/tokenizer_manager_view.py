@@ -23,8 +23,8 @@ from typing import Any
 # GenerateReqInput's fields that Engine.async_generate takes (by these names; `text` becomes `prompt`).
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
                    "token_ids_logprob", "lora_path", "rid", "return_routed_experts", "return_hidden_states",
-                   "image_data", "audio_data", "video_data", "custom_logit_processor", "return_text_in_logprobs",
-                   "return_original_logprob")
+                   "image_data", "audio_data", "video_data", "custom_logit_processor", "return_original_logprob")
+# (return_text_in_logprobs is not passed: in-process outputs carry the text in their final logprob entries)
 
 
 def _fields(obj, names: tuple[str, ...]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from typing import Any, Literal
 
@@ -36,6 +37,7 @@ from rollout.server.tensor_codec import PayloadError, decode_and_update, only_if
 from runner.weights.routes import TooManyValues
 
 router = APIRouter()
+logger = logging.getLogger(__name__)
 
 
 # ---- weights ----------------------------------------------------------------------------------
@@ -81,7 +83,7 @@ async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput, request: R
                              weight_version=obj.weight_version, flush_cache=obj.flush_cache,
                              **only_if_set(online=obj.online, abort_all_requests=obj.abort_all_requests))
     if obj.torch_empty_cache:
-        await run_on_engine(request, empty_device_cache)
+        await _empty_cache_after(request)
     # SGLang always reports how many requests were paused across the update.
     return _result(res if len(res) > 2 else (*res, 0))
 
@@ -103,6 +105,14 @@ def empty_device_cache(engine) -> None:
     driver (run where the engine lives; nothing on the CPU)."""
     if getattr(getattr(engine.runner, "device", None), "type", "cpu") == "cuda":
         torch.cuda.empty_cache()
+
+
+async def _empty_cache_after(request: Request) -> None:
+    """torch_empty_cache after an update: its failure (the engine gone meanwhile) changes nothing the update did."""
+    try:
+        await run_on_engine(request, empty_device_cache)
+    except Exception:  # noqa: BLE001 - the update's own answer stands; the next call meets the engine's state
+        logger.exception("torch_empty_cache after a weight update failed")
 
 
 def _refused(message: str, param: str) -> JSONResponse:
@@ -135,7 +145,7 @@ async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput, reque
     except PayloadError as e:
         return _refused(str(e), "serialized_named_tensors")
     if obj.torch_empty_cache:
-        await run_on_engine(request, empty_device_cache)
+        await _empty_cache_after(request)
     return _result(res)
 
 
@@ -199,7 +209,7 @@ async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqIn
     except Exception as e:
         return engine_error(e)
     if obj.torch_empty_cache:
-        await run_on_engine(request, empty_device_cache)
+        await _empty_cache_after(request)
     return _result(res)
 
 

@@ -101,7 +101,11 @@ def test_generate_request_yields_what_async_generate_returns(engines):
     loop = asyncio.new_event_loop()
     try:
         run = loop.run_until_complete
-        obj = SimpleNamespace(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, stream=False)
+        # SGLang's GenerateReqInput carries every field, most at their defaults
+        obj = SimpleNamespace(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, stream=False, rid=None,
+                              return_text_in_logprobs=False, image_data=None, return_hidden_states=False,
+                              custom_logit_processor=None, lora_path=None, log_metrics=True, top_logprobs_num=None,
+                              logprob_start_len=None, token_ids_logprob=None, modalities=None)
         outs = run(collect(obj))
         assert len(outs) == 1 and outs[0]["output_ids"] == hf_generate(hf, prompt, 8)[0]
         assert len(outs[0]["meta_info"]["output_token_logprobs"]) == 8
