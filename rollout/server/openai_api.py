@@ -148,6 +148,10 @@ async def completions(req: CompletionRequest, request: Request):
         prompts = list(prompt)
     if not prompts:
         return error_response("prompt is empty", 400, param="prompt")
+    empty = next((i for i, p in enumerate(prompts) if isinstance(p, list) and not p), None)
+    if empty is not None:  # (each prompt reaches the engine alone, which would call it an empty batch)
+        return error_response(f"prompt {empty} is empty (a token-id prompt needs at least one token)", 400,
+                              param="prompt")
     bad = check_n(request, len(prompts) * req.n)
     if bad is not None:
         return bad
