@@ -31,7 +31,7 @@ CASES = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 100000}, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "frobnicate": 1}, "frobnicate"),
-    ("/v1/completions", {"model": "tiny", "prompt": [[5, 6], []]}, "prompt 1 is empty"),  # was "empty batch"
+    ("/v1/completions", {"model": "tiny", "prompt": [[]]}, "prompt 0 is empty"),  # was "empty batch"
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "frequency_penalty": 5.0}, "frequency_penalty"),
     ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
