@@ -93,6 +93,16 @@ class EngineActor:
     def ping(self) -> bool:
         return True
 
+    def memory_transition_problem(self, tags, release: bool) -> str | None:
+        """Why release (or resume) of `tags` would be refused on this engine, else None; changes nothing."""
+        what = "release_memory_occupation" if release else "resume_memory_occupation"
+        try:
+            self.engine._require_not_shut_down(what)
+            self.engine.runner.check_memory_transition(tags, release=release)
+        except (RuntimeError, ValueError) as e:
+            return str(e)
+        return None
+
     def weight_version(self) -> str:
         return self.engine.weight_version
 
@@ -584,10 +594,22 @@ class EngineGroup:
 
     # ---- everything else reaches every engine ------------------------------------------------
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Release `tags` on every engine; checked on every engine first, so a release one engine would refuse
+        (those tags released there already) releases nothing anywhere and names that engine."""
+        self._check_memory_transition(tags, release=True)
         self._all("release_memory_occupation", tags)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Resume `tags` on every engine, checked on every engine first as release is."""
+        self._check_memory_transition(tags, release=False)
         self._all("resume_memory_occupation", tags)
+
+    def _check_memory_transition(self, tags, release: bool) -> None:
+        problems = self._all("memory_transition_problem", tags, release)
+        bad = [f"engine {i}: {p}" for i, p in enumerate(problems) if p]
+        if bad:
+            raise RuntimeError(f"{'release' if release else 'resume'}_memory_occupation({tags}) changed nothing on "
+                               f"any engine: " + "; ".join(bad))
 
     def flush_cache(self):
         """FlushCacheReqOutput: success iff every engine flushed."""

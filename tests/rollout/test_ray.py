@@ -173,6 +173,25 @@ def test_sync_reaches_every_engine(group, trainer, reference):
     assert_same(greedy(group), want)
 
 
+def test_group_release_and_resume_are_checked_on_every_engine_first(group, reference):
+    """A release that one engine would refuse (its weights released already) releases nothing on the others and
+    names that engine; so does a resume one engine would refuse; the group then releases and resumes whole and
+    generates as before (it used to leave engine 0 released and engine 1 refusing every later call)."""
+    ray.get(group.handles[1].call.remote("release_memory_occupation", (["weights"],), {}), timeout=60)
+    try:
+        with pytest.raises(RuntimeError, match=r"changed nothing on any engine: engine 1: .*already released"):
+            group.release_memory_occupation()
+        # engine 0 was left resident by the refused release: a resume is refused there, naming it
+        with pytest.raises(RuntimeError, match=r"changed nothing on any engine: engine 0: .*not currently released"):
+            group.resume_memory_occupation(["weights"])
+    finally:
+        ray.get(group.handles[1].call.remote("resume_memory_occupation", (["weights"],), {}), timeout=60)
+    assert_same(greedy(group), reference)  # engine 0 was never released: it still generates
+    group.release_memory_occupation()
+    group.resume_memory_occupation()
+    assert_same(greedy(group), reference)
+
+
 def test_update_refused_by_one_engine_leaves_all_on_old_version(group, ckpt, trainer):
     """One engine cannot take the update (its weights are released): no engine changes; versions and outputs stay old."""
     ok, msg, _ = group.update_weights_from_disk(str(ckpt), weight_version="base")
