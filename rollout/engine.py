@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import os
 import random
@@ -154,7 +153,6 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         self._posted_aborts: deque[tuple[list[Req], str]] = deque()  # aborts that nobody waits for
         self._load = {"num_running": 0, "num_waiting": 0, "num_used_tokens": 0}
         self._lora_unloading: set[int] = set()  # LoRA adapter uids waiting for their requests to unload
-        self._lora_clock, self._lora_last_use = itertools.count(), {}  # LRU order of LoRA evictions (lora_api.py)
         # start_profile / stop_profile: driven by the scheduler thread, run where the forwards run.
         overlap = self.scheduler.overlap
         self._profiler = StepProfiler(None if overlap is None else lambda fn: overlap.worker.submit(fn).result(),

@@ -13,15 +13,14 @@ unload is refused instead, naming how many requests hold it. The adapter's prefi
 freed with it. Return values are SGLang's LoRAUpdateOutput: success, error_message, loaded_adapters
 (name -> path, "__tensor__" for tensor loads).
 
-With `max_loaded_loras` given and every slot taken, a load first unloads the least recently used unpinned
-adapter (last loaded or named by a request), as SGLang evicts; the new adapter is checked before, so a
-refused one evicts nothing.
+With every slot taken (`max_loaded_loras`), a load is refused, as SGLang refuses it ("Maximum number of loaded
+LoRA adapters is N. Please unload some LoRA adapters before loading new ones."): nothing is evicted behind the
+caller's back, so a request naming an adapter it loaded never finds it gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import threading
@@ -44,7 +43,6 @@ class LoRAUpdateOutput:
 class LoRAAPI:
     _lora_unloading: set  # uids being unloaded (set in Engine.__init__)
     _reqs_lock: threading.Lock  # guards _reqs and _lora_unloading against submit (Engine.__init__)
-    _lora_clock: itertools.count  # with _lora_last_use (name -> tick of its last load or request): the LRU order
 
     def _loaded(self) -> dict[str, str]:
         return {name: a["path"] for name, a in self.runner.lora_adapters().items()}
@@ -59,45 +57,14 @@ class LoRAAPI:
             self._cv.notify_all()
             return LoRAUpdateOutput(True, None, self._loaded())
 
-    def _used_lora(self, name: str) -> None:
-        """Mark adapter `name` as just used (loaded, or named by a request): the LRU order of evictions."""
-        self._lora_last_use[name] = next(self._lora_clock)
-
-    def _make_room(self, what: str, limit: int) -> LoRAUpdateOutput | None:
-        """SGLang's eviction at max_loaded_loras: while every slot is taken, unload the least recently used
-        unpinned adapter (waiting for its requests, as an unload does). -> a failure, or None."""
-        last_use = self._lora_last_use
-        while len(loaded := self.runner.lora_adapters()) >= limit:
-            unpinned = [n for n, a in loaded.items() if not a["pinned"]]  # load order: ties go to the oldest
-            if not unpinned:
-                return LoRAUpdateOutput(False, f"{what} failed: max_loaded_loras={limit} adapters are loaded, every "
-                                               f"one pinned: none can be evicted; unload one first", self._loaded())
-            victim = min(unpinned, key=lambda n: last_use.get(n, -1))
-            logger.info("%s: evicting the least recently used LoRA adapter %r (max_loaded_loras=%d)", what, victim,
-                        limit)
-            res = self.unload_lora_adapter(victim)
-            if not res.success:
-                return LoRAUpdateOutput(False, f"{what} failed: evicting the least recently used adapter {victim!r}: "
-                                               f"{res.error_message}", res.loaded_adapters)
-        return None
-
     def _load_lora(self, what: str, lora_name: str, stage) -> LoRAUpdateOutput:
-        """`stage(need_slot)` checks the adapter and builds its host buffers once; with max_loaded_loras given a
-        full engine then evicts (`_make_room`) instead of refusing, and only after the checks passed, so a
-        refused adapter evicts nothing; the staged adapter is then written (every rank, on tensor parallelism)."""
-        limit = getattr(self.args, "max_loaded_loras", None)
+        """`stage(need_slot)` checks the adapter (a free slot included) and builds its host buffers once; the staged
+        adapter is then written (every rank, on tensor parallelism)."""
         staged = []
-        failed = self._lora_result(what, lambda: staged.append(stage(limit is None)))
+        failed = self._lora_result(what, lambda: staged.append(stage(True)))
         if not failed.success:
             return failed
-        if limit is not None:
-            failed = self._make_room(what, limit)
-            if failed is not None:
-                return failed
-        res = self._lora_result(what, lambda: self.runner.load_staged_lora_adapter(staged[0]))
-        if res.success:
-            self._used_lora(lora_name)
-        return res
+        return self._lora_result(what, lambda: self.runner.load_staged_lora_adapter(staged[0]))
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAUpdateOutput:
         """Load the PEFT adapter in directory `lora_path` as `lora_name` (SGLang's signature)."""
@@ -151,10 +118,7 @@ class LoRAAPI:
                 time.sleep(0.02)
             with self._cv:  # a step boundary; nothing can bind uid any more, and its last users are gone
                 self.scheduler.kv.drop_lora_cache(uid)
-                res = self._lora_result(what, lambda: self.runner.unload_lora_adapter(lora_name))
-                if res.success:  # forget its use: a run loading a new name each step would grow the map
-                    self._lora_last_use.pop(lora_name, None)
-                return res
+                return self._lora_result(what, lambda: self.runner.unload_lora_adapter(lora_name))
         finally:
             with self._reqs_lock:
                 self._lora_unloading.discard(uid)
@@ -197,4 +161,3 @@ class LoRAAPI:
         for r in reqs:
             if r.lora_name is not None:
                 r.lora_id = loaded[r.lora_name]["uid"]
-                self._used_lora(r.lora_name)

@@ -149,7 +149,7 @@ class LoRAManager:
               config_dict: dict | None = None, pinned: bool = False, need_slot: bool = True) -> StagedAdapter:
         """Check a load from a PEFT directory (`path`) or from (`tensors`, `config_dict`) and build its host
         buffers; ValueError/RuntimeError naming the problem. Writes nothing: `commit` does. need_slot=False
-        skips the free-slot check (the Engine checks an adapter before evicting one to make room)."""
+        skips the free-slot check (for a caller that makes room itself; the Engine never does)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
         # A name is echoed in every "loaded: [...]" message, log line and metric label, and is an OpenAI `model`.
@@ -159,9 +159,11 @@ class LoRAManager:
                              + (f"... ({len(name)} characters)" if len(name) > 80 else ""))
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first (or use a new name)")
-        if need_slot and not self.free_slots:
-            raise ValueError(f"max_loaded_loras={self.num_slots} adapters are loaded ({sorted(self.adapters)}); "
-                             f"unload one first")
+        if need_slot and not self.free_slots:  # SGLang's refusal, in its words (its tests read them)
+            raise ValueError(f"Cannot load LoRA adapter {name!r}" + (f" at path {path}" if path else "")
+                             + f". Maximum number of loaded LoRA adapters is {self.num_slots} (max_loaded_loras; "
+                             f"loaded: {sorted(self.adapters)}). Please unload some LoRA adapters before loading "
+                             f"new ones.")
         if not self.runner.memory_saver.is_resident("weights"):
             raise RuntimeError("weights are released: call resume_memory_occupation(['weights']) before loading "
                                "a LoRA adapter")
