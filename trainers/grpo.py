@@ -30,6 +30,7 @@ from trainers.deterministic import RunnerPolicy, deterministic_sequence_logprobs
 from trainers.engines import engine_bytes, make_engine
 from trainers.lora import LoRAVersions, wrap_lora
 from trainers.losses import kl_k3, logprob_mismatch, masked_mean, policy_loss
+from trainers.master_weights import MasterWeights
 from trainers.metrics import MetricsLogger
 from trainers.policy import TrainerMemory, checkpoint_named_tensors, load_policy, policy_logprobs
 from trainers.rollouts import collect_experience, eval_prompts, greedy_accuracy
@@ -67,9 +68,11 @@ class GRPOTrainer:
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.param_groups(), lr=cfg.lr, betas=(0.9, 0.99),
+        # bf16 policy: the optimizer steps fp32 masters (trainers/master_weights.py); fp32: its own parameters
+        self.masters = MasterWeights(self.param_groups())
+        self.optimizer = torch.optim.AdamW(self.masters.groups, lr=cfg.lr, betas=(0.9, 0.99),
                                            weight_decay=cfg.weight_decay)
-        self.memory = TrainerMemory(self.policy, self.optimizer, cfg.device, cfg.offload_trainer)
+        self.memory = TrainerMemory(self.policy, self.optimizer, cfg.device, cfg.offload_trainer, self.masters)
         self.memory.to_rollout_phase()
         self.eval_set = eval_prompts(self.task)
         self.logger = MetricsLogger(cfg.output_dir, asdict(cfg), not cfg.no_wandb, cfg.wandb_project)
@@ -198,8 +201,10 @@ class GRPOTrainer:
             loss, metrics = self.policy_loss_terms(exp)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(list(self.trainable_parameters()), 1.0)
+            self.masters.grads_to_masters()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.trainable(), 1.0)
             self.optimizer.step()
+            self.masters.masters_to_model()
             out = {"loss": float(loss.detach()), "grad_norm": float(grad_norm), **{k: float(v) for k, v in metrics.items()}}
         return out
 

@@ -107,21 +107,29 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.d
 class TrainerMemory:
     """Puts the trainer's state where the current phase wants it."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: str, offload: bool) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: str, offload: bool,
+                 masters=None) -> None:
         self.model, self.optimizer, self.device, self.offload = model, optimizer, torch.device(device), offload
+        self.masters = masters  # trainers/master_weights.py: fp32 copies the optimizer steps, moved with its state
 
     def to_rollout_phase(self) -> None:
         """Free gradients; with offload, park optimizer state and parameters in host memory."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.offload and self.device.type != "cpu":
             move_optimizer_state(self.optimizer, "cpu")
+            if self.masters is not None:
+                self.masters.to("cpu")
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
     def to_train_phase(self) -> None:
         if self.offload and self.device.type != "cpu":
             self.model.to(self.device)
+            if self.masters is not None:
+                self.masters.to(self.device)
             move_optimizer_state(self.optimizer, self.device)
 
     def bytes_held(self) -> int:
-        return trainer_bytes(self.model, self.optimizer, self.device.type)
+        on_device = self.masters is not None and self.masters.pairs and \
+            self.masters.pairs[0][1].device.type == self.device.type
+        return trainer_bytes(self.model, self.optimizer, self.device.type) + (self.masters.bytes() if on_device else 0)

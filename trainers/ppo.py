@@ -80,8 +80,10 @@ class PPOTrainer(GRPOTrainer):
                 metrics["kl_ref"] = kl.detach()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), 1.0)
+            self.masters.grads_to_masters()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.masters.trainable(), 1.0)
             self.optimizer.step()
+            self.masters.masters_to_model()
             out = {"loss": float(loss.detach()), "value_loss": float(vl.detach()), "grad_norm": float(grad_norm),
                    **{k: float(v) for k, v in {**metrics, **vmetrics}.items()}}
         return out
