@@ -185,3 +185,20 @@ def test_ppo_applies_kl_coef(ckpt_factory, tmp_path):
     assert "kl_ref" not in metrics[0.0]
     assert metrics[5.0]["kl_ref"] > 0 and math.isfinite(metrics[5.0]["kl_ref"])
     assert metrics[5.0]["loss"] != metrics[0.0]["loss"]
+
+
+def test_grpo_in_bfloat16_learns_the_demo_task(tmp_path):
+    """--dtype bfloat16 on the demo checkpoint: 20 GRPO steps at the default learning rate reach a greedy eval of
+    >= 0.9 and a mean reward >= 0.8, as in fp32 (fp32 master weights; stepping bf16 parameters directly stalled at
+    an eval of ~0.3: most updates rounded away)."""
+    cfg = RLConfig(model=str(REPO / "assets" / "demo-model"), steps=20, eval_every=20, no_wandb=True,
+                   output_dir=str(tmp_path), dtype="bfloat16", seed=0)
+    trainer = GRPOTrainer(cfg)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    evals = [h["eval_accuracy"] for h in history if "eval_accuracy" in h]
+    assert evals and evals[-1] >= 0.9, evals
+    assert history[-1]["reward_mean"] >= 0.8, history[-1]["reward_mean"]
+    assert next(trainer.policy.parameters()).dtype == torch.bfloat16  # the policy itself stays bf16
