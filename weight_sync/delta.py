@@ -43,7 +43,7 @@ from weight_sync.delta_codec import (
     tensor_hash,
 )
 from weight_sync.lora import is_peft_model
-from weight_sync.sync import DEFAULT_BUCKET_BYTES, sync_weights
+from weight_sync.sync import DEFAULT_BUCKET_BYTES, part_version, sync_weights
 
 
 class DeltaSync:
@@ -235,9 +235,10 @@ def send_deltas(target, updates: list[DeltaUpdate], weight_version: str | None =
         if not target:
             raise ValueError("DeltaSync: empty list of targets")
         for k, update in enumerate(updates):
+            version = part_version(weight_version, k, k == len(updates) - 1)
             for i, engine in enumerate(target):
                 ok, msg = engine.update_weights_from_tensor(update, load_format="delta", flush_cache=True,
-                                                            weight_version=weight_version)[:2]
+                                                            weight_version=version)[:2]
                 if not ok:
                     done = [f"parts 0-{k - 1} were applied"] if k else []
                     done += [f"part {k} was applied by engines 0-{i - 1}"] if i else []
@@ -251,7 +252,8 @@ def send_deltas(target, updates: list[DeltaUpdate], weight_version: str | None =
                         f"nor sync_delta")
     for k, update in enumerate(updates):
         ok, msg = target.update_weights_from_tensor(update, load_format="delta", flush_cache=True,
-                                                    weight_version=weight_version)[:2]
+                                                    weight_version=part_version(weight_version, k,
+                                                                                k == len(updates) - 1))[:2]
         if not ok:
             if len(updates) == 1:
                 return False, msg, k

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,15 +68,36 @@ def sync_weights(source: Source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     _check_names(source, name_map)
     num_buckets, num_tensors = 0, 0
     with torch.no_grad():
-        for bucket in iter_buckets(source, bucket_bytes=bucket_bytes, name_map=name_map):
+        for bucket, last in _with_last(iter_buckets(source, bucket_bytes=bucket_bytes, name_map=name_map)):
             ok, msg = target.update_weights_from_tensor(bucket.to_dict(), load_format="flattened_bucket",
-                                                        flush_cache=True, weight_version=weight_version)
+                                                        flush_cache=True,
+                                                        weight_version=part_version(weight_version, num_buckets, last))
             if not ok:
                 return False, f"bucket {num_buckets} ({len(bucket)} tensors): {msg}" + _partial(num_buckets,
                                                                                                num_tensors)
             num_buckets += 1
             num_tensors += len(bucket)
     return True, f"synced {num_tensors} tensors in {num_buckets} bucket(s)"
+
+
+def part_version(weight_version: str | None, k: int, last: bool) -> str | None:
+    """The label part k of a many-part update gives the engine: `weight_version` on the last part only, before it
+    `<weight_version>-partial-<k>`. An update refused midway (no rollback into one engine) then never leaves the
+    engine, and every output after it, labelled with a version whose weights it does not hold."""
+    return weight_version if weight_version is None or last else f"{weight_version}-partial-{k}"
+
+
+def _with_last(items: Iterator) -> Iterator[tuple[Any, bool]]:
+    """(item, whether it is the last) for a lazy iterator: one item read ahead (a bucket: one more alive at once)."""
+    it = iter(items)
+    current = next(it, _END)
+    while current is not _END:
+        following = next(it, _END)
+        yield current, following is _END
+        current = following
+
+
+_END = object()
 
 
 def _peek_empty(source: Source, name_map) -> tuple[Source, bool]:
@@ -120,11 +142,12 @@ def _sync_many(source: Source, targets: list, bucket_bytes: int, name_map, weigh
     _check_names(source, name_map)
     num_buckets, num_tensors = 0, 0
     with torch.no_grad():
-        for bucket in iter_buckets(source, bucket_bytes=bucket_bytes, name_map=name_map):
+        for bucket, last in _with_last(iter_buckets(source, bucket_bytes=bucket_bytes, name_map=name_map)):
             payload = bucket.to_dict()
+            version = part_version(weight_version, num_buckets, last)
             for i, target in enumerate(targets):
                 ok, msg = target.update_weights_from_tensor(payload, load_format="flattened_bucket",
-                                                            flush_cache=True, weight_version=weight_version)
+                                                            flush_cache=True, weight_version=version)
                 if not ok:
                     return False, (f"engine {i} refused bucket {num_buckets} ({len(bucket)} tensors): {msg}; "
                                    f"engines 0..{i - 1} already hold it")

@@ -199,10 +199,12 @@ def test_a_later_part_refused_says_the_earlier_ones_landed(engines, tiny_llama):
     ds = DeltaSync(target, dtype=torch.bfloat16, bucket_bytes=1 << 12)
     assert ds.sync(trainer.model)[0] and ds.last["mode"] == "full"
     trainer.step()
-    ok, msg = ds.sync(trainer.model)
+    ok, msg = ds.sync(trainer.model, weight_version="d2")
     assert not ok and "delta part 1 of" in msg and "parts 0-0 were applied" in msg, msg
-    ok, msg = ds.sync(trainer.model)
+    assert engine.weight_version == "d2-partial-0"  # part 0 landed; "d2" itself was never reached
+    ok, msg = ds.sync(trainer.model, weight_version="d3")
     assert ok and ds.last["mode"] == "full", msg
+    assert engine.weight_version == "d3"
     assert_equals_full_update(engine, ref, trainer)
 
 

@@ -158,10 +158,13 @@ def test_a_name_collision_is_refused_before_any_bucket_and_a_late_failure_names_
         assert engine.get_weights_checksum()["checksum"] == before and engine.weight_version == version
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         state[last] = torch.full_like(state[last], float("nan"))
-        ok, msg = sync_weights(state, engine, bucket_bytes=SMALL_BUCKET)
+        ok, msg = sync_weights(state, engine, bucket_bytes=SMALL_BUCKET, weight_version="step-9")
         assert not ok and last in msg and "were applied before it" in msg, msg
-        ok, msg = sync_weights(model, engine, bucket_bytes=SMALL_BUCKET)  # a complete sync: the new weights
+        # the version it did not reach is not claimed: the label says a part of it landed
+        assert engine.weight_version.startswith("step-9-partial-") and engine.weight_version != "step-9"
+        ok, msg = sync_weights(model, engine, bucket_bytes=SMALL_BUCKET, weight_version="step-10")
         assert ok, msg
+        assert engine.weight_version == "step-10"  # a complete sync: the new weights, under its version
         assert_same(outputs(engine), want)
 
 
