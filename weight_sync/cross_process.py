@@ -203,6 +203,11 @@ class RemoteEngine:
             raise AttributeError(method)
         return lambda *args, **kwargs: self.call(method, *args, **kwargs)
 
+    @property
+    def weight_version(self) -> str:
+        """The child Engine's `weight_version` (read through get_model_info: one round trip)."""
+        return self.call("get_model_info")["weight_version"]
+
     def generate(self, *args, stream: bool = False, **kwargs):
         if stream:
             raise ValueError("RemoteEngine.generate(stream=True) is not supported: a stream cannot cross the "

@@ -23,7 +23,7 @@ ALLOWED_METHODS = frozenset({
     "generate", "update_weights_from_tensor", "update_weights_from_disk", "release_memory_occupation",
     "resume_memory_occupation", "flush_cache", "get_server_info", "pause_generation", "continue_generation",
     "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
-    "get_weights_by_name", "get_weights_checksum",
+    "get_weights_by_name", "get_weights_checksum", "update_weight_version", "get_model_info",
     # adapter-only sync (weight_sync/lora.py): the tensors travel as a shared-memory bucket
     "load_lora_adapter_from_tensors", "load_lora_adapter", "unload_lora_adapter",
 })

@@ -253,10 +253,12 @@ def test_cross_process_sync_equals_fresh_engine(remote, trainer):
     model_a, want_a = trainer(11)
     model_b, want_b = trainer(12)
     assert differ(want_a, want_b)
-    for model, want in [(model_a, want_a), (model_b, want_b)]:
-        ok, msg = sync_weights(model, remote, bucket_bytes=SMALL_BUCKET)
+    for i, (model, want) in enumerate([(model_a, want_a), (model_b, want_b)]):
+        ok, msg = sync_weights(model, remote, bucket_bytes=SMALL_BUCKET, weight_version=f"x{i}")
         assert ok, msg
         assert_same(outputs(remote), want)
+        assert remote.weight_version == f"x{i}"  # the child's version, as an Engine's attribute reads
+    assert remote.update_weight_version("relabelled")[0] and remote.weight_version == "relabelled"
 
 
 def test_malformed_descriptor_is_refused_and_old_weights_kept(remote, trainer):
