@@ -250,7 +250,13 @@ class GRPOTrainer:
 
 def run_cli(trainer_cls, argv=None, description: str = "", **defaults) -> None:
     cfg = trainer_cls.config_cls.from_cli(argv, description=description, **defaults)
-    trainer = trainer_cls(cfg)
+    try:
+        trainer = trainer_cls(cfg)
+    except (ValueError, RuntimeError, OSError) as e:  # an option the engine or the machine refuses: one line, as
+        # the config's own checks answer (no CUDA for --device cuda, a --tp-size that does not divide the heads,
+        # an --output-dir that cannot be made, --routing-replay on a dense model)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         trainer.train()
     finally:

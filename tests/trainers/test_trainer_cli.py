@@ -115,3 +115,22 @@ def test_zero_mismatch_is_named_on_the_log_plot(tmp_path):
     path = logger.plot()
     logger.close()
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--tp-size", "3"], "tp_size=3 does not divide num_attention_heads"),
+    (["--device", "cuda"], "CUDA is not available"),
+])
+def test_an_option_the_engine_refuses_is_one_line_not_a_traceback(ckpt_factory, tmp_path, capsys, argv, needle):
+    """A flag the config accepts but the engine or machine refuses (run_cli builds the trainer) ends the CLI with
+    exit status 2 and one `error: ...` line naming it, as the config's own checks do (it was a traceback)."""
+    from trainers.grpo import run_cli
+
+    base = ["--model", str(ckpt_factory("llama")), "--no-wandb", "--no-progress", "--steps", "1",
+            "--output-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(GRPOTrainer, base + argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: ") and needle in err[-1], err
+    assert not any("Traceback" in line for line in err)
