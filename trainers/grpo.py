@@ -33,7 +33,7 @@ from trainers.losses import kl_k3, logprob_mismatch, masked_mean, policy_loss
 from trainers.master_weights import MasterWeights
 from trainers.metrics import MetricsLogger
 from trainers.policy import TrainerMemory, checkpoint_named_tensors, load_policy, policy_logprobs
-from trainers.rollouts import collect_experience, eval_prompts, greedy_accuracy
+from trainers.rollouts import collect_experience, eval_prompts, greedy_accuracy, tokenize_prompts
 from trainers.routing_replay import find_routers, num_decoder_layers
 from trainers.tasks import get_task
 from weight_sync import DeltaSync, sync_weights
@@ -54,6 +54,7 @@ class GRPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
+        check_prompts_fit(cfg, self.task, self.tokenizer)  # before any engine is started
         self.engine = make_engine(cfg)
         # --delta-sync: a full sync first, then exact sparse deltas against the last synced cast
         self.delta = DeltaSync(self.engine, bucket_bytes=cfg.bucket_mb << 20, full_sync_every=cfg.full_sync_every) \
@@ -246,6 +247,21 @@ class GRPOTrainer:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def check_prompts_fit(cfg: RLConfig, task, tokenizer) -> None:
+    """ValueError naming --task when the task's prompts (its eval set) leave no room for a new token in the
+    model's context (max_position_embeddings), which the engine would refuse at the first rollout or eval."""
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(cfg.model), "max_position_embeddings", None)
+    if not context:
+        return
+    longest = max((len(ids) for ids in tokenize_prompts(tokenizer, eval_prompts(task))), default=0)
+    if longest >= context:
+        raise ValueError(f"--task {cfg.task}: its prompts run to {longest} tokens, and {cfg.model}'s context holds "
+                         f"{context} (max_position_embeddings), leaving no room for a new token: pick a model with a "
+                         f"longer context or another --task")
 
 
 def run_cli(trainer_cls, argv=None, description: str = "", **defaults) -> None:

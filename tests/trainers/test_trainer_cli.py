@@ -134,3 +134,21 @@ def test_an_option_the_engine_refuses_is_one_line_not_a_traceback(ckpt_factory, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: ") and needle in err[-1], err
     assert not any("Traceback" in line for line in err)
+
+
+def test_a_task_whose_prompts_outgrow_the_context_is_refused_before_any_engine(tmp_path, capsys, monkeypatch):
+    """--task math on the demo model (a 128-token context, prompts of ~150 tokens): one `error:` line naming --task
+    and both lengths, before an engine is built (it failed at the first eval, after start-up)."""
+    from pathlib import Path
+
+    import trainers.grpo as grpo_module
+
+    built = []
+    monkeypatch.setattr(grpo_module, "make_engine", lambda cfg: built.append(cfg))
+    demo = Path(__file__).resolve().parents[2] / "assets" / "demo-model"
+    with pytest.raises(SystemExit) as exit_info:
+        grpo_module.run_cli(GRPOTrainer, ["--model", str(demo), "--task", "math", "--no-wandb", "--no-progress",
+                                          "--output-dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and not built
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "--task math" in err and "context holds 128" in err, err
