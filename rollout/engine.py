@@ -100,8 +100,8 @@ def _ids_lists(input_ids) -> tuple[list[list[int]] | None, bool]:
 def _plain_ints(x):
     """numpy / torch integer arrays and scalars (verl's prompt_token_ids) as Python ints, nested lists kept;
     anything else (floats, bools, strings) left as it is, for the check to refuse."""
-    if isinstance(x, list | tuple):
-        return [_plain_ints(v) for v in x] if isinstance(x, list) else x
+    if isinstance(x, list):
+        return [_plain_ints(v) for v in x]
     dtype = getattr(x, "dtype", None)
     if dtype is None or not hasattr(x, "tolist"):
         return x

@@ -57,30 +57,21 @@ class LoRAAPI:
             self._cv.notify_all()
             return LoRAUpdateOutput(True, None, self._loaded())
 
-    def _load_lora(self, what: str, lora_name: str, stage) -> LoRAUpdateOutput:
-        """`stage(need_slot)` checks the adapter (a free slot included) and builds its host buffers once; the staged
-        adapter is then written (every rank, on tensor parallelism)."""
-        staged = []
-        failed = self._lora_result(what, lambda: staged.append(stage(True)))
-        if not failed.success:
-            return failed
-        return self._lora_result(what, lambda: self.runner.load_staged_lora_adapter(staged[0]))
-
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAUpdateOutput:
         """Load the PEFT adapter in directory `lora_path` as `lora_name` (SGLang's signature)."""
         if not isinstance(lora_path, str | os.PathLike):  # str(None) would be a directory named "None"
             return LoRAUpdateOutput(False, f"load_lora_adapter({lora_name!r}) failed: lora_path must be a directory "
                                            f"path, got {type(lora_path).__name__}", self._loaded())
-        return self._load_lora(f"load_lora_adapter({lora_name!r})", lora_name, lambda need_slot: (
-            self.runner.stage_lora_adapter(lora_name, str(lora_path), pinned=pinned, need_slot=need_slot)))
+        # The runner checks everything (a free slot included) before it writes a byte (every rank, on TP).
+        return self._lora_result(f"load_lora_adapter({lora_name!r})", lambda: (
+            self.runner.load_lora_adapter(lora_name, str(lora_path), pinned=pinned)))
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict, load_format: str | None = None,
                                        pinned: bool = False) -> LoRAUpdateOutput:
         """Load an adapter from PEFT-named tensors (a dict or pairs; load_format="flattened_bucket": weight_sync
         buckets) and its adapter_config dict."""
-        return self._load_lora(f"load_lora_adapter_from_tensors({lora_name!r})", lora_name, lambda need_slot: (
-            self.runner.stage_lora_adapter(lora_name, None, tensors, config_dict, load_format, pinned,
-                                           need_slot=need_slot)))
+        return self._lora_result(f"load_lora_adapter_from_tensors({lora_name!r})", lambda: (
+            self.runner.load_lora_adapter(lora_name, None, tensors, config_dict, load_format, pinned)))
 
     def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> LoRAUpdateOutput:
         """Unload `lora_name`, after the requests in flight on it finish (refused while paused with such

@@ -138,12 +138,10 @@ def _entries_per_position(cache: dict | None, key: str, src: list, one, whole, n
     each position's entry is a list, copied so a caller's change to a chunk never reaches the next one."""
     if cache is None:
         return whole()
-    built, last = cache.get(key, ((), None))
+    built, last = cache.get(key, ([], None))
     k = len(built)
     if not (k <= len(src) and (k == 0 or src[k - 1] is last)):
         built, k = [], 0
-    elif not isinstance(built, list):
-        built = []
     built.extend(one(i, src[i]) for i in range(k, len(src)))
     cache[key] = (built, src[-1] if src else None)
     return [list(e) for e in built] if nested else list(built)

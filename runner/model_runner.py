@@ -434,13 +434,8 @@ class ModelRunner:
         staged = self.stage_lora_adapter(lora_name, lora_path, tensors, config_dict, load_format, pinned)
         return self.commit_lora_adapter(staged, uid)
 
-    def load_staged_lora_adapter(self, staged) -> int:
-        """Write an adapter `stage_lora_adapter` checked (re-checked for what changed since): its uid."""
-        return self.commit_lora_adapter(staged)
-
     def stage_lora_adapter(self, lora_name: str, lora_path: str | None = None, tensors=None,
-                           config_dict: dict | None = None, load_format: str | None = None, pinned: bool = False,
-                           need_slot: bool = True):
+                           config_dict: dict | None = None, load_format: str | None = None, pinned: bool = False):
         """Every check of a load and its host buffers (runner/lora/manager.py StagedAdapter); writes nothing."""
         manager = self._require_lora()
         if tensors is not None:
@@ -452,7 +447,7 @@ class ModelRunner:
             tensors = dict(pairs)
         elif lora_path is None:
             raise ValueError("load_lora_adapter needs lora_path or tensors")
-        return manager.stage(lora_name, lora_path, tensors, config_dict, pinned, need_slot)
+        return manager.stage(lora_name, lora_path, tensors, config_dict, pinned)
 
     def commit_lora_adapter(self, staged, uid: int | None = None) -> int:
         manager = self._require_lora()

@@ -146,10 +146,9 @@ class LoRAManager:
         return adapter.uid
 
     def stage(self, name: str, path: str | None = None, tensors: dict | None = None,
-              config_dict: dict | None = None, pinned: bool = False, need_slot: bool = True) -> StagedAdapter:
+              config_dict: dict | None = None, pinned: bool = False) -> StagedAdapter:
         """Check a load from a PEFT directory (`path`) or from (`tensors`, `config_dict`) and build its host
-        buffers; ValueError/RuntimeError naming the problem. Writes nothing: `commit` does. need_slot=False
-        skips the free-slot check (for a caller that makes room itself; the Engine never does)."""
+        buffers; ValueError/RuntimeError naming the problem. Writes nothing: `commit` does."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
         # A name is echoed in every "loaded: [...]" message, log line and metric label, and is an OpenAI `model`.
@@ -159,7 +158,7 @@ class LoRAManager:
                              + (f"... ({len(name)} characters)" if len(name) > 80 else ""))
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first (or use a new name)")
-        if need_slot and not self.free_slots:  # SGLang's refusal, in its words (its tests read them)
+        if not self.free_slots:  # SGLang's refusal, in its words (its tests read them)
             raise ValueError(f"Cannot load LoRA adapter {name!r}" + (f" at path {path}" if path else "")
                              + f". Maximum number of loaded LoRA adapters is {self.num_slots} (max_loaded_loras; "
                              f"loaded: {sorted(self.adapters)}). Please unload some LoRA adapters before loading "

@@ -129,12 +129,7 @@ class TPModelRunner:
 
     # ---- the channel ------------------------------------------------------------------------
     def _check_alive(self) -> None:
-        if self.dead_message:
-            raise RuntimeError(self.dead_message)
-        for rank, proc in enumerate(self.procs, start=1):
-            if not proc.is_alive():
-                self._mark_dead(rank, proc)
-        if self.dead_message:
+        if self.fatal_problem():
             raise RuntimeError(self.dead_message)
 
     def _mark_dead(self, rank: int, proc) -> None:
@@ -324,11 +319,7 @@ class TPModelRunner:
         """ModelRunner's, on every rank: rank 0 checks first (a refusal sends nothing), then sends the adapter's
         tensors (read once, here) and its uid; each rank re-checks and stages its own A/B slices, and all
         commit or none does."""
-        return self.load_staged_lora_adapter(
-            self.local.stage_lora_adapter(lora_name, lora_path, tensors, config_dict, load_format, pinned))
-
-    def load_staged_lora_adapter(self, staged) -> int:
-        """ModelRunner's, on every rank, for an adapter rank 0 staged (stage_lora_adapter is rank 0's)."""
+        staged = self.local.stage_lora_adapter(lora_name, lora_path, tensors, config_dict, load_format, pinned)
         return self._load_staged_lora(staged, new_uid(), list(staged.tensors.items()))
 
     def _load_staged_lora(self, staged, uid: int, named: list[tuple[str, torch.Tensor]]) -> int:
