@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=5, help="timed on/off pairs")
+    p.add_argument("--num-continuous-decode-steps", type=int, default=1,
+                   help="the plain (off) engine's decode blocks (rollout/scheduler.py; the overlap schedule ignores "
+                        "it): 1 compares the overlap with single steps, more with the plain schedule's blocks")
     p.add_argument("--cuda-graph-bs", type=int, nargs="*", default=None, help="capture (compile) the CPU "
                    "decode step at these batch sizes, on both engines (runner/graphs/cpu_graph_runner.py)")
     p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in seconds for "
@@ -76,9 +79,11 @@ def _run(args, model_dir: Path) -> dict:
                   show_progress=False, cuda_graph_bs=args.cuda_graph_bs, cpu_pin_overlap_threads=not args.no_pin)
     sp = dict(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True, n=args.n, seed=1)
     engines = {"on": Engine(str(model_dir), disable_overlap_schedule=False, **kwargs),
-               "off": Engine(str(model_dir), disable_overlap_schedule=True, **kwargs)}
+               "off": Engine(str(model_dir), disable_overlap_schedule=True,
+                             num_continuous_decode_steps=args.num_continuous_decode_steps, **kwargs)}
     busy = {mode: _time_decode_forwards(e) for mode, e in engines.items()}
     print(f"workload: preset={args.preset} dtype={args.dtype} batch={args.batch} n={args.n} "
+          f"off_decode_steps={args.num_continuous_decode_steps} "
           f"prompt_len={args.prompt_len} output_len={args.output_len} torch_threads={torch.get_num_threads()} "
           f"cpus={os.cpu_count()} switch_interval={sys.getswitchinterval()}", flush=True)
     print(machine.line(), flush=True)

@@ -14,8 +14,9 @@ request's successor was on its way), and the CPU seconds the run cost the client
 share; on a shared machine the split says which side pays for the HTTP overhead). Then it runs the identical workload through `Engine.async_generate(stream=True)`
 in this process and prints the HTTP overhead as the ratio of the two throughputs: `--repeat` pairs of
 (server, Engine) runs back to back, both kept up throughout, and the median of the pairs' ratios. The last line also says which schedule each side
-ran (`schedule`: "overlap" if any decode step was launched ahead); `--engine-args` with
-`--disable-overlap-schedule` (or `--no-disable-overlap-schedule`) sets both. Every wait is bounded.
+ran (`schedule`: "overlap" if any decode step was launched ahead, "plain, decode blocks" if decode steps ran in
+blocks, the CPU default); `--engine-args` with `--disable-overlap-schedule` (or `--no-disable-overlap-schedule`)
+or `--num-continuous-decode-steps N` sets both. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -92,9 +93,12 @@ def tree_cpu_s(pid: int) -> tuple[float | None, float | None]:
 
 
 def step_counts(before: dict, after: dict) -> dict:
-    """Prefill and decode steps between two get_server_info replies: how the requests were batched."""
-    return {k.removeprefix("num_").removesuffix("_steps"): after.get(k, 0) - before.get(k, 0)
-            for k in ("num_prefill_steps", "num_decode_steps")}
+    """Prefill and decode steps (and the decode blocks that ran them, rollout/scheduler.py) between two
+    get_server_info replies: how the requests were batched."""
+    counts = {k.removeprefix("num_").removesuffix("_steps"): after.get(k, 0) - before.get(k, 0)
+              for k in ("num_prefill_steps", "num_decode_steps")}
+    counts["decode_blocks"] = after.get("num_decode_blocks", 0) - before.get("num_decode_blocks", 0)
+    return counts
 
 
 def summary(name: str, wall: float, results: list[tuple[float, float, int, str]], n: int, **cpu) -> dict:
@@ -267,10 +271,15 @@ def main() -> None:
                                  steps=step_counts(steps0, engine.get_server_info()))
                 ratios.append(http["tok_per_s"] / inproc["tok_per_s"])
                 pairs.append((http, inproc))
-            # Which schedule each side ran (both take the same default from the same flags).
-            info = httpx.get(url + "/get_server_info", timeout=30).json()
-            schedules = {"http": "overlap" if info.get("num_overlapped_steps") else "plain",
-                         "engine": "overlap" if engine.get_server_info().get("num_overlapped_steps") else "plain"}
+            # Which schedule each side ran (both take the same default from the same flags): the overlap, the plain
+            # schedule with decode blocks, or single plain steps.
+            def schedule(info: dict) -> str:
+                if info.get("num_overlapped_steps"):
+                    return "overlap"
+                return "plain, decode blocks" if info.get("num_decode_blocks") else "plain"
+
+            schedules = {"http": schedule(httpx.get(url + "/get_server_info", timeout=30).json()),
+                         "engine": schedule(engine.get_server_info())}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

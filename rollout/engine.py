@@ -159,6 +159,9 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
                                       step_ranges=overlap is None)
         if self.scheduler.overlap is not None:
             self.scheduler.overlap.hold_back = self._hold_back
+        # No decode block starts while something waits to act, or while a profile counts steps.
+        self.scheduler.hold_back = lambda: self._hold_back() or self._profiler.busy
+        self._cv.on_pending = self.scheduler.interrupt_block  # ... and one in progress stops at its next step
         self._cv.on_acquire = self._at_step_boundary
         self._cv.on_release = self._after_control
         self._finish_observers: list = []  # fn(req) per finished request (the server's latency metrics)
@@ -268,10 +271,14 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
             item = ("final", req)
         elif req.stream:
             interval = req.sampling_params.stream_interval or self.args.stream_interval
-            if interval > 1 and len(req.output_ids) % interval != 1:
-                return  # SGLang's stream_interval: tokens 1, N+1, 2N+1, ... (and the final output) go out
+            num_out = len(req.output_ids)
+            if interval > 1 and (num_out - 1) // interval == (req.stream_sent_len - 1) // interval:
+                # SGLang's stream_interval: tokens 1, N+1, 2N+1, ... (and the final output) go out; a decode
+                # block's tokens arrive together, so a chunk goes once a block has passed one of those points.
+                return
             if req.stop_prefix_pending:
                 return  # the text may end in a stop match the final output cuts: never send it to take back
+            req.stream_sent_len = num_out
             # A copy: the reader builds the chunk later, while the scheduler keeps appending. A sink that
             # reads the request at once, under the step lock (rollout/server/engine_process.py), needs none.
             item = ("chunk", req if getattr(req.sink, "reads_at_put", False) else req.snapshot())
@@ -518,6 +525,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
                 req.weight_version_start = self.weight_version
                 self._reqs[req.rid] = req
                 self._inbox.append(req)
+        self.scheduler.interrupt_block()
         self._cv.notify_all()
 
     def _output(self, req: Req, final: bool) -> dict:
@@ -580,6 +588,7 @@ class Engine(WeightsAPI, WeightCheckerAPI, LoRAAPI, ProfilerAPI, EngineInfoAPI, 
         """The caller stopped listening (closed stream, cancelled coroutine): stop spending compute. Posted
         to the scheduler thread (done at the next step boundary): the caller may be an event loop."""
         self._posted_aborts.append((list(reqs), "the caller stopped reading"))
+        self.scheduler.interrupt_block()
         self._cv.notify_all()
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None, audio_data=None,

@@ -94,8 +94,13 @@ SGLANG_OPTIONS: dict[str, tuple[str, str]] = {
                                            "even after an update with flush_cache=False"),
     "disable_overlap_schedule": ("bool or None", "True: no overlap schedule, each decode step is built only after "
                                  "the previous one finished (rollout.overlap); False: overlap on; None (default): on "
-                                 "for CUDA, and on the CPU for a small model whose forward is one fused op (where it "
-                                 "measured faster), else off; outputs are the same either way"),
+                                 "for CUDA, off on the CPU (where the plain schedule's decode blocks measured "
+                                 "faster); outputs are the same either way"),
+    "num_continuous_decode_steps": ("an int >= 1 or None", "the plain schedule runs up to N decode steps of a batch "
+                                    "back to back (one batch built, the steps chained on the device, their tokens "
+                                    "processed and streamed together) while nothing waits to be admitted or to act; "
+                                    "an arrival stops a block after its current step; None (default): 8 on the "
+                                    "CPU, 1 on CUDA; outputs are the same either way"),
     "attention_backend": ("None, 'torch_native', 'flashinfer' (SGLang's 'fa3', 'triton' ... are refused)",
                           "attention kernels, chosen once"),
     "disable_cuda_graph": ("bool", "no captured decode step"),

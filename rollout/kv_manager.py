@@ -138,6 +138,23 @@ class KVManager:
             req.num_allocated = req.seq_len + pending
         return locs
 
+    def alloc_decode_steps(self, reqs: list[Req], num_steps: int) -> torch.Tensor:
+        """Slots for `num_steps` decode steps of every request (a decode block, rollout/scheduler.py): step j
+        writes the token at position seq_len - 1 + j. All of them go into the rows now (a block reads no
+        host state between its steps). Returns them as [num_steps, bs] on the device. A request that
+        finishes inside the block keeps the slots past its end as "allocated, not computed" until `release`
+        frees them."""
+        bs = len(reqs)
+        locs = self._alloc(num_steps * bs).to(self.device).view(num_steps, bs)
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        first = torch.tensor([r.seq_len - 1 for r in reqs], dtype=torch.int64)
+        positions = first.unsqueeze(0) + torch.arange(num_steps, dtype=torch.int64).unsqueeze(1)  # [num_steps, bs]
+        self.req_pool.req_to_token[rows.to(self.device).repeat(num_steps), positions.reshape(-1).to(self.device)] = \
+            locs.reshape(-1)
+        for req in reqs:
+            req.num_allocated = req.seq_len + num_steps - 1
+        return locs
+
     def write_decode(self, req_pool_indices: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> None:
         self.req_pool.req_to_token[req_pool_indices, positions] = locs
 

@@ -118,6 +118,12 @@ class StepProfiler:
         self.num_steps_run = 0  # engine steps since start: start_step counts in these
         self.last_outcome = ""
 
+    @property
+    def busy(self) -> bool:
+        """A profile is due or running: the scheduler takes single steps meanwhile (no decode blocks), so that
+        num_steps and start_step count engine steps and each step gets its range."""
+        return self._session is not None
+
     # ---- control threads ----------------------------------------------------------------------
     def request_start(self, config: ProfileConfig) -> _Session:
         with self._lock:
@@ -169,8 +175,9 @@ class StepProfiler:
             return contextlib.nullcontext()
         return torch.profiler.record_function(f"engine_step_{self.num_steps_run}")
 
-    def after_step(self) -> None:
-        self.num_steps_run += 1
+    def after_step(self, num_steps: int = 1) -> None:
+        """num_steps: the forward steps it ran (a decode block runs several; none runs while profiling)."""
+        self.num_steps_run += num_steps
         session = self._session
         if session is None or session.profiler is None:
             return

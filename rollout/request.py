@@ -106,6 +106,7 @@ class Req:
     # The decoded output ends with the start of a stop string (rollout.stop_match): a stream chunk now
     # would send text the final output may cut, so the engine holds it (SGLang's check_match_stop_str_prefix).
     stop_prefix_pending: bool = False
+    stream_sent_len: int = 0  # output tokens the last stream chunk carried (stream_interval counts from it)
     error: str | None = None
     created_time: float = 0.0  # time.perf_counter() at submission
     finished_time: float = 0.0  # ... when the final output was delivered

@@ -40,7 +40,6 @@ from rollout.kv_manager import KVManager
 from rollout.overlap import OverlapDecoder
 from rollout.request import FinishReason, Req, extend_runs
 from rollout.thread_pinning import OverlapPinning
-from runner import cpu_kernels
 from runner.sampler import prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -61,20 +60,23 @@ def _steps_on_one_thread(model) -> bool:
 
 
 def _overlap_by_default(runner) -> bool:
-    """disable_overlap_schedule=None: the overlap schedule on CUDA; on the CPU only where it measured faster,
-    a model whose whole forward is one C++ op that releases the GIL (runner/models/fused_layer.py) and
-    that steps on one intra-op thread (SINGLE_THREAD_MAX_WEIGHTS), so the scheduler thread has the other
-    core, on an AVX-512 CPU: the tiny preset 1.01-1.12x at batch 16 and 1.38x at batch 64 on a 2-core Zen 4
-    (bench/overlap.py), and with the two threads pinned (rollout/thread_pinning.py) 1.29-1.33x at batch 16
-    and 1.26x at batch 64 on a 2-core Zen 5. On an AVX2 CPU (the kernels' 8-lane path) the same runs,
-    unpinned, measured 0.80-0.84x and 0.96x on a 2-core EPYC, so there it stays off. A model stepping on every core loses that core's share
-    to the scheduler thread: 40M 1.02x, 0.5B bf16 0.98x, so there it stays off too."""
+    """disable_overlap_schedule=None: the overlap schedule on CUDA only. On the CPU the plain schedule's decode
+    blocks (num_continuous_decode_steps, on by default there) measured faster than the overlap on every shape
+    tried, because a block takes the per-step host work off the step itself instead of onto a second core:
+    the tiny preset through Engine.generate 1.45x the overlap at batch 16, 1.14x at batch 64, 1.5x with n=4
+    groups (bench/overlap.py --num-continuous-decode-steps 8, a 2-core Xeon); before blocks the overlap was the
+    default for a small model with the fused forward on AVX-512 (1.1-1.3x the single-step plain schedule, which
+    it still beats: bench/overlap.py). A model stepping on every core never gained from it (40M 1.02x, 0.5B
+    0.98x)."""
     device = getattr(runner, "device", None)
-    if getattr(device, "type", "cpu") == "cuda":
-        return True
-    model = getattr(runner, "model", None)
-    return (getattr(model, "fused_model", None) is not None and _steps_on_one_thread(model)
-            and cpu_kernels.kernel_isa() == "avx512")
+    return getattr(device, "type", "cpu") == "cuda"
+
+
+# num_continuous_decode_steps=None: decode blocks of this many steps on the CPU (1 on CUDA, SGLang's default,
+# where the overlap schedule and CUDA graphs take the host work off the step instead). 8 measured at or above
+# 16 and 4 on the tiny preset's streaming server load (bench/serve.py, 2-core Xeon): 4 left ~10% of the
+# per-step host work, 16 made a stream's chunks longer without a clear gain.
+CPU_DECODE_STEPS = 8
 
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")
@@ -110,6 +112,15 @@ class SchedulerConfig:
     # "random" (shuffled, seeded by the engine's random_seed). It orders admission only: a request's tokens do not
     # depend on it. SGLang's "dfs-weight" is refused.
     schedule_policy: str = "fcfs"
+    # SGLang's --num-continuous-decode-steps: the plain schedule runs up to this many decode steps of one batch
+    # back to back (a decode block: one batch built, the steps chained on the device, their tokens processed
+    # and delivered together), which spreads the scheduler's per-step host work over several tokens. A block
+    # runs only while nothing waits to be admitted or to act at a step boundary, and never past a row's length
+    # limit; its tokens are exactly those of as many single steps. The cost: a request that arrives meanwhile,
+    # and any control call, waits for the block's end, and a stream's chunks carry a block's tokens at once.
+    # The overlap schedule hides that host work instead and ignores this. 1: every step is scheduled; None
+    # (default): CPU_DECODE_STEPS on the CPU, 1 on CUDA.
+    num_continuous_decode_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -126,6 +137,11 @@ class SchedulerConfig:
             raise ValueError(f"cpu_pin_overlap_threads={self.cpu_pin_overlap_threads!r} must be a bool")
         if not isinstance(self.enable_mixed_chunk, bool):
             raise ValueError(f"enable_mixed_chunk={self.enable_mixed_chunk!r} must be a bool")
+        k = self.num_continuous_decode_steps
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"num_continuous_decode_steps={k!r} must be an int >= 1 (1: every decode step is "
+                             f"scheduled on its own) or None (the default: {CPU_DECODE_STEPS} on the CPU, 1 on "
+                             f"CUDA)")
 
 
 class _Sampled(NamedTuple):
@@ -177,7 +193,7 @@ class Scheduler:
         self.stop_checker = stop_checker  # (req) -> matched stop string or None
         self.stats = dict(num_prefill_steps=0, num_decode_steps=0, num_prefill_tokens=0, num_cached_tokens=0,
                           num_prompt_tokens=0, num_generated_tokens=0, num_retractions=0, num_evicted_tokens=0,
-                          num_failed_requests=0, num_overlapped_steps=0, num_mixed_steps=0)
+                          num_failed_requests=0, num_overlapped_steps=0, num_mixed_steps=0, num_decode_blocks=0)
         req_pool = runner.req_to_token_pool
         self.kv = KVManager(req_pool, runner.token_to_kv_pool, runner.device, not config.disable_radix_cache,
                             self.stats)
@@ -225,6 +241,17 @@ class Scheduler:
         self.mix = (config.enable_mixed_chunk and self.overlap is None
                     and not getattr(runner_cfg, "enable_deterministic_inference", False))
         self._kv_reserve = 0  # KV slots held back for the running requests while a mixed step is planned
+        # Set by the engine: True while something (a control call, a new request) waits to act at the next step
+        # boundary; no decode block starts then. A block already running stops after its current step once
+        # `interrupt_block()` is called (the engine calls it whenever something new waits), so whatever
+        # arrives waits for one step at most, as without blocks.
+        self.hold_back = lambda: False
+        self._block_stop = torch.zeros(1, dtype=torch.int32)  # read by the block's C++ loop between its steps
+        steps = config.num_continuous_decode_steps
+        if steps is None:
+            steps = 1 if getattr(getattr(runner, "device", None), "type", "cpu") == "cuda" else CPU_DECODE_STEPS
+        self.decode_block_steps = steps  # 1: no blocks
+        self.last_block_steps = 0  # the decode steps the last step() ran as a block (0: it was no block)
 
     # Read-only views for callers that inspect the cache (tests, server info); writes go through self.kv.
     @property
@@ -360,6 +387,7 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one forward. Returns the requests that got a token or finished this step. Under the
         overlap schedule the next decode step may be in flight when it returns (see rollout.overlap)."""
+        self.last_block_steps = 0
         if threading.get_ident() not in self._threads_set_for:
             self._set_step_threads()
         if self.overlap is not None and self.overlap.ahead is not None:
@@ -576,6 +604,12 @@ class Scheduler:
                                                             "raise max_total_tokens"))
             return [req]
         reqs = list(self.running)
+        if self.overlap is None:
+            num_steps = self._block_steps(reqs)
+            if num_steps > 1:
+                updated = self._run_decode_block(reqs, num_steps)
+                if updated is not None:
+                    return updated
         locs = self.kv.alloc_decode(reqs)  # [bs] on the device
         if self.overlap is not None:
             return self.overlap.run_decode(reqs, locs)
@@ -590,6 +624,108 @@ class Scheduler:
             return self._forward_sample(fb, batch)
 
         return self._process_decode(self._run_attributed([(r, i) for i, r in enumerate(reqs)], run))
+
+    # ---- decode blocks (num_continuous_decode_steps) -------------------------------------------
+    def _block_steps(self, reqs: list[Req]) -> int:
+        """How many decode steps the next one may chain (1: a single step): at most the configured number,
+        and only where each of them is exactly what the plain schedule would run next. So none while a request
+        waits that could be admitted, a prompt is half prefilled, or the engine holds steps back; none with
+        penalties (their counts need each step's tokens on the host), a min_new_tokens ban still in force (it
+        lifts within the block) or routed experts recorded (one forward's record); and never past the step at
+        which some row reaches its length limit (max_new_tokens, the context, the pool), so no row is known
+        finished before the block ends. A row that stops on a token inside it has its later tokens dropped."""
+        k = self.decode_block_steps
+        if k < 2:
+            return 1
+        self._block_stop[0] = 0  # before hold_back: what arrives after it stops the block (interrupt_block)
+        if self.chunked_req is not None or self.kv.routed_experts is not None or self.hold_back():
+            return 1
+        if self.waiting and len(self.running) < self.max_running and self.kv.num_free_rows():
+            return 1
+        room_of_all = min(self.runner.context_len, self.kv.kv_pool.size)
+        for req in reqs:
+            sp = req.sampling_params
+            num_out = len(req.output_ids)
+            if sp.repetition_penalty != 1 or sp.frequency_penalty or sp.presence_penalty or num_out < sp.min_new_tokens:
+                return 1
+            room = room_of_all - req.seq_len  # the token of step j makes seq_len + j + 1
+            if sp.max_new_tokens is not None:
+                room = min(room, sp.max_new_tokens - num_out)
+            if room < k:
+                k = room
+                if k < 2:
+                    return 1
+        if self.kv.available_tokens() < k * len(reqs):
+            return 1  # the single step's retraction logic decides what happens when KV runs short
+        return k
+
+    def interrupt_block(self) -> None:
+        """Any thread: a decode block in progress starts no further step (something waits for a boundary)."""
+        self._block_stop[0] = 1
+
+    def _run_decode_block(self, reqs: list[Req], num_steps: int) -> list[Req] | None:
+        """Up to `num_steps` decode steps of `reqs`, step j fed step j - 1's sampled ids on the device (fewer
+        where `interrupt_block` stops it early); then each row's tokens in order, as the single steps would
+        have appended them (a row finished by one drops the rest). None, with nothing changed, if the block
+        could not run (a step raised): the single step, with its failure attribution, runs instead."""
+        locs = self.kv.alloc_decode_steps(reqs, num_steps)  # [num_steps, bs] on the device
+        try:
+            rows = self._block_forward(reqs, locs)
+        except Exception as e:  # noqa: BLE001 - the single step re-runs it and pins the failure on its rows
+            logger.debug("a decode block failed (%s: %s); running a single step instead", type(e).__name__, e)
+            rows = None
+        done = 0 if rows is None else len(rows)
+        if done < num_steps:  # the slots of the steps that did not run go back (all of them if none did)
+            self.kv.kv_pool.free(locs[done:].reshape(-1).to("cpu"))
+            for req in reqs:
+                req.num_allocated = req.seq_len + done - 1
+        if rows is None:
+            return None
+        self.stats["num_decode_steps"] += done
+        self.stats["num_decode_blocks"] += 1
+        self.last_block_steps = done
+        for i, req in enumerate(reqs):
+            for step in rows:
+                if req.finished:  # by a token earlier in the block: the rest is dropped, its slots freed
+                    break
+                try:
+                    req.num_computed = req.seq_len
+                    self._append_token(req, step[i])
+                except Exception as e:  # this request's own host work: it fails alone
+                    self._fail(req, f"{type(e).__name__}: {e}")
+        return reqs
+
+    def _block_forward(self, reqs: list[Req], locs: torch.Tensor) -> list[list[_Sampled]]:
+        """The block's forwards and sampling -> per step, one _Sampled per row. One C++ call where the fused
+        CPU step applies (ModelRunner.forward_sample_steps), else one forward per step, each filled from the
+        one before on the device (as the overlap schedule's steps), read back once all have run."""
+        device = self.runner.device
+        num_steps = locs.shape[0]
+        fb = decode_batch(reqs, locs[0], device)
+        fb.sampling_info = self._sampling_info(reqs)
+        chained = getattr(self.runner, "forward_sample_steps", None)
+        if chained is not None:
+            prepared = self.runner.prepare_forward(fb)
+            res = None if prepared is None else chained(fb, prepared, locs, self._block_stop)
+            if res is not None:
+                ids, logprobs = res
+                if self.kv.slot_versions is not None:
+                    self.kv.write_slot_versions(locs[: len(ids)].reshape(-1), self.weight_version)
+                ids = ids.tolist()  # the block's one device->host read (two with logprobs)
+                lps = logprobs.tolist() if logprobs is not None else [[None] * len(reqs)] * len(ids)
+                return [[_Sampled(t, lp, None) for t, lp in zip(step_ids, step_lps)]
+                        for step_ids, step_lps in zip(ids, lps)]
+        outs, prev = [], None
+        for j in range(num_steps):
+            if j:
+                if self._block_stop[0]:
+                    break
+                fb = decode_batch(reqs, locs[j], device, pending=j)
+                fb.sampling_info = self._sampling_info(reqs, step_offset=j)
+            out, _ = self._forward_sample_device(fb, reqs, fill=None if prev is None else (prev, None))
+            prev = out.next_token_ids
+            outs.append(out)
+        return [self._host_rows(out, reqs) for out in outs]
 
     def _process_decode(self, results: list[tuple]) -> list[Req]:
         """((req, i), _Sampled or _StepFailure) of a decode step -> the requests it updated."""

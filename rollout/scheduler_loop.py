@@ -54,7 +54,7 @@ def _one_iteration(engine) -> bool:
                 # Looked up each time, not bound once: tests wrap scheduler.step to act between steps.
                 with profiler.step_scope():
                     _deliver_all(engine, engine.scheduler.step())
-                profiler.after_step()
+                profiler.after_step(max(1, engine.scheduler.last_block_steps))  # a decode block: its steps
                 stepped = True
                 gate.step_done()
                 engine._take_submissions()

@@ -44,6 +44,9 @@ class StepGate:
         # step the scheduler launched ahead (the overlap schedule), so control always sees a step boundary.
         self.on_acquire: Callable[[], None] | None = None
         self.on_release: Callable[[], None] | None = None  # ... and after its body (the engine's load counters)
+        # Called (any thread) as a control call registers to wait: the engine stops a decode block in progress
+        # at its next step (rollout/scheduler.py interrupt_block), so the call waits for one step at most.
+        self.on_pending: Callable[[], None] | None = None
 
     # ---- control calls -------------------------------------------------------------------------
     def __enter__(self) -> StepGate:
@@ -52,11 +55,13 @@ class StepGate:
             with self._meta:
                 while self._owed:  # the scheduler thread's turn first
                     self._owed_waiters += 1
+                    self._notify_pending()  # that turn's step may be a decode block
                     try:
                         self._meta.wait()
                     finally:
                         self._owed_waiters -= 1
                 self._pending += 1
+                self._notify_pending()
         try:
             self._lock.acquire()
         finally:
@@ -81,6 +86,11 @@ class StepGate:
         finally:
             self._leave()
         self._wake.set()  # what the call changed may let the scheduler run again
+
+    def _notify_pending(self) -> None:
+        """After registering (so `pending` reads True first: the engine checks it after clearing the flag)."""
+        if self.on_pending is not None:
+            self.on_pending()
 
     def _hold(self) -> None:
         self._owner = threading.get_ident()

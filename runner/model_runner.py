@@ -336,6 +336,32 @@ class ModelRunner:
         return DeferredLogits(logits), SampleOutput(ids, logprobs if info.need_logprobs else None)
 
     @torch.no_grad()
+    def forward_sample_steps(self, fb: ForwardBatch, prepared: tuple, out_cache_locs: torch.Tensor,
+                             stop_flag: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """len(out_cache_locs) decode steps of the decode batch fb in one C++ call (the scheduler's decode block,
+        rollout/scheduler.py): step j samples output position steps + j of each row from step j - 1's ids,
+        its KV in out_cache_locs[j] ([num_steps, bs], already in the request table); no step after the first
+        starts once `stop_flag` (int32 [1]) is set. Bitwise the ids and logprobs of as many forward_sample
+        calls. -> (ids [done, bs], logprobs [done, bs] or None) for the `done` >= 1 steps run,
+        or None, having done nothing, where forward_sample would return None (the caller steps one at a time)."""
+        fm = getattr(self.model, "fused_model", None)
+        info = fb.sampling_info
+        if (fm is None or prepared is None or self.sampler.cpu_ops is None or info is None
+                or not fb.forward_mode.is_decode() or not plain_rows(fb.batch_size, info)
+                or not hasattr(fm.direct, "model_forward_sample_steps")):
+            return None
+        self._check_runnable()
+        try:
+            with torch.inference_mode():
+                ids, logprobs = fm.run_sample_steps(prepared, out_cache_locs, info, stop_flag)
+        except Exception as e:  # noqa: BLE001 - as in forward: the modules' path runs from now on
+            logger.warning("the fused CPU forward failed (%s: %s); using the modules' forward from now on",
+                           type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+            self.model.fused_model = None
+            return None
+        return ids, logprobs if info.need_logprobs else None
+
+    @torch.no_grad()
     def sample(self, logits_output: LogitsOutput, fb: ForwardBatch) -> SampleOutput:
         return self.sampler(logits_output.next_token_logits, fb.sampling_info)
 

@@ -23,6 +23,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
+#include <ATen/ops/empty.h>         // model_forward_sample_steps' outputs
 #include <ATen/ops/index_select.h>  // model_forward_sample fills a step's input ids
 
 #include <cstdint>
@@ -128,6 +129,60 @@ std::tuple<Tensor, Tensor, Tensor> model_forward_sample(
   });
 }
 
+// `num_steps` decode steps of one batch as one call (the scheduler's decode block, rollout/scheduler.py
+// _run_decode_block): step j > 0 takes step j - 1's sampled ids as its input, every row one position
+// further on (positions, seq_lens and the sampler's output position `steps` + j), and writes its KV into
+// out_cache_locs[j] (the caller put those slots into req_to_token before the call). Each step runs the same
+// functions on the same tensors as model_forward_sample, so step j's ids and logprobs are bitwise those of
+// the j-th of `num_steps` separate steps. input_ids, positions, seq_lens and steps are not written (copies
+// advance). `stop_flag` (int32 [1], host): when another thread has set it non-zero, no further step starts
+// (the scheduler's engine sets it when a request or a control call arrives, so a block delays them by one
+// step at most). out_cache_locs: [num_steps, bs] -> (ids [done, bs] int64, logprobs [done, bs] fp32 or [0, bs]),
+// done >= 1 the steps run.
+std::tuple<Tensor, Tensor> model_forward_sample_steps(
+    const FusedWeights& w, const Tensor& input_ids, const Tensor& positions, const Tensor& embed,
+    const Tensor& cos_table, const Tensor& sin_table, const Tensor& norm, const Tensor& k_buffer,
+    const Tensor& v_buffer, const Tensor& out_cache_locs, const Tensor& req_to_token,
+    const Tensor& req_pool_indices, const Tensor& seq_lens, const Tensor& temperatures, const Tensor& seeds,
+    const std::optional<Tensor>& seed_mix, const Tensor& steps, bool all_greedy, bool has_greedy,
+    bool need_temperature, bool want_logprobs, const std::optional<Tensor>& stop_flag) {
+  return without_gil([&] {
+    const int64_t num_steps = out_cache_locs.size(0), bs = input_ids.size(0);
+    TORCH_CHECK(out_cache_locs.dim() == 2 && out_cache_locs.size(1) == bs,
+                "out_cache_locs must be [num_steps, bs], got ", out_cache_locs.sizes());
+    TORCH_CHECK(!stop_flag.has_value() || (stop_flag->device().is_cpu() && stop_flag->scalar_type() == at::kInt &&
+                                           stop_flag->numel() == 1),
+                "stop_flag must be one int32 on the CPU");
+    // Written by another thread while this one runs without the GIL: read through volatile, once per step.
+    const volatile int32_t* stop = stop_flag.has_value() ? stop_flag->data_ptr<int32_t>() : nullptr;
+    Tensor ids = at::empty({num_steps, bs}, input_ids.options().dtype(at::kLong));
+    Tensor logprobs = at::empty({want_logprobs ? num_steps : 0, bs}, temperatures.options().dtype(at::kFloat));
+    Tensor in = input_ids.clone(), pos = positions.clone(), lens = seq_lens.clone(), at_step = steps.clone();
+    int64_t done = 0;
+    for (int64_t j = 0; j < num_steps; ++j) {
+      if (j > 0) {
+        if (stop != nullptr && *stop != 0) break;
+        in.copy_(ids[j - 1]);
+        pos.add_(1);
+        lens.add_(1);
+        at_step.add_(1);
+      }
+      Tensor logits = rollout_cpu::model_forward_head(in, pos, embed, cos_table, sin_table, w.layer_params,
+                                                      w.layer_kinds, w.eps, w.qk_eps, norm, w.head, w.head_kind,
+                                                      std::nullopt, k_buffer, v_buffer, out_cache_locs[j],
+                                                      req_to_token, req_pool_indices, lens, std::nullopt,
+                                                      w.num_heads, w.num_kv_heads, w.scale);
+      auto [step_ids, step_logprobs] = rollout_cpu::sample_plain(logits, temperatures, seeds, seed_mix, at_step,
+                                                                 all_greedy, has_greedy, need_temperature,
+                                                                 want_logprobs);
+      ids[j].copy_(step_ids);
+      if (want_logprobs) logprobs[j].copy_(step_logprobs);
+      done = j + 1;
+    }
+    return std::make_tuple(ids.narrow(0, 0, done), want_logprobs ? logprobs.narrow(0, 0, done) : logprobs);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -145,4 +200,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_plain", &sample_plain, "runner/csrc/sampler.cpp sample_plain");
   m.def("model_forward_sample", &model_forward_sample,
         "input ids from the step before, model_forward, then sample_plain, in one call without the GIL");
+  m.def("model_forward_sample_steps", &model_forward_sample_steps,
+        "several decode steps of one batch, each fed the one before's sampled ids, in one call without the GIL");
 }

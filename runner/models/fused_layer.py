@@ -242,3 +242,17 @@ class FusedModel:
         return self.direct.model_forward_sample(
             *args, fill_from, fill_index, info.temperatures, info.seeds, info.seed_mix, info.steps,
             info.is_all_greedy, info.has_greedy, info.need_temperature, info.need_logprobs)
+
+    def run_sample_steps(self, args: tuple, out_cache_locs: torch.Tensor, info,
+                         stop_flag: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """len(out_cache_locs) decode steps of the batch `args` was prepared for (a decode batch), in one GIL-free
+        call: step j > 0 takes step j - 1's ids as input, one position further on, and writes its KV into
+        out_cache_locs[j] ([num_steps, bs]; already in req_to_token). The sampler's plain path must hold for
+        `info` (its output positions those of step 0). No further step starts once another thread sets
+        `stop_flag` (int32 [1]) non-zero -> (ids [done, bs] int64, logprobs [done, bs] fp32 or empty), done >= 1."""
+        (weights, input_ids, positions, embed, cos, sin, norm, _last, k_buffer, v_buffer, _loc, req_to_token,
+         req_pool_indices, seq_lens, _ext) = args
+        return self.direct.model_forward_sample_steps(
+            weights, input_ids, positions, embed, cos, sin, norm, k_buffer, v_buffer, out_cache_locs, req_to_token,
+            req_pool_indices, seq_lens, info.temperatures, info.seeds, info.seed_mix, info.steps,
+            info.is_all_greedy, info.has_greedy, info.need_temperature, info.need_logprobs, stop_flag)

@@ -81,12 +81,16 @@ def at_step(engine: Engine, n: int, fn: Callable[[], object]) -> dict:
     (no race with a request that might finish first). Returns {"done": Event, "result"/"error": ...}."""
     real_step = engine.scheduler.step
     state: dict = {"done": threading.Event(), "steps": 0}
+    # Until it fires, one decode step per scheduler step: a decode block (num_continuous_decode_steps) would
+    # count several as one. A control call from another thread stops a block after its current step anyway.
+    blocks, engine.scheduler.decode_block_steps = engine.scheduler.decode_block_steps, 1
 
     def step():
         out = real_step()
         state["steps"] += 1
         if state["steps"] == n:
             engine.scheduler.step = real_step
+            engine.scheduler.decode_block_steps = blocks
             try:
                 with engine._cv:  # a step boundary, as a control call sees it (a step launched ahead rolls back)
                     state["result"] = fn()

@@ -51,12 +51,31 @@ def _wait_until(cond, timeout: float = 20.0) -> None:
         time.sleep(0.005)
 
 
-def test_stream_chunks_grow_and_final_equals_non_stream(engine):
-    """stream=True yields one chunk per new token, each extending the last; the final equals the non-stream result."""
+def _grows(chunks: list[dict], single_steps: bool) -> None:
+    """Each chunk extends the one before, ending at N_NEW tokens: one token per chunk with single steps (SGLang's
+    granularity), a decode block's tokens at once with blocks (a chunk per step boundary)."""
+    lengths = [len(c["output_ids"]) for c in chunks]
+    if single_steps:
+        assert lengths == list(range(1, N_NEW + 1))
+    else:
+        assert lengths[0] == 1 and lengths[-1] == N_NEW and all(a < b for a, b in zip(lengths, lengths[1:]))
+        assert len(lengths) < N_NEW, lengths  # some block carried several tokens
+
+
+@pytest.fixture(scope="module")
+def single_step_engine(tiny_llama, module_engines):
+    return module_engines(tiny_llama, num_continuous_decode_steps=1)
+
+
+@pytest.mark.parametrize("single_steps", [True, False])
+def test_stream_chunks_grow_and_final_equals_non_stream(engine, single_step_engine, single_steps):
+    """stream=True yields a chunk per step boundary, each extending the last (one per new token with single steps,
+    a block's tokens together with decode blocks); the final equals the non-stream result."""
+    engine = single_step_engine if single_steps else engine
     prompt = random_prompts([10], seed=31)[0]
     ref = engine.generate(input_ids=prompt, sampling_params=_sp(1), return_logprob=True)
     chunks = list(engine.generate(input_ids=prompt, sampling_params=_sp(1), return_logprob=True, stream=True))
-    assert [len(c["output_ids"]) for c in chunks] == list(range(1, N_NEW + 1))
+    _grows(chunks, single_steps)
     for c in chunks[:-1]:
         assert c["output_ids"] == ref["output_ids"][: len(c["output_ids"])]
         assert c["meta_info"]["finish_reason"] is None
@@ -64,13 +83,15 @@ def test_stream_chunks_grow_and_final_equals_non_stream(engine):
     _assert_same(chunks[-1:], [ref])
 
 
-def test_stream_chunks_are_snapshots_when_read_late(engine):
-    """A chunk read after the request finished still shows the tokens of its own step, not later ones."""
+@pytest.mark.parametrize("single_steps", [True, False])
+def test_stream_chunks_are_snapshots_when_read_late(engine, single_step_engine, single_steps):
+    """A chunk read after the request finished still shows the tokens of its own step (or block), not later ones."""
+    engine = single_step_engine if single_steps else engine
     prompt = random_prompts([10], seed=32)[0]
     stream = engine.generate(input_ids=prompt, sampling_params=_sp(2), stream=True)
     _wait_until(lambda: engine.get_server_info()["num_in_flight"] == 0)
     chunks = list(stream)
-    assert [len(c["output_ids"]) for c in chunks] == list(range(1, N_NEW + 1))
+    _grows(chunks, single_steps)
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
 
 
@@ -83,7 +104,7 @@ def test_async_generate_concurrent_equals_solo(engine):
     async def stream_final(p, sp):
         agen = await engine.async_generate(input_ids=p, sampling_params=sp, return_logprob=True, stream=True)
         chunks = [c async for c in agen]
-        assert [len(c["output_ids"]) for c in chunks] == list(range(1, N_NEW + 1))
+        _grows(chunks, single_steps=False)
         return chunks[-1]
 
     async def main():

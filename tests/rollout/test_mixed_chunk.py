@@ -40,7 +40,8 @@ def test_mixed_step_carries_every_running_request(tiny_llama):
     runner = make_runner(tiny_llama)
     results = {}
     for mix in (False, True):
-        sched = Scheduler(runner, SchedulerConfig(enable_mixed_chunk=mix, disable_overlap_schedule=True), [],
+        sched = Scheduler(runner, SchedulerConfig(enable_mixed_chunk=mix, disable_overlap_schedule=True,
+                                                  num_continuous_decode_steps=1), [],
                           lambda req: None)
         greedy = SamplingParams.from_dict({"max_new_tokens": 5, "ignore_eos": True, "temperature": 0})
         a, b = Req("a", [5, 6, 7, 8], greedy, seed=0), Req("b", [9, 10, 11], greedy, seed=1)

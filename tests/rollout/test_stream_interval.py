@@ -18,14 +18,16 @@ GREEDY = dict(temperature=0, max_new_tokens=10, ignore_eos=True)
 SEEDED = dict(temperature=1.0, seed=3, max_new_tokens=10, ignore_eos=True)
 
 
+# Single decode steps, so that every token is a step boundary and SGLang's rule shows exactly; decode blocks
+# (the CPU default) are the last test.
 @pytest.fixture(scope="module")
 def engine(module_engines, tiny_llama):
-    return module_engines(tiny_llama)
+    return module_engines(tiny_llama, num_continuous_decode_steps=1)
 
 
 @pytest.fixture(scope="module")
 def engine_every_4(module_engines, tiny_llama):
-    return module_engines(tiny_llama, stream_interval=4)
+    return module_engines(tiny_llama, stream_interval=4, num_continuous_decode_steps=1)
 
 
 def _lengths(chunks) -> list[int]:
@@ -107,3 +109,15 @@ def test_bad_engine_option_is_refused_by_name(tiny_llama, value):
 
     with pytest.raises(ValueError, match="stream_interval"):
         Engine(str(tiny_llama), stream_interval=value)
+
+
+def test_with_decode_blocks_a_chunk_follows_each_block_that_passes_a_due_token(module_engines, tiny_llama, engine):
+    """With blocks of 3 and stream_interval=4 over 10 tokens (blocks end after tokens 4, 7, 10), a chunk goes at
+    the first boundary at or after each of tokens 1, 5, 9 (token 1 comes from the prefill): after tokens 1, 7
+    and 10; each is the every-token stream's snapshot at that length."""
+    blocks = module_engines(tiny_llama, stream_interval=4, num_continuous_decode_steps=3)
+    want = list(engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, stream=True))
+    got = list(blocks.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, stream=True))
+    assert _lengths(got) == [1, 7, 10]
+    for g in got:
+        assert g["output_ids"] == want[len(g["output_ids"]) - 1]["output_ids"]

@@ -16,9 +16,11 @@ GREEDY = dict(temperature=0, max_new_tokens=10, ignore_eos=True)
 SEEDED = dict(temperature=1.0, seed=3, max_new_tokens=10, ignore_eos=True, n=2)
 
 
+# Single decode steps, so that each token is its own chunk (with decode blocks a piece holds a block's tokens:
+# the last test).
 @pytest.fixture(scope="module")
 def engine(module_engines, tiny_llama):
-    return module_engines(tiny_llama, stream_output=True)
+    return module_engines(tiny_llama, stream_output=True, num_continuous_decode_steps=1)
 
 
 def _joined(chunks: list[dict]) -> dict[int, list[int]]:
@@ -63,8 +65,18 @@ def test_off_by_default_and_checked(module_engines, tiny_llama):
     """Without the option chunks are cumulative (SGLang's default); a non-bool is refused naming it."""
     from rollout.engine_args import FrontendConfig
 
-    plain = module_engines(tiny_llama)
+    plain = module_engines(tiny_llama, num_continuous_decode_steps=1)
     chunks = list(plain.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, stream=True))
     assert [len(c["output_ids"]) for c in chunks] == list(range(1, 11))
     with pytest.raises(ValueError, match="stream_output"):
         FrontendConfig(stream_output="yes")
+
+
+def test_decode_blocks_send_a_blocks_ids_as_one_piece(module_engines, tiny_llama, engine):
+    """With decode blocks of 4 the pieces are the prefill's token and then each block's tokens (1, 4, 4, 1 over 10
+    tokens), joining to the output of single steps."""
+    blocks = module_engines(tiny_llama, stream_output=True, num_continuous_decode_steps=4)
+    want = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
+    chunks = list(blocks.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, stream=True))
+    assert [len(c["output_ids"]) for c in chunks] == [1, 4, 4, 1]
+    assert [t for c in chunks for t in c["output_ids"]] == want

@@ -148,7 +148,7 @@ def test_prompt_logprobs_take_the_module_path_and_agree(make_engine, ckpt_factor
     """A prefill that needs every position's logits (input logprobs) runs through the modules, its decode
     steps through the op; the outputs equal an engine without the op."""
     path = ckpt_factory("llama")
-    engine = make_engine(path)
+    engine = make_engine(path, num_continuous_decode_steps=1)  # a decode step per op call, to count them
     calls = _count_runs(monkeypatch, engine)
     prompts = random_prompts([9, 14], seed=8)
     params = dict(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -234,7 +234,7 @@ def test_forward_and_sampling_in_one_call_equal_the_two_calls_bitwise(make_engin
     from runner.forward_batch import LogitsOutput
 
     path = ckpt_factory("qwen2", tie_word_embeddings=True)
-    engine = make_engine(path, disable_overlap_schedule=True)
+    engine = make_engine(path, disable_overlap_schedule=True, num_continuous_decode_steps=1)  # every decode step
     runner, sched = engine.runner, engine.scheduler
     inner = sched._forward_sample_device
     checked: list[int] = []

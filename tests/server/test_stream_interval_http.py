@@ -20,7 +20,10 @@ GREEDY = dict(temperature=0, max_new_tokens=25, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def served(tiny_llama):
-    with start_server(tiny_llama, engine_kw={"stream_interval": 10}, in_child=True) as s:
+    # Single decode steps: every token is a step boundary, so SGLang's due tokens show exactly (with decode
+    # blocks a due chunk goes at the first block boundary after it: tests/rollout/test_stream_interval.py).
+    with start_server(tiny_llama, engine_kw={"stream_interval": 10, "num_continuous_decode_steps": 1},
+                      in_child=True) as s:
         yield s
 
 
