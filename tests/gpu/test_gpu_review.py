@@ -129,3 +129,20 @@ def test_mixed_chunk_matches_hf(ckpt, backend):
     results = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
     assert [len(ids) for ids, _ in results] == [16, 8, 16, 4, 12]
     _check_against_hf(ckpt, results)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "torch_native"])
+def test_decode_blocks_on_cuda_match_hf(ckpt, backend):
+    """num_continuous_decode_steps=4 on CUDA (off by default there): decode steps chained on the device, their
+    ids read back once a block, still match HF's bf16 forward token for token, with uneven lengths."""
+    from tests.gpu.test_gpu_engine import GREEDY, _check_against_hf
+
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    params = [{**GREEDY, "max_new_tokens": n} for n in (16, 8, 16, 4, 12)]
+    with _engine(ckpt, attention_backend=backend, num_continuous_decode_steps=4, disable_overlap_schedule=True) as e:
+        outs = e.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True)
+        assert e.get_server_info()["num_decode_blocks"] > 0
+    results = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+    assert [len(ids) for ids, _ in results] == [16, 8, 16, 4, 12]
+    _check_against_hf(ckpt, results)
