@@ -2,7 +2,10 @@
 retraction when the KV pool runs out.
 
 Each `step()` runs one forward: a prefill (EXTEND) batch when there are requests to admit, else a
-decode batch of everything running. Prefill takes at most `chunked_prefill_size` new tokens per step,
+decode batch of everything running, or, with `num_continuous_decode_steps` > 1 (the CPU default) and nothing
+waiting to act, a decode block: up to that many decode steps of the batch chained on the device (one C++ call
+where the fused CPU step applies), their tokens processed together afterwards, stopped after its current step
+by `interrupt_block` when a request or a control call arrives. Prefill takes at most `chunked_prefill_size` new tokens per step,
 so a long prompt is prefilled in chunks with a decode step between chunks. Waiting requests are admitted in
 the order `schedule_policy` gives (SGLang's fcfs, lpm, lof or random). With `enable_mixed_chunk`
 (plain schedule only) a step that admits prompts carries every running request's next token too, as a
