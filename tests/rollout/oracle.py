@@ -72,3 +72,19 @@ def pause_mid_stream(engine: Engine, num_chunks: int = 2, attempts: int = 10, mo
         engine.continue_generation()
         list(stream)
     raise AssertionError("the stream always finished before the pause landed")
+
+
+def assert_same_outputs(outs: list[dict], refs: list[dict], atol: float = 1e-5) -> None:
+    """Two schedules' outputs of one workload agree: tokens and finish reasons exactly, the sampled tokens'
+    logprobs within `atol` (a row batched differently may round differently in the last bits), and as many
+    top-logprob / token-id-logprob entries where the reference has them."""
+    assert len(outs) == len(refs)
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out["output_ids"] == ref["output_ids"], f"request {i}"
+        assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"], f"request {i}"
+        lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        ref_lps = [lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]]
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=atol, rtol=0, msg=f"request {i}")
+        for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+            if ref["meta_info"].get(key) is not None:
+                assert len(out["meta_info"][key]) == len(ref["meta_info"][key]), f"request {i}: {key}"

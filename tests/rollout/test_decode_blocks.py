@@ -13,22 +13,9 @@ import pytest
 import torch
 
 from tests.rl_surface.conftest import assert_kv_clean
-from tests.rollout.oracle import hf_generate, random_prompts
+from tests.rollout.oracle import assert_same_outputs, hf_generate, random_prompts
 
 PROMPTS = random_prompts([5, 9, 14, 20, 7, 30], seed=31)
-
-
-def _same(outs: list[dict], refs: list[dict]) -> None:
-    assert len(outs) == len(refs)
-    for i, (out, ref) in enumerate(zip(outs, refs)):
-        assert out["output_ids"] == ref["output_ids"], f"request {i}"
-        assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"], f"request {i}"
-        lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        ref_lps = [lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]]
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=0, msg=f"request {i}")
-        for key in ("output_top_logprobs", "output_token_ids_logprobs"):
-            if ref["meta_info"].get(key) is not None:
-                assert len(out["meta_info"][key]) == len(ref["meta_info"][key]), f"request {i}: {key}"
 
 
 def _pair(make_engine, path, **kw):
@@ -47,7 +34,7 @@ def test_greedy_blocks_with_stops_equal_single_steps_and_hf(tiny_llama, make_eng
     params = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": not i % 2,
                "stop_token_ids": [r["output_ids"][6]] if i % 2 else []} for i, r in enumerate(ref)]
     outs = blocks.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True)
-    _same(outs, single.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True))
+    assert_same_outputs(outs, single.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True))
     assert any(o["meta_info"]["finish_reason"]["type"] == "stop" and len(o["output_ids"]) <= 7 for o in outs)
     assert blocks.scheduler.stats["num_decode_blocks"] > 0 and single.scheduler.stats["num_decode_blocks"] == 0
     hf = hf_models(tiny_llama)
@@ -68,7 +55,7 @@ def test_seeded_groups_top_logprobs_and_stop_strings_equal_single_steps(tiny_lla
     kw = dict(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3,
               token_ids_logprob=[5, 6])
     blocks, single = _pair(make_engine, tiny_llama)
-    _same(blocks.generate(**kw), single.generate(**kw))
+    assert_same_outputs(blocks.generate(**kw), single.generate(**kw))
     assert blocks.scheduler.stats["num_decode_blocks"] > 0
     assert_kv_clean(blocks)
 
@@ -79,7 +66,7 @@ def test_plain_sampling_path_blocks_equal_single_steps(tiny_llama, make_engine):
     params = [{"temperature": 0.7 if i % 2 else 1.0, "seed": 50 + i, "max_new_tokens": 5 + 7 * i, "ignore_eos": i % 3 != 0}
               for i in range(len(PROMPTS))]
     blocks, single = _pair(make_engine, tiny_llama)
-    _same(blocks.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True),
+    assert_same_outputs(blocks.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True),
           single.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True))
     assert blocks.scheduler.stats["num_decode_blocks"] > 0
     assert_kv_clean(blocks)
@@ -120,7 +107,7 @@ def test_penalties_and_min_new_tokens_take_single_steps(tiny_llama, make_engine)
     for sp in ({"repetition_penalty": 1.3, "max_new_tokens": 12, "temperature": 0},
                {"min_new_tokens": 10, "max_new_tokens": 12, "temperature": 0}):
         before = blocks.scheduler.stats["num_decode_blocks"]
-        _same(blocks.generate(input_ids=PROMPTS[:2], sampling_params=sp, return_logprob=True),
+        assert_same_outputs(blocks.generate(input_ids=PROMPTS[:2], sampling_params=sp, return_logprob=True),
               single.generate(input_ids=PROMPTS[:2], sampling_params=sp, return_logprob=True))
         if "repetition_penalty" in sp:
             assert blocks.scheduler.stats["num_decode_blocks"] == before
@@ -152,7 +139,7 @@ def test_an_interrupt_ends_a_block_after_its_current_step(tiny_llama, make_engin
 
     sched._forward_sample_device, sched._run_decode_block = hooked, counting
     params = {"temperature": 0.8, "seed": 3, "max_new_tokens": 20, "ignore_eos": True}
-    _same(blocks.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True),
+    assert_same_outputs(blocks.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True),
           single.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True))
     assert any(done < planned for planned, done in steps_per_block), steps_per_block
     assert_kv_clean(blocks)
@@ -199,7 +186,7 @@ def test_a_block_that_raises_falls_back_to_a_single_step(tiny_llama, make_engine
 
     blocks.scheduler._block_forward = broken
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
-    _same(blocks.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True),
+    assert_same_outputs(blocks.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True),
           single.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True))
     assert blocks.scheduler.stats["num_decode_blocks"] == 0
     assert_kv_clean(blocks)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.rl_surface.conftest import assert_kv_clean, at_step
-from tests.rollout.oracle import hf_generate, random_prompts
+from tests.rollout.oracle import assert_same_outputs, hf_generate, random_prompts
 
 TIMEOUT = 60.0
 PROMPTS = random_prompts([5, 9, 14, 20, 7, 30], seed=23)
@@ -20,16 +20,6 @@ PROMPTS = random_prompts([5, 9, 14, 20, 7, 30], seed=23)
 
 def _engines(make_engine, path, **kw):
     return {mode: make_engine(path, disable_overlap_schedule=(mode == "off"), **kw) for mode in ("on", "off")}
-
-
-def _assert_same(outs: list[dict], refs: list[dict]) -> None:
-    assert len(outs) == len(refs)
-    for i, (out, ref) in enumerate(zip(outs, refs)):
-        assert out["output_ids"] == ref["output_ids"], f"request {i}"
-        assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"], f"request {i}"
-        lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-        ref_lps = [lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]]
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=0, msg=f"request {i}")
 
 
 def _assert_clean(engine, overlapped: bool) -> None:
@@ -57,7 +47,7 @@ def test_greedy_with_stops_equals_off_and_hf(tiny_llama, make_engine, hf_models)
     params = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": not i % 2,  # ignore_eos ignores stop ids
                "stop_token_ids": [r["output_ids"][6]] if i % 2 else []} for i, r in enumerate(ref)]
     outs = _run_both(engines, input_ids=PROMPTS, sampling_params=params)
-    _assert_same(outs["on"], outs["off"])
+    assert_same_outputs(outs["on"], outs["off"])
     assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs["on"])
     hf = hf_models(tiny_llama)
     for prompt, out, ref_out in zip(PROMPTS, outs["on"], ref):
@@ -75,7 +65,7 @@ def test_seeded_groups_with_prefix_cache_equal_off(tiny_llama, make_engine):
                "min_new_tokens": 4, "stop_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]} for i in range(len(prompts))]
     engines = _engines(make_engine, tiny_llama)
     outs = _run_both(engines, input_ids=prompts, sampling_params=params)
-    _assert_same(outs["on"], outs["off"])
+    assert_same_outputs(outs["on"], outs["off"])
     assert engines["on"].get_server_info()["num_cached_tokens"] > 0
 
 
@@ -86,7 +76,7 @@ def test_chunked_prefill_and_retraction_equal_off(tiny_llama, make_engine):
     params = [{"temperature": 0.8, "seed": 60 + i, "max_new_tokens": 12 + 2 * i, "ignore_eos": True}
               for i in range(len(PROMPTS))]
     outs = _run_both(engines, input_ids=PROMPTS, sampling_params=params)
-    _assert_same(outs["on"], outs["off"])
+    assert_same_outputs(outs["on"], outs["off"])
     assert engines["on"].get_server_info()["num_retractions"] > 0
 
 
@@ -124,7 +114,7 @@ def test_control_between_steps_equals_off(control, tiny_llama, make_engine):
     outputs on and off (a step launched ahead is rolled back, so the control acts at the same boundary)."""
     engines = _engines(make_engine, tiny_llama, enable_memory_saver=True, enable_weights_cpu_backup=True)
     outs = {mode: _controlled(e, tiny_llama, control) for mode, e in engines.items()}
-    _assert_same(outs["on"], outs["off"])
+    assert_same_outputs(outs["on"], outs["off"])
     reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs["on"]]
     if control in ("abort", "pause_abort"):
         assert "abort" in reasons and all(0 < len(o["output_ids"]) < 20 for o, r in zip(outs["on"], reasons)
