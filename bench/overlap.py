@@ -1,7 +1,8 @@
 """The overlap schedule's gain: output tok/s through `Engine.generate` with it on and off, same run.
 
 Two engines on the same checkpoint (default: the tiny preset, where host work is a large part of a
-decode step), one with `disable_overlap_schedule=True`. Each is warmed up, then the timed runs
+decode step), one with `disable_overlap_schedule=True` and single decode steps (`--num-continuous-decode-steps
+N` gives it decode blocks instead, the CPU default: then the ratio is the overlap against the default schedule). Each is warmed up, then the timed runs
 alternate on / off (`--repeat` pairs), so a change in the machine's load hits both alike; the ratio
 reported is the median of the per-pair ratios (and that of the best run of each), next to the median
 tok/s of each and the load average (os.getloadavg) before every pair. Under load, read the ratio with
