@@ -58,6 +58,10 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
             return err["msg"], str(err.get("ctx", {}).get("name", "body"))
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", "body"
+        if not loc and isinstance(err.get("input"), dict):  # a check across fields of the object: its own words,
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")  # naming the field it starts with
+            name = msg.split(" ", 1)[0]
+            return msg, name if name in err["input"] else "body"
         if not loc:  # the body itself is not an object (a list, a string, a number, null)
             return f"request body must be a JSON object, got {_json_type(err.get('input'))}", "body"
         field = ".".join(loc)

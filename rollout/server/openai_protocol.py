@@ -93,6 +93,14 @@ class SamplingFields(Body):
     bootstrap_port: Any = None
     bootstrap_room: Any = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        # As SGLang's and vLLM's protocols: the options only shape a stream, so asking for them without one is a
+        # client's mistake (an empty or null stream_options is no ask).
+        if self.stream_options is not None and not self.stream and self.stream_options.model_fields_set:
+            raise ValueError("stream_options can only be defined when stream=true")
+        return self
+
     @field_validator(*_ROUTING_FIELDS)
     @classmethod
     def _routing_field_neutral(cls, value, info):

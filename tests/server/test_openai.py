@@ -564,3 +564,22 @@ def test_streamed_text_equals_the_final_text_with_a_clean_up_tokenizer(tmp_path)
                             for ch in json.loads(line[6:])["choices"]:
                                 streamed += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
                 assert streamed == final, (route, seed, streamed, final)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_without_stream_is_refused(server, route):
+    """stream_options with stream false (or left out) is a 400 naming it, as SGLang's and vLLM's servers answer;
+    null or {} stream_options without a stream, and stream_options with one, are served."""
+    body = {"model": "tiny", "max_tokens": 2, "ignore_eos": True}
+    body |= {"prompt": "Hello"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    with start_server(server.path, engine=server.engine, chat_template="plain") as s, s.client() as c:
+        for extra in ({"stream_options": {"include_usage": True}},
+                      {"stream": False, "stream_options": {"continuous_usage_stats": True}}):
+            r = c.post(route, json={**body, **extra})
+            assert r.status_code == 400 and r.json()["param"] == "stream_options", r.text
+            assert "stream=true" in r.json()["message"]
+        for extra in ({"stream_options": None}, {"stream_options": {}}):
+            assert c.post(route, json={**body, **extra}).status_code == 200
+        with c.stream("POST", route, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+        assert c.get("/health").status_code == 200
