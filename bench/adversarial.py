@@ -21,6 +21,7 @@ It measures stalls, not throughput (bench/serve.py does that).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -114,8 +115,11 @@ def attacks(url: str, engine: Engine) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "assets" / "demo-model"))
+    p.add_argument("--engine-kwargs", type=json.loads, default={},
+                   help='extra Engine options as JSON, e.g. \'{"num_continuous_decode_steps": 1}\'')
     args = p.parse_args()
-    engine = Engine(args.model, device="cpu", disable_cuda_graph=True, show_progress=False)
+    engine = Engine(args.model, **{"device": "cpu", "disable_cuda_graph": True, "show_progress": False,
+                                   **args.engine_kwargs})
     server_args = ServerArgs(port=free_port())
     thread = ServerThread(create_app(engine, server_args), server_args).start()
     try:

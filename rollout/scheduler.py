@@ -634,7 +634,8 @@ class Scheduler:
         and only where each of them is exactly what the plain schedule would run next. So none while a request
         waits that could be admitted, a prompt is half prefilled, or the engine holds steps back; none with
         penalties (their counts need each step's tokens on the host), a min_new_tokens ban still in force (it
-        lifts within the block) or routed experts recorded (one forward's record); and never past the step at
+        lifts within the block), routed experts recorded (one forward's record), top / token-id logprobs or a
+        stop_regex (per-token host work that dwarfs the step's); and never past the step at
         which some row reaches its length limit (max_new_tokens, the context, the pool), so no row is known
         finished before the block ends. A row that stops on a token inside it has its later tokens dropped."""
         k = self.decode_block_steps
@@ -650,6 +651,12 @@ class Scheduler:
             sp = req.sampling_params
             num_out = len(req.output_ids)
             if sp.repetition_penalty != 1 or sp.frequency_penalty or sp.presence_penalty or num_out < sp.min_new_tokens:
+                return 1
+            if req.top_logprobs_num or req.token_ids_logprob or sp.stop_regex:
+                # Their per-token host work (a row of top logprobs read back, built and delivered; a regex run over
+                # the output's tail) is what a step costs then, so a block saves little, and a control call would
+                # wait for a whole block's worth of it after the interrupt (bench/adversarial.py's backtracking
+                # stop_regex: /abort 0.07-0.10 s against 0.04 s).
                 return 1
             room = room_of_all - req.seq_len  # the token of step j makes seq_len + j + 1
             if sp.max_new_tokens is not None:

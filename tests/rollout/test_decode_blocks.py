@@ -46,17 +46,29 @@ def test_greedy_blocks_with_stops_equal_single_steps_and_hf(tiny_llama, make_eng
     assert_kv_clean(blocks)
 
 
-def test_seeded_groups_top_logprobs_and_stop_strings_equal_single_steps(tiny_llama, make_engine):
-    """n=3 seeded groups with top-k/top-p, top logprobs and token-id logprobs (the per-step Python path of a
-    block), stop strings and stop tokens, lengths 1-40 and the prefix cache: same outputs as single steps."""
+def test_seeded_groups_top_p_and_stop_strings_equal_single_steps(tiny_llama, make_engine):
+    """n=3 seeded groups with top-k/top-p (the per-step Python path of a block), stop strings and stop tokens,
+    lengths 1-40 and the prefix cache: same outputs as single steps."""
     prompts = [PROMPTS[0] + [7, 8], PROMPTS[0] + [9], PROMPTS[3], PROMPTS[5]]
     params = [{"n": 3, "temperature": 1.0, "top_p": 0.9, "top_k": 40, "seed": 7 + i, "max_new_tokens": 1 + 13 * i,
                "stop": ["ab"], "stop_token_ids": [11, 12]} for i in range(len(prompts))]
-    kw = dict(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3,
-              token_ids_logprob=[5, 6])
+    kw = dict(input_ids=prompts, sampling_params=params, return_logprob=True)
     blocks, single = _pair(make_engine, tiny_llama)
     assert_same_outputs(blocks.generate(**kw), single.generate(**kw))
     assert blocks.scheduler.stats["num_decode_blocks"] > 0
+    assert_kv_clean(blocks)
+
+
+def test_top_logprobs_take_single_steps(tiny_llama, make_engine):
+    """Top logprobs, token-id logprobs or a stop_regex asked by any row: single steps (their per-token host work is
+    the step's cost, and a control call would wait for a block's worth of it), with the same outputs."""
+    blocks, single = _pair(make_engine, tiny_llama)
+    params = {"temperature": 1.0, "seed": 4, "max_new_tokens": 12, "ignore_eos": True}
+    for extra in ({"top_logprobs_num": 3}, {"token_ids_logprob": [5, 6]},
+                  {"sampling_params": {**params, "stop_regex": "zz+q"}}):
+        kw = {"input_ids": PROMPTS[:3], "sampling_params": params, "return_logprob": True, **extra}
+        assert_same_outputs(blocks.generate(**kw), single.generate(**kw))
+    assert blocks.scheduler.stats["num_decode_blocks"] == 0
     assert_kv_clean(blocks)
 
 
