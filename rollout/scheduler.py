@@ -118,11 +118,11 @@ class SchedulerConfig:
     # SGLang's --num-continuous-decode-steps: the plain schedule runs up to this many decode steps of one batch
     # back to back (a decode block: one batch built, the steps chained on the device, their tokens processed
     # and delivered together), which spreads the scheduler's per-step host work over several tokens. A block
-    # runs only while nothing waits to be admitted or to act at a step boundary, and never past a row's length
-    # limit; its tokens are exactly those of as many single steps. The cost: a request that arrives meanwhile,
-    # and any control call, waits for the block's end, and a stream's chunks carry a block's tokens at once.
-    # The overlap schedule hides that host work instead and ignores this. 1: every step is scheduled; None
-    # (default): CPU_DECODE_STEPS on the CPU, 1 on CUDA.
+    # runs only while nothing waits to be admitted or to act at a step boundary, stops after its current step
+    # when something arrives, and never runs past a row's length limit; its tokens are those of as many single
+    # steps. The cost: a stream's chunks carry a block's tokens at once. The overlap schedule hides that host
+    # work instead and ignores this. 1: every step is scheduled; None (default): CPU_DECODE_STEPS on the CPU,
+    # 1 on CUDA.
     num_continuous_decode_steps: int | None = None
 
     def __post_init__(self) -> None:
