@@ -226,8 +226,11 @@ def test_sync_failing_in_a_later_bucket_rolls_every_engine_back(group, ckpt, tra
 
 
 def _busy_engine_1(group, rid: str):
-    """Start a request on engine 1 that runs until aborted by `rid`; return once it runs (its ObjectRef)."""
-    long = dict(input_ids=PROMPTS[0], sampling_params=dict(max_new_tokens=100000, ignore_eos=True), rid=rid)
+    """Start a request on engine 1 that runs until aborted by `rid` (or, at worst, its context fills); return once
+    it runs (its ObjectRef). A penalty keeps it on single decode steps: in decode blocks its ~500 tokens took
+    ~0.3 s, less than the updates the tests make while it must still be in flight."""
+    long = dict(input_ids=PROMPTS[0], sampling_params=dict(max_new_tokens=100000, ignore_eos=True,
+                                                           repetition_penalty=1.05), rid=rid)
     busy = group.handles[1].call.remote("generate", (), long)
     deadline = time.monotonic() + 60
     while ray.get(group.handles[1].call.remote("get_server_info", (), {}), timeout=60)["num_in_flight"] == 0:
