@@ -149,8 +149,8 @@ class KVManager:
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         first = torch.tensor([r.seq_len - 1 for r in reqs], dtype=torch.int64)
         positions = first.unsqueeze(0) + torch.arange(num_steps, dtype=torch.int64).unsqueeze(1)  # [num_steps, bs]
-        self.req_pool.req_to_token[rows.to(self.device).repeat(num_steps), positions.reshape(-1).to(self.device)] = \
-            locs.reshape(-1)
+        self.write_decode(rows.repeat(num_steps).to(self.device), positions.reshape(-1).to(self.device),
+                          locs.reshape(-1))
         for req in reqs:
             req.num_allocated = req.seq_len + num_steps - 1
         return locs

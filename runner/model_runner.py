@@ -273,11 +273,7 @@ class ModelRunner:
                 with torch.inference_mode():
                     return LogitsOutput(self.model.fused_model.run(prepared))
             except Exception as e:  # noqa: BLE001 - a defect of the fused path must not fail the step
-                # It only repeats the modules' ops, so anything it cannot run is its own defect: turn it
-                # off, say so once, and run this step through the modules (they rewrite the same KV slots).
-                logger.warning("the fused CPU forward failed (%s: %s); using the modules' forward from now on",
-                               type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
-                self.model.fused_model = None
+                self._turn_off_fused(e)
         lora_batch = self.lora_manager.prepare(fb) if self.lora_manager is not None else None
         # While the cuda_graph tag is released CUDA graph memory is unmapped (torch_memory_saver in preload
         # mode) or dropped: replaying would fault, so those steps run eagerly until it is resumed. The
@@ -301,6 +297,14 @@ class ModelRunner:
               hf_numerics.mode(self.config.rl_on_policy_target == "fsdp")):
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb.input_ids, fb.positions, fb)
+
+    def _turn_off_fused(self, e: Exception) -> None:
+        """The fused forward raised. It only repeats the modules' ops, so anything it cannot run is its own
+        defect: turn it off, say so once, and let the modules run this step and the next (they rewrite the same
+        KV slots)."""
+        logger.warning("the fused CPU forward failed (%s: %s); using the modules' forward from now on",
+                       type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+        self.model.fused_model = None
 
     def _check_runnable(self) -> None:
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
@@ -329,9 +333,7 @@ class ModelRunner:
             with torch.inference_mode():
                 logits, ids, logprobs = fm.run_sample(prepared, fill_from, fill_index, info)
         except Exception as e:  # noqa: BLE001 - as in forward: the modules' path runs this step and the next
-            logger.warning("the fused CPU forward failed (%s: %s); using the modules' forward from now on",
-                           type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
-            self.model.fused_model = None
+            self._turn_off_fused(e)
             return None
         return DeferredLogits(logits), SampleOutput(ids, logprobs if info.need_logprobs else None)
 
@@ -355,9 +357,7 @@ class ModelRunner:
             with torch.inference_mode():
                 ids, logprobs = fm.run_sample_steps(prepared, out_cache_locs, info, stop_flag)
         except Exception as e:  # noqa: BLE001 - as in forward: the modules' path runs from now on
-            logger.warning("the fused CPU forward failed (%s: %s); using the modules' forward from now on",
-                           type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
-            self.model.fused_model = None
+            self._turn_off_fused(e)
             return None
         return ids, logprobs if info.need_logprobs else None
 
